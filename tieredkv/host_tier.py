@@ -1,0 +1,89 @@
+"""The host tier's memory: one page-aligned buffer carved into fixed-size slots.
+
+One slot holds one offload chunk (all layers). Slots are 4 KiB multiples and the buffer is
+page-aligned, so a slot can be handed straight to an O_DIRECT read or write of the disk tier
+(no bounce buffer). With CUDA the buffer is page-locked, so device copies run at DMA speed;
+without CUDA it is plain anonymous memory. Which slot belongs to which key is decided by the
+scheduler-side index, never here.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+
+
+def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+class HostPool:
+    """A pool of ``num_slots`` slots of ``slot_bytes`` each (rounded up to 4 KiB)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool | None = None) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+        self.num_slots = num_slots
+        self.payload_bytes = slot_bytes
+        self.slot_bytes = align_up(slot_bytes)
+        self.total_bytes = self.num_slots * self.slot_bytes
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        self._mmap: mmap.mmap | None = None
+        self.pinned = False
+        size = max(self.total_bytes, PAGE_BYTES)
+        if want_pin:
+            # cudaHostAlloc returns page-aligned, page-locked memory registered with the driver.
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.pinned = True
+        else:
+            # An anonymous mapping is page-aligned (O_DIRECT-safe) and lazily committed.
+            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        logger.info(
+            "tieredkv host tier: %d slots x %d bytes (%s)",
+            num_slots, self.slot_bytes, "pinned" if self.pinned else "pageable",
+        )
+
+    @classmethod
+    def for_capacity(cls, capacity_bytes: int, slot_bytes: int, pin: bool | None = None) -> HostPool:
+        """As many whole slots as fit in ``capacity_bytes``."""
+        return cls(capacity_bytes // align_up(slot_bytes), slot_bytes, pin=pin)
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"host slot {slot} out of range 0..{self.num_slots - 1}")
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The payload bytes of one slot (a view, no copy)."""
+        self._check(slot)
+        start = slot * self.slot_bytes
+        return self.buffer[start : start + self.payload_bytes]
+
+    def slot_padded(self, slot: int) -> torch.Tensor:
+        """The whole 4 KiB-aligned slot, padding included (what O_DIRECT I/O moves)."""
+        self._check(slot)
+        start = slot * self.slot_bytes
+        return self.buffer[start : start + self.slot_bytes]
+
+    def slot_memoryview(self, slot: int) -> memoryview:
+        """A writable memoryview of the padded slot, for positional disk I/O."""
+        return memoryview(self.slot_padded(slot).numpy()).cast("B")
+
+    def close(self) -> None:
+        """Release the memory; views handed out before must no longer be used."""
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A view is still alive somewhere; the mapping goes when it does.
+                pass
+            self._mmap = None
