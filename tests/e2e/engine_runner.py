@@ -1,0 +1,112 @@
+"""Run one vLLM engine (one configuration) in its own process and print results as JSON.
+
+The worker-side connector is a process global in vLLM, so every configuration gets a fresh
+process. Input: a JSON spec on argv[1]; output: one JSON line prefixed with RESULT= on stdout.
+Phases run in order on the same engine: ``generate`` (a batch of prompts), ``reset_prefix``
+(vLLM's own prefix cache, so the next phase can only hit tieredkv), ``reset_all`` (tieredkv
+too), ``drain`` (wait until tieredkv has no job in flight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def find_scheduler_half(llm):
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    connector = core.scheduler.connector
+    return getattr(connector, "_scheduler", None)
+
+
+def drain(llm, timeout_s: float = 30.0) -> None:
+    """Step the engine until tieredkv has no pending job (spills journaled, stores done)."""
+    half = find_scheduler_half(llm)
+    deadline = time.monotonic() + timeout_s
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    while half is not None and half.has_pending_work() and time.monotonic() < deadline:
+        core.step_fn() if hasattr(core, "step_fn") else core.step()
+        time.sleep(0.01)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 8192),
+        block_size=spec.get("block_size", 32),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 256 << 20),
+        seed=0,
+    )
+    for key in ("num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
+                "tensor_parallel_size", "enable_chunked_prefill"):
+        if key in spec:
+            kwargs[key] = spec[key]
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    result: dict = {"phases": []}
+    try:
+        llm = LLM(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test inspects the start-up error
+        result["startup_error"] = f"{type(exc).__name__}: {exc}"
+        result["startup_traceback"] = traceback.format_exc()
+        print("RESULT=" + json.dumps(result), flush=True)
+        return
+    sampling = SamplingParams(
+        max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=1, ignore_eos=True
+    )
+    for phase in spec["phases"]:
+        kind = phase["kind"]
+        record: dict = {"kind": kind}
+        if kind == "generate":
+            prompts = []
+            for item in phase["prompts"]:
+                prompt = {"prompt_token_ids": item["tokens"]}
+                if item.get("cache_salt"):
+                    prompt["cache_salt"] = item["cache_salt"]
+                prompts.append(prompt)
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            record["seconds"] = time.perf_counter() - started
+            record["outputs"] = [
+                {
+                    "token_ids": list(out.outputs[0].token_ids),
+                    "logprobs": [
+                        float(lp[tok].logprob)
+                        for lp, tok in zip(out.outputs[0].logprobs or [], out.outputs[0].token_ids, strict=False)
+                    ],
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "finish_reason": out.outputs[0].finish_reason,
+                }
+                for out in outputs
+            ]
+        elif kind == "reset_prefix":
+            record["ok"] = llm.reset_prefix_cache()
+        elif kind == "reset_all":
+            record["ok"] = llm.reset_prefix_cache(reset_connector=True)
+        elif kind == "drain":
+            drain(llm, phase.get("timeout_s", 30.0))
+        half = find_scheduler_half(llm)
+        if half is not None:
+            record["counters"] = dict(half.planner.counters)
+            record["host_ready"] = half.planner.host.ready_count
+            record["disk_ready"] = half.planner.disk.ready_count if half.planner.disk else 0
+        result["phases"].append(record)
+    print("RESULT=" + json.dumps(result), flush=True)
+    os._exit(0)  # skip slow interpreter teardown of the engine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,514 @@
+"""The scheduler half's brain: every placement decision, made once, shipped as concrete jobs.
+
+The planner owns the host and disk indexes. It turns lookups into promises, allocations into
+load jobs, newly computed chunks into store jobs, finished stores into spills, and worker
+results back into index state. It never touches KV bytes and never imports vLLM: the
+connector feeds it plain data (request ids, chunk keys, device block ids, token counts).
+
+Rules it keeps:
+* Only ``READY`` host chunks are promised. Disk chunks are first promoted into host slots
+  (verified by checksum on the worker) while the lookup answers ``None``.
+* Every slot a job touches is pinned in its index until every rank reported the job.
+* A failed job drops its entry; nothing that failed is ever promised again.
+* Allocation failure is a miss, never a wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.tier_index import TierIndex
+from tieredkv.transfer.jobs import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+
+logger = logging.getLogger(__name__)
+
+MAX_PROMOTE_ROUNDS = 3
+
+
+@dataclass
+class JobOutcome:
+    """What the ranks said about one job, summed across ranks (and across steps)."""
+
+    ok: int = 0
+    failed: int = 0
+    failure: str | None = None
+    failed_block_ids: set[int] = field(default_factory=set)
+
+    def merge(self, other: JobOutcome) -> None:
+        self.ok += other.ok
+        self.failed += other.failed
+        self.failure = self.failure or other.failure
+        self.failed_block_ids |= other.failed_block_ids
+
+
+@dataclass
+class _Job:
+    kind: str  # store | spill | promote | load
+    keys: tuple[bytes, ...]
+    req_id: str | None
+    remaining: int
+    outcome: JobOutcome = field(default_factory=JobOutcome)
+    # load jobs: device block ids per chunk, to map failed blocks back to keys
+    chunk_blocks: tuple[tuple[int, ...], ...] = ()
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _PendingHit:
+    start_token: int
+    end_token: int
+    first_chunk: int
+    keys: list[bytes]  # pinned host keys, chunk first_chunk + i
+    disk_keys: set[bytes]
+
+
+@dataclass
+class _Request:
+    req_id: str
+    block_ids: list[int] = field(default_factory=list)
+    next_store_chunk: int = 0
+    store_jobs: set[int] = field(default_factory=set)
+    promote_jobs: set[int] = field(default_factory=set)
+    promoted_keys: set[bytes] = field(default_factory=set)
+    promote_rounds: int = 0
+    promote_deadline: float = 0.0
+    load_job: int | None = None
+    pending_hit: _PendingHit | None = None
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    finished: bool = False
+
+
+@dataclass
+class StepPlan:
+    """The jobs of one scheduler step (the payload of the connector metadata)."""
+
+    stores: list[StoreJob] = field(default_factory=list)
+    store_req_ids: dict[int, str] = field(default_factory=dict)
+    spills: list[SpillJob] = field(default_factory=list)
+    promotes: list[PromoteJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    fence_block_ids: list[int] = field(default_factory=list)
+    delayed_req_ids: list[str] = field(default_factory=list)
+
+
+class Planner:
+    """Scheduler-side index owner and job planner (one per engine)."""
+
+    def __init__(
+        self,
+        config: TieredKVConfig,
+        *,
+        block_size: int,
+        num_host_slots: int,
+        num_disk_slots: int = 0,
+        world_size: int = 1,
+        catalog=None,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.chunk_blocks = config.chunk_blocks
+        self.chunk_tokens = block_size * config.chunk_blocks
+        self.world_size = world_size
+        self.host = TierIndex("host", num_host_slots, config.eviction)
+        self.disk = TierIndex("disk", num_disk_slots, config.eviction) if num_disk_slots else None
+        self.catalog = catalog
+        self.counters: Counter[str] = Counter()
+        self._job_ids = itertools.count(1)
+        self._jobs: dict[int, _Job] = {}
+        self._requests: dict[str, _Request] = {}
+        self._plan = StepPlan()
+        self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._seen_limit = max(1024, 4 * (num_host_slots + num_disk_slots))
+        if catalog is not None and self.disk is not None:
+            for key, slot in catalog.recovered.items():
+                self.disk.restore(key, slot)
+            if catalog.recovered:
+                logger.info("tieredkv: disk tier recovered %d chunks", len(catalog.recovered))
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, req_id: str) -> _Request:
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _Request(req_id)
+        return state
+
+    def set_block_ids(self, req_id: str, block_ids: Sequence[int], replace: bool) -> None:
+        """Track the request's device blocks (group 0), as the scheduler output reports them."""
+        state = self._request(req_id)
+        if replace:
+            state.block_ids = list(block_ids)
+        else:
+            state.block_ids.extend(block_ids)
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(
+        self, req_id: str, keys: Sequence[bytes], num_computed_tokens: int, num_tokens: int
+    ) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded from the host tier.
+
+        Returns None while disk chunks of the hit are being promoted into host slots. Pins the
+        promised host chunks until :meth:`on_alloc` turns them into a load (or they are let go).
+        """
+        state = self._request(req_id)
+        self._release_hit(state)
+        if state.load_job is not None:
+            return 0
+        limit = (num_tokens - 1) // self.block_size * self.block_size
+        first = num_computed_tokens // self.chunk_tokens
+        run: list[bytes] = []
+        disk_chunks: list[bytes] = []
+        pending = False
+        i = first
+        while i < len(keys) and i * self.chunk_tokens < limit:
+            key = keys[i]
+            if self.host.is_ready(key):
+                run.append(key)
+            elif self._promoting(state, key):
+                pending = True
+                run.append(key)
+            elif self.disk is not None and self.disk.is_ready(key):
+                disk_chunks.append(key)
+                run.append(key)
+            else:
+                break
+            i += 1
+        self.counters["lookups"] += 1
+        if state.promote_jobs and time.monotonic() > state.promote_deadline:
+            logger.warning("tieredkv: promotion for %s timed out; serving what is in memory", req_id)
+            pending = False
+            state.promote_rounds = MAX_PROMOTE_ROUNDS
+        if disk_chunks and state.promote_rounds < MAX_PROMOTE_ROUNDS:
+            run = self._promote(state, run, disk_chunks)
+            pending = pending or bool(state.promote_jobs)
+        if pending and state.promote_jobs:
+            return None
+        # The hit is the run of READY host chunks only.
+        ready: list[bytes] = []
+        for key in run:
+            if not self.host.is_ready(key):
+                break
+            ready.append(key)
+        end = min((first + len(ready)) * self.chunk_tokens, limit)
+        hit = max(0, end - num_computed_tokens)
+        if hit == 0:
+            return 0
+        for key in ready:
+            self.host.pin(key)
+        state.pending_hit = _PendingHit(
+            num_computed_tokens, end, first, ready, disk_keys=state.promoted_keys & set(ready)
+        )
+        return hit
+
+    def _promoting(self, state: _Request, key: bytes) -> bool:
+        return any(key in self._jobs[j].keys for j in state.promote_jobs)
+
+    def _promote(self, state: _Request, run: list[bytes], disk_chunks: list[bytes]) -> list[bytes]:
+        """Queue disk -> host promotions for the disk chunks of a run; trims the run on a miss."""
+        issued = False
+        for pos, key in enumerate(run):
+            if key not in disk_chunks:
+                continue
+            allocation = self.host.allocate(key)
+            if allocation is None:
+                self.counters["promote_no_host_slot"] += 1
+                return run[:pos]
+            host_slot, evicted = allocation
+            self._count_evictions("host", evicted)
+            disk_slot = self.disk.get(key).slot
+            self.disk.pin(key)
+            job_id = self._new_job("promote", (key,), state.req_id)
+            self._plan.promotes.append(PromoteJob(job_id, key, disk_slot, host_slot))
+            state.promote_jobs.add(job_id)
+            state.promoted_keys.add(key)
+            issued = True
+        if issued:
+            state.promote_rounds += 1
+            state.promote_deadline = time.monotonic() + self.config.load_timeout_s
+        return run
+
+    def _release_hit(self, state: _Request) -> None:
+        hit = state.pending_hit
+        if hit is None:
+            return
+        for key in hit.keys:
+            self.host.unpin(key)
+        state.pending_hit = None
+
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated device blocks: turn the pending hit into a load job."""
+        state = self._request(req_id)
+        state.block_ids = list(block_ids)
+        hit = state.pending_hit
+        if hit is None or num_external_tokens <= 0:
+            self._release_hit(state)
+            return
+        state.pending_hit = None
+        start_block = hit.start_token // self.block_size
+        end_block = (hit.start_token + num_external_tokens) // self.block_size
+        chunks: list[LoadChunk] = []
+        keep: list[bytes] = []
+        for offset, key in enumerate(hit.keys):
+            chunk = hit.first_chunk + offset
+            lo = max(chunk * self.chunk_blocks, start_block)
+            hi = min((chunk + 1) * self.chunk_blocks, end_block)
+            if lo >= hi:
+                self.host.unpin(key)
+                continue
+            keep.append(key)
+            chunks.append(
+                LoadChunk(
+                    key=key,
+                    host_slot=self.host.get(key).slot,
+                    first_block=lo - chunk * self.chunk_blocks,
+                    block_ids=tuple(block_ids[lo:hi]),
+                )
+            )
+        if not chunks:
+            return
+        job_id = self._new_job("load", tuple(keep), req_id)
+        self._jobs[job_id].chunk_blocks = tuple(c.block_ids for c in chunks)
+        self._plan.loads.append(LoadJob(job_id, req_id, tuple(chunks)))
+        state.load_job = job_id
+        tokens = end_block * self.block_size - hit.start_token
+        disk_tokens = sum(
+            len(c.block_ids) * self.block_size for c in chunks if c.key in hit.disk_keys
+        )
+        state.hit_tokens = {"disk": disk_tokens, "host": tokens - disk_tokens}
+        self.counters["hit_tokens_host"] += tokens - disk_tokens
+        self.counters["hit_tokens_disk"] += disk_tokens
+        for key in keep:
+            self.host.touch(key)
+            self._note_seen(key)
+
+    def hit_tokens(self, req_id: str) -> dict[str, int]:
+        state = self._requests.get(req_id)
+        return dict(state.hit_tokens) if state else {}
+
+    # ------------------------------------------------------------------ stores
+
+    def plan_stores(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
+        """Store every full chunk below ``storable_tokens`` not stored yet."""
+        state = self._request(req_id)
+        n_chunks = min(storable_tokens // self.chunk_tokens, len(keys))
+        n_chunks = min(n_chunks, len(state.block_ids) // self.chunk_blocks)
+        for chunk in range(state.next_store_chunk, n_chunks):
+            key = keys[chunk]
+            if key in self.host or self.host.is_doomed(key):
+                continue
+            if self.disk is not None and (key in self.disk):
+                continue
+            allocation = self.host.allocate(key)
+            if allocation is None:
+                self.counters["store_skipped_host_full"] += 1
+                continue
+            slot, evicted = allocation
+            self._count_evictions("host", evicted)
+            blocks = tuple(state.block_ids[chunk * self.chunk_blocks : (chunk + 1) * self.chunk_blocks])
+            job_id = self._new_job("store", (key,), req_id)
+            self._jobs[job_id].chunk_blocks = (blocks,)
+            self._plan.stores.append(StoreJob(job_id, key, slot, blocks))
+            self._plan.store_req_ids[job_id] = req_id
+            state.store_jobs.add(job_id)
+            self._note_seen(key)
+        state.next_store_chunk = max(state.next_store_chunk, n_chunks)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def preempted(self, req_id: str) -> None:
+        """vLLM freed the request's blocks: fence in-flight stores that read them."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        for job_id in state.store_jobs:
+            for blocks in self._jobs[job_id].chunk_blocks:
+                self._plan.fence_block_ids.extend(blocks)
+        state.block_ids = []
+
+    def finished(self, req_id: str) -> bool:
+        """The request finished; True when its blocks must wait for in-flight stores."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return False
+        self._release_hit(state)
+        state.finished = True
+        if state.load_job is not None:
+            # vLLM frees blocks of a request aborted during its load itself, later.
+            self._maybe_forget(state)
+            return False
+        if state.store_jobs:
+            self._plan.delayed_req_ids.append(req_id)
+            return True
+        self._maybe_forget(state)
+        return False
+
+    def _maybe_forget(self, state: _Request) -> None:
+        if state.finished and not (state.store_jobs or state.promote_jobs or state.load_job):
+            self._requests.pop(state.req_id, None)
+
+    def reset(self) -> None:
+        """Empty both tiers (weights changed or an operator asked); safe with jobs in flight."""
+        for state in self._requests.values():
+            self._release_hit(state)
+            state.next_store_chunk = 0
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+        if self.catalog is not None:
+            self.catalog.record_cleared()
+        self._spill_queue.clear()
+        self._seen.clear()
+        self.counters["resets"] += 1
+        logger.info("tieredkv: cache reset: both tiers emptied")
+
+    # ------------------------------------------------------------------ steps
+
+    def take_plan(self) -> StepPlan:
+        """This step's jobs; queued spills get their disk slots now."""
+        self._plan_spills()
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def _plan_spills(self) -> None:
+        if self.disk is None:
+            self._spill_queue.clear()
+            return
+        while self._spill_queue:
+            key, _ = self._spill_queue.popitem(last=False)
+            if not self.host.is_ready(key) or key in self.disk or self.disk.is_doomed(key):
+                continue
+            allocation = self.disk.allocate(key)
+            if allocation is None:
+                self.counters["spill_skipped_disk_full"] += 1
+                continue
+            disk_slot, evicted = allocation
+            self._count_evictions("disk", evicted)
+            for old_key, _slot in evicted:
+                if self.catalog is not None:
+                    self.catalog.record_removed(old_key)
+            self.host.pin(key)
+            job_id = self._new_job("spill", (key,), None)
+            self._plan.spills.append(SpillJob(job_id, key, self.host.get(key).slot, disk_slot))
+
+    def apply(self, outcomes: dict[int, JobOutcome]) -> None:
+        """Fold the ranks' reports in; a job completes once every rank has reported it."""
+        for job_id, outcome in outcomes.items():
+            job = self._jobs.get(job_id)
+            if job is None:
+                logger.debug("tieredkv: result for unknown job %d ignored", job_id)
+                continue
+            job.outcome.merge(outcome)
+            job.remaining -= outcome.ok + outcome.failed
+            if job.remaining > 0:
+                continue
+            del self._jobs[job_id]
+            getattr(self, f"_complete_{job.kind}")(job_id, job)
+
+    def _complete_store(self, job_id: int, job: _Job) -> None:
+        (key,) = job.keys
+        if job.outcome.failed:
+            self.host.abort(key)
+            self.counters[f"store_failed_{job.outcome.failure}"] += 1
+        elif self.host.mark_ready(key):
+            self.counters["stored_chunks"] += 1
+            if self._admit_to_disk(key):
+                self._spill_queue[key] = None
+        self._detach(job_id, job)
+
+    def _complete_spill(self, job_id: int, job: _Job) -> None:
+        (key,) = job.keys
+        self.host.unpin(key)
+        assert self.disk is not None
+        if job.outcome.failed:
+            self.disk.abort(key)
+            self.counters[f"spill_failed_{job.outcome.failure}"] += 1
+            return
+        slot = self.disk.get(key)
+        if self.disk.mark_ready(key):
+            self.counters["spilled_chunks"] += 1
+            if self.catalog is not None and slot is not None:
+                self.catalog.record_written(key, slot.slot)
+
+    def _complete_promote(self, job_id: int, job: _Job) -> None:
+        (key,) = job.keys
+        assert self.disk is not None
+        self.disk.unpin(key)
+        if job.outcome.failed:
+            self.host.abort(key)
+            self._drop_disk(key, job.outcome.failure)
+        elif self.host.mark_ready(key):
+            self.counters["promoted_chunks"] += 1
+        self._detach(job_id, job)
+
+    def _complete_load(self, job_id: int, job: _Job) -> None:
+        failed_blocks = job.outcome.failed_block_ids
+        for key, blocks in zip(job.keys, job.chunk_blocks, strict=True):
+            self.host.unpin(key)
+            if job.outcome.failed and failed_blocks.intersection(blocks):
+                self.host.remove(key)
+                self.counters[f"load_failed_{job.outcome.failure}"] += 1
+        self._detach(job_id, job)
+
+    def _detach(self, job_id: int, job: _Job) -> None:
+        state = self._requests.get(job.req_id) if job.req_id else None
+        if state is None:
+            return
+        state.store_jobs.discard(job_id)
+        state.promote_jobs.discard(job_id)
+        if state.load_job == job_id:
+            state.load_job = None
+        self._maybe_forget(state)
+
+    def _drop_disk(self, key: bytes, failure: str | None) -> None:
+        assert self.disk is not None
+        self.disk.remove(key)
+        if self.catalog is not None:
+            self.catalog.record_removed(key)
+        self.counters[f"disk_read_failed_{failure}"] += 1
+
+    # ------------------------------------------------------------------ helpers
+
+    def _new_job(self, kind: str, keys: tuple[bytes, ...], req_id: str | None) -> int:
+        job_id = next(self._job_ids)
+        self._jobs[job_id] = _Job(kind, keys, req_id, remaining=self.world_size)
+        return job_id
+
+    def _count_evictions(self, tier: str, evicted: Iterable[tuple[bytes, int]]) -> None:
+        for _ in evicted:
+            self.counters[f"evictions_{tier}"] += 1
+
+    def _note_seen(self, key: bytes) -> None:
+        count = self._seen.pop(key, 0) + 1
+        self._seen[key] = count
+        while len(self._seen) > self._seen_limit:
+            self._seen.popitem(last=False)
+        if (
+            self.disk is not None
+            and count >= self.config.disk_admission
+            and self.host.is_ready(key)
+            and key not in self.disk
+        ):
+            self._spill_queue[key] = None
+
+    def _admit_to_disk(self, key: bytes) -> bool:
+        if self.disk is None:
+            return False
+        if self._seen.get(key, 0) >= self.config.disk_admission:
+            return True
+        self.counters["disk_admission_rejected"] += 1
+        return False
+
+    @property
+    def pending_jobs(self) -> int:
+        return len(self._jobs)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._spill_queue)

@@ -1,0 +1,185 @@
+"""The connector's scheduler half: adapts vLLM's scheduler calls to the :class:`Planner`.
+
+It computes chunk keys from vLLM's own block hashes (cached per request, so a 128k-token
+lookup hashes nothing twice), tracks device block ids from the scheduler output, and owns the
+disk catalog (lock, journal, recovery).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.host_tier import align_up
+from tieredkv.keys import chunk_key
+from tieredkv.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.planner import Planner
+from tieredkv.vllm_geometry import engine_geometry
+
+logger = logging.getLogger("tieredkv")
+
+DISK_HEADER_BYTES = 4096
+
+
+def disk_slot_stride(payload_bytes: int) -> int:
+    return DISK_HEADER_BYTES + align_up(payload_bytes)
+
+
+def slot_counts(config: TieredKVConfig, payload_bytes: int, world_size: int) -> tuple[int, int]:
+    """Host and disk slots per rank; the same formula runs in both halves."""
+    host = config.host_bytes_per_rank(world_size) // align_up(payload_bytes)
+    disk = 0
+    if config.has_disk:
+        disk = config.disk_bytes_per_rank(world_size) // disk_slot_stride(payload_bytes)
+    return host, disk
+
+
+class SchedulerHalf:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
+        self.config = config
+        self.geometry = geometry = engine_geometry(vllm_config, kv_cache_config, config)
+        hash_block = getattr(kv_cache_config, "hash_block_size", None) or geometry.block_size
+        if (geometry.block_size * config.chunk_blocks) % hash_block:
+            raise ValueError(
+                f"tieredkv: chunk of {config.chunk_blocks} blocks is not a whole number of "
+                f"{hash_block}-token hash blocks; change chunk_blocks"
+            )
+        self._hashes_per_chunk = geometry.block_size * config.chunk_blocks // hash_block
+        host_slots, disk_slots = slot_counts(config, geometry.chunk_payload_bytes, geometry.world_size)
+        if host_slots == 0:
+            raise ValueError(
+                f"tieredkv: invalid host_bytes={config.host_bytes}: smaller than one chunk "
+                f"({align_up(geometry.chunk_payload_bytes) * geometry.world_size} bytes across "
+                f"{geometry.world_size} rank(s)); raise host_bytes or lower chunk_blocks"
+            )
+        catalog = None
+        if config.has_disk:
+            if disk_slots == 0:
+                raise ValueError(
+                    f"tieredkv: invalid disk_bytes={config.disk_bytes}: smaller than one chunk slot"
+                )
+            if not geometry.stable_hashes:
+                logger.warning(
+                    "tieredkv: prefix_caching_hash_algo is not stable across processes and "
+                    "PYTHONHASHSEED is unset: the disk tier will not survive a restart"
+                )
+            from tieredkv.disk.catalog import DiskCatalog
+
+            assert config.disk_path is not None
+            catalog = DiskCatalog.open(
+                config.disk_path,
+                fingerprint=geometry.fingerprint,
+                payload_bytes=geometry.chunk_payload_bytes,
+                num_slots=disk_slots,
+                world_size=geometry.world_size,
+            )
+        self.catalog = catalog
+        self.planner = Planner(
+            config,
+            block_size=geometry.block_size,
+            num_host_slots=host_slots,
+            num_disk_slots=disk_slots,
+            world_size=geometry.world_size,
+            catalog=catalog,
+        )
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+        if policy != "recompute":
+            logger.warning(
+                "tieredkv: kv_load_failure_policy=%r: tieredkv promises only verified chunks, so "
+                "a corrupted disk chunk is a plain miss; but a load that fails after its promise "
+                "(an I/O error mid-copy) will end that request with an error. Set "
+                "\"kv_load_failure_policy\":\"recompute\" to have vLLM recompute instead.",
+                policy,
+            )
+        self._requests: dict[str, Any] = {}
+        self._keys: dict[str, list[bytes]] = {}
+        logger.info(
+            "tieredkv: scheduler ready: %d host slots, %d disk slots per rank, chunk %d tokens "
+            "(%d bytes per rank), world size %d",
+            host_slots, disk_slots, geometry.block_size * config.chunk_blocks,
+            geometry.chunk_payload_bytes, geometry.world_size,
+        )
+
+    # ------------------------------------------------------------------ keys
+
+    def keys_for(self, request: Any) -> list[bytes]:
+        """Chunk keys of every full chunk of ``request``, extended incrementally."""
+        keys = self._keys.setdefault(request.request_id, [])
+        hashes = request.block_hashes
+        per = self._hashes_per_chunk
+        fingerprint = self.geometry.fingerprint
+        for chunk in range(len(keys), len(hashes) // per):
+            keys.append(chunk_key(fingerprint, bytes(hashes[(chunk + 1) * per - 1])))
+        return keys
+
+    # ------------------------------------------------------------------ vLLM calls
+
+    def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        hit = self.planner.lookup(
+            request.request_id, self.keys_for(request), num_computed_tokens, request.num_tokens
+        )
+        if hit is None:
+            return None, False
+        return hit, hit > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        if num_external_tokens > 0:
+            self.planner.on_alloc(request.request_id, block_ids, num_external_tokens)
+        else:
+            self.planner.on_alloc(request.request_id, [], 0)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        tokens = self.planner.hit_tokens(request.request_id)
+        return {tier: count for tier, count in tokens.items() if count > 0}
+
+    def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
+        planner = self.planner
+        for req_id in scheduler_output.preempted_req_ids or ():
+            planner.preempted(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            planner.set_block_ids(new.req_id, new.block_ids[0], replace=True)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if new_ids is not None:
+                planner.set_block_ids(req_id, new_ids[0], replace=req_id in resumed)
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            after = request.num_computed_tokens + scheduled
+            if self.config.store_generated:
+                limit = request.num_tokens - 1
+            else:
+                limit = request.num_prompt_tokens
+            planner.plan_stores(req_id, self.keys_for(request), min(after, limit))
+        return TieredKVMetadata(plan=planner.take_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, TieredKVWorkerMetadata) and meta.outcomes:
+            self.planner.apply(meta.to_outcomes())
+
+    def request_finished(self, request: Any) -> bool:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._keys.pop(req_id, None)
+        return self.planner.finished(req_id)
+
+    def reset_cache(self) -> bool:
+        self.planner.reset()
+        return True
+
+    def has_pending_work(self) -> bool:
+        return self.planner.has_pending_work()
+
+    def shutdown(self) -> None:
+        if self.catalog is not None:
+            self.catalog.close()
+            self.catalog = None

@@ -1,0 +1,1 @@
+"""Operator and developer tools that ship with tieredkv (tiny model, demo)."""

@@ -1,0 +1,197 @@
+"""The connector's worker half: executes the step's jobs on the transfer engine and reports.
+
+It decides nothing. It submits loads, promotions and spills as soon as the metadata arrives,
+stores after the forward pass (``wait_for_save``), fences preempted blocks before the next
+forward, and turns engine results into vLLM's completion sets and per-rank job outcomes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.host_tier import HostPool
+from tieredkv.metadata import OutcomeTuple, TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.scheduler_half import slot_counts
+from tieredkv.vllm_geometry import engine_geometry
+
+logger = logging.getLogger("tieredkv")
+
+
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank_in_group
+    except Exception:  # noqa: BLE001 - outside an initialised vLLM worker
+        return 0
+
+
+class WorkerHalf:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
+        self.config = config
+        self.geometry = engine_geometry(vllm_config, kv_cache_config, config)
+        self.num_blocks = kv_cache_config.num_blocks
+        self.rank = _worker_rank()
+        self.engine = None
+        self.host: HostPool | None = None
+        self.slab = None
+        self._slab_lock = None
+        self._vllm_copy_op = None
+        self._load_reqs: dict[int, str] = {}  # load job -> request
+        self._store_reqs: dict[int, str] = {}  # store job -> request
+        self._pending_stores: dict[str, set[int]] = {}
+        self._delayed: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._outcomes: dict[int, OutcomeTuple] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self._vllm_copy_op = copy_operation
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from tieredkv.transfer.copy_ops import select_backend
+        from tieredkv.transfer.engine import TransferEngine
+        from tieredkv.transfer.kv_views import KVViews
+
+        views = KVViews.from_kv_caches(kv_caches, self.num_blocks)
+        payload = views.slot_payload_bytes(self.config.chunk_blocks)
+        if payload != self.geometry.chunk_payload_bytes:
+            raise ValueError(
+                f"tieredkv: registered KV caches give {payload} bytes per chunk, the KV-cache "
+                f"spec {self.geometry.chunk_payload_bytes}; refusing to start with a layout "
+                "tieredkv does not understand"
+            )
+        host_slots, disk_slots = slot_counts(self.config, payload, self.geometry.world_size)
+        self.host = HostPool(host_slots, payload)
+        if disk_slots:
+            from tieredkv.disk.lock import DiskLock
+            from tieredkv.disk.slab import SlabFile
+
+            assert self.config.disk_path is not None
+            self.config.disk_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._slab_lock = DiskLock(self.config.disk_path, name=f"rank{self.rank}.lock")
+            self.slab = SlabFile.open(
+                self.config.disk_path / f"rank{self.rank}.slab",
+                num_slots=disk_slots,
+                payload_bytes=payload,
+                fingerprint=self.geometry.fingerprint,
+            )
+        backend = select_backend(
+            self.config.copy_backend, kv=views, host=self.host, vllm_copy_op=self._vllm_copy_op
+        )
+        self.engine = TransferEngine(
+            views,
+            self.host,
+            self.slab,
+            backend=backend,
+            io_threads=self.config.io_threads,
+            spill_queue_depth=self.config.spill_queue_depth,
+            load_timeout_s=self.config.load_timeout_s,
+        )
+        logger.info(
+            "tieredkv: worker rank %d ready: %d host slots (%s), %d disk slots, copy backend %s",
+            self.rank, host_slots, "pinned" if self.host.pinned else "pageable", disk_slots,
+            backend.describe(),
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def handle_preemptions(self, metadata: TieredKVMetadata) -> None:
+        """Before the next forward reuses preempted blocks, no store may still read them."""
+        if self.engine is not None and metadata.plan.fence_block_ids:
+            self.engine.fence_blocks(metadata.plan.fence_block_ids)
+
+    def start_jobs(self, metadata: TieredKVMetadata) -> None:
+        plan = metadata.plan
+        if self.engine is None:
+            return
+        for job in plan.loads:
+            self._load_reqs[job.job_id] = job.req_id
+        jobs = [*plan.promotes, *plan.loads, *plan.spills]
+        if jobs:
+            self.engine.submit(jobs)
+        for req_id in plan.delayed_req_ids:
+            self._delayed.add(req_id)
+            if not self._pending_stores.get(req_id):
+                self._finish_sending(req_id)
+
+    def submit_stores(self, metadata: TieredKVMetadata) -> None:
+        plan = metadata.plan
+        if self.engine is None or not plan.stores:
+            return
+        for job in plan.stores:
+            req_id = plan.store_req_ids.get(job.job_id)
+            if req_id is not None:
+                self._store_reqs[job.job_id] = req_id
+                self._pending_stores.setdefault(req_id, set()).add(job.job_id)
+        self.engine.submit(plan.stores)
+
+    def _finish_sending(self, req_id: str) -> None:
+        self._delayed.discard(req_id)
+        self._pending_stores.pop(req_id, None)
+        self._finished_sending.add(req_id)
+
+    def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Fold engine results in; return (finished_sending, finished_recving) for this step."""
+        if self.engine is not None:
+            for result in self.engine.poll():
+                self._record(result)
+        sending, self._finished_sending = self._finished_sending, set()
+        recving, self._finished_recving = self._finished_recving, set()
+        return sending, recving
+
+    def _record(self, result: Any) -> None:
+        job_id = result.job_id
+        self._outcomes[job_id] = (
+            1 if result.ok else 0,
+            0 if result.ok else 1,
+            None if result.ok else result.failure,
+            tuple(result.failed_block_ids),
+        )
+        load_req = self._load_reqs.pop(job_id, None)
+        if load_req is not None:
+            if not result.ok:
+                self._load_errors.update(result.failed_block_ids)
+                logger.warning(
+                    "tieredkv: load for %s failed (%s): %d blocks will be recomputed",
+                    load_req, result.failure, len(result.failed_block_ids),
+                )
+            self._finished_recving.add(load_req)
+        store_req = self._store_reqs.pop(job_id, None)
+        if store_req is not None:
+            pending = self._pending_stores.get(store_req)
+            if pending is not None:
+                pending.discard(job_id)
+                if not pending:
+                    if store_req in self._delayed:
+                        self._finish_sending(store_req)
+                    else:
+                        self._pending_stores.pop(store_req, None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> TieredKVWorkerMetadata | None:
+        if not self._outcomes:
+            return None
+        outcomes, self._outcomes = self._outcomes, {}
+        return TieredKVWorkerMetadata(outcomes=outcomes)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown(timeout_s=10.0)
+            self.engine = None
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+        if self._slab_lock is not None:
+            self._slab_lock.close()
+            self._slab_lock = None
