@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,10 +169,11 @@ def test_closed_slab_fails_missing_and_close_waits_for_inflight(tmp_path: Path, 
     gate = io.hang("read", times=1)
     out = bytearray(PAYLOAD)
     result: list[object] = []
+    reads0 = io.calls["read"]
     thread = threading.Thread(target=lambda: result.append(slab.read_slot_into(0, b"k" * 32, out)))
     thread.start()
-    while io.calls["read"] == 0:
-        pass
+    while io.calls["read"] == reads0:
+        time.sleep(0.001)
     slab.close()  # must not close the descriptor under the running read
     assert slab.closed
     with pytest.raises(SlabError) as err:
