@@ -1,0 +1,257 @@
+"""The scheduler-side owner of a ``disk_path``: lock, manifest, journal and recovery.
+
+At start-up it answers one question: which ``key -> slot`` entries from the last run can this
+engine trust? Only those whose manifest matches this engine's namespace and slot geometry,
+whose journal records are intact, and whose slot header on *every* rank's slab file names the
+right key. Everything else is dropped and counted by :class:`FailureKind`. Payloads are not
+read here (that would read the whole disk at start-up); every later read verifies them.
+
+Slab files belong to the workers (each rank opens and sizes its own ``rank{r}.slab``); the
+catalog only reads their headers. When the manifest does not match, the tier starts empty:
+the journal is emptied and slab files of ranks that no longer exist are removed, while the
+current ranks' files are left for their workers to resize and overwrite. Their old slots can
+never be served: nothing indexes them, and a slot is only read for a key after being written
+whole for that key, header and checksum included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+
+from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.format import slot_stride
+from tieredkv.disk.journal import Journal, JournalReplay
+from tieredkv.disk.lock import DiskLock
+from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest, write_manifest
+from tieredkv.disk.slab import SlabFile
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_NAME = "journal.bin"
+_RANK_FILE = re.compile(r"^rank(\d+)\.slab$")
+
+
+def slab_path(disk_path: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its slab file."""
+    return Path(disk_path) / f"rank{rank}.slab"
+
+
+def verify_headers(
+    disk_path: Path,
+    entries: Mapping[bytes, int],
+    *,
+    fingerprint: bytes,
+    payload_bytes: int,
+    num_slots: int,
+    world_size: int,
+    io: FileIO | None = None,
+) -> tuple[dict[bytes, int], Counter[FailureKind]]:
+    """Keep the entries whose slot header is right on every rank; count the rest by kind."""
+    good = dict(entries)
+    dropped: Counter[FailureKind] = Counter()
+    stride = slot_stride(payload_bytes)
+    for rank in range(world_size):
+        if not good:
+            break
+        path = slab_path(disk_path, rank)
+        try:
+            slab = SlabFile.open(
+                path, num_slots, payload_bytes, fingerprint, io=io, create=False, readonly=True
+            )
+        except SlabError as exc:
+            dropped[exc.kind] += len(good)
+            good.clear()
+            break
+        with slab:
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                size = 0
+            for key, slot in sorted(good.items(), key=lambda kv: kv[1]):
+                if (slot + 1) * stride > size:
+                    dropped[FailureKind.SHORT_READ] += 1
+                    del good[key]
+                    continue
+                try:
+                    slab.read_header(slot, key)
+                except SlabError as exc:
+                    dropped[exc.kind] += 1
+                    del good[key]
+    return good, dropped
+
+
+class DiskCatalog:
+    """An open, locked disk tier; ``recovered`` is the verified index from the last run."""
+
+    def __init__(
+        self,
+        disk_path: Path,
+        fingerprint: bytes,
+        payload_bytes: int,
+        num_slots: int,
+        world_size: int,
+        lock: DiskLock,
+        journal: Journal,
+        manifest: Manifest,
+        recovered: dict[bytes, int],
+        dropped: Counter[FailureKind],
+        reset_reason: str | None,
+        journal_tail_bytes: int = 0,
+    ) -> None:
+        self.disk_path = disk_path
+        self.fingerprint = fingerprint
+        self.payload_bytes = payload_bytes
+        self.slot_stride = slot_stride(payload_bytes)
+        self.num_slots = num_slots
+        self.world_size = world_size
+        self.manifest = manifest
+        self.recovered = recovered
+        self.dropped_at_recovery: dict[FailureKind, int] = dict(dropped)
+        self.reset_reason = reset_reason
+        self.journal_tail_bytes = journal_tail_bytes
+        self._lock = lock
+        self._journal = journal
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        disk_path: Path,
+        fingerprint: bytes,
+        payload_bytes: int,
+        num_slots: int,
+        world_size: int,
+        io: FileIO | None = None,
+    ) -> DiskCatalog:
+        """Lock ``disk_path`` and recover the last run's verified index (see module docstring).
+
+        Raises ``ConfigError`` if another engine holds the directory.
+        """
+        disk_path = Path(disk_path).expanduser()
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        disk_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(disk_path, 0o700)
+        lock = DiskLock(disk_path)
+        try:
+            return cls._open_locked(disk_path, fingerprint, payload_bytes, num_slots, world_size, io, lock)
+        except BaseException:
+            lock.close()
+            raise
+
+    @classmethod
+    def _open_locked(
+        cls, disk_path: Path, fingerprint: bytes, payload_bytes: int, num_slots: int,
+        world_size: int, io: FileIO | None, lock: DiskLock,
+    ) -> DiskCatalog:
+        stride = slot_stride(payload_bytes)
+        journal_path = disk_path / JOURNAL_NAME
+        old = load_manifest(disk_path) if (disk_path / MANIFEST_NAME).exists() else None
+        if old is None:
+            reason: str | None = (
+                "unreadable manifest" if (disk_path / MANIFEST_NAME).exists() else "new disk tier"
+            )
+        else:
+            reason = old.mismatch(fingerprint, payload_bytes, stride, world_size)
+        recovered: dict[bytes, int] = {}
+        dropped: Counter[FailureKind] = Counter()
+        replay = JournalReplay()
+        if reason is None:
+            replay = Journal.replay(journal_path)
+            entries = dict(replay.entries)
+            out_of_range = [k for k, slot in entries.items() if slot >= num_slots]
+            for key in out_of_range:
+                del entries[key]
+            if out_of_range:
+                dropped[FailureKind.MISSING] += len(out_of_range)
+            recovered, bad = verify_headers(
+                disk_path, entries, fingerprint=fingerprint, payload_bytes=payload_bytes,
+                num_slots=num_slots, world_size=world_size, io=io,
+            )
+            dropped.update(bad)
+            logger.info(
+                "tieredkv disk tier %s: recovered %d entries, dropped %s",
+                disk_path, len(recovered),
+                ", ".join(f"{k.value}={n}" for k, n in sorted(dropped.items())) or "none",
+            )
+        else:
+            journal_path.unlink(missing_ok=True)
+            _remove_stale_ranks(disk_path, world_size)
+            log = logger.info if reason == "new disk tier" else logger.warning
+            log("tieredkv disk tier %s: starting empty (%s)", disk_path, reason)
+        journal = Journal(journal_path, replay=replay)
+        try:
+            journal.compact(recovered)
+            manifest = Manifest.new(
+                fingerprint, payload_bytes, stride, num_slots, world_size,
+                created=old.created if reason is None and old is not None else None,
+            )
+            write_manifest(disk_path, manifest)
+        except BaseException:
+            journal.close()
+            raise
+        return cls(
+            disk_path, fingerprint, payload_bytes, num_slots, world_size, lock, journal,
+            manifest, recovered, dropped, reset_reason=reason,
+            journal_tail_bytes=replay.bad_tail_bytes,
+        )
+
+    def slab_path(self, rank: int) -> Path:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} out of range 0..{self.world_size - 1}")
+        return slab_path(self.disk_path, rank)
+
+    @property
+    def journal_path(self) -> Path:
+        return self.disk_path / JOURNAL_NAME
+
+    def record_written(self, key: bytes, slot: int) -> None:
+        """Journal ``key`` at ``slot``: call only after *every* rank confirmed its write."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"disk slot {slot} out of range 0..{self.num_slots - 1}")
+        self._journal.record_add(key, slot)
+
+    def record_removed(self, key: bytes) -> None:
+        """Journal that ``key`` left the disk tier (evicted, dropped, or failed a read)."""
+        self._journal.record_remove(key)
+
+    def record_cleared(self) -> None:
+        """Journal that the whole disk tier was emptied (``reset_cache``)."""
+        self._journal.record_clear()
+
+    def flush(self, timeout: float | None = 10.0) -> None:
+        """Block until every record so far is durable (tests, shutdown)."""
+        self._journal.flush(timeout)
+
+    def close(self) -> None:
+        """Flush the journal and release the lock (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._journal.close()
+        finally:
+            self._lock.close()
+
+    def __enter__(self) -> DiskCatalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remove_stale_ranks(disk_path: Path, world_size: int) -> None:
+    """Delete slab files of ranks this engine does not have (a smaller TP size than before)."""
+    for entry in disk_path.iterdir():
+        match = _RANK_FILE.match(entry.name)
+        if match and int(match.group(1)) >= world_size:
+            try:
+                entry.unlink()
+            except OSError as exc:
+                logger.warning("tieredkv disk tier: could not remove %s: %s", entry, exc)
