@@ -1,0 +1,330 @@
+"""The ``tieredkv`` command: look inside a disk tier without starting an engine.
+
+``tieredkv inspect PATH`` says what a disk tier holds; ``tieredkv verify PATH [--drop]`` reads
+every journaled slot on every rank and checks it byte for byte. Exit codes: 0 all good,
+1 bad slots found, 2 usage errors (with a message naming the problem).
+
+Subcommands register themselves with :func:`subcommand`; adding one is three lines::
+
+    @subcommand("demo", "run a small demo", configure=lambda p: p.add_argument("--model"))
+    def _demo(args: argparse.Namespace) -> int:
+        return run_demo(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tieredkv.config import ConfigError
+from tieredkv.disk.catalog import JOURNAL_NAME, slab_path
+from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.journal import Journal
+from tieredkv.disk.lock import DiskLock
+from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest
+from tieredkv.disk.slab import SlabFile
+
+EXIT_OK = 0
+EXIT_BAD = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as ``tieredkv: error: ...`` with exit code 2."""
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    configure: Callable[[argparse.ArgumentParser], Any] | None = None
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def subcommand(
+    name: str, help: str, configure: Callable[[argparse.ArgumentParser], Any] | None = None
+) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    """Register ``fn(args) -> exit code`` as ``tieredkv NAME``; ``configure`` adds its args."""
+
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        SUBCOMMANDS[name] = Subcommand(name, help, fn, configure)
+        return fn
+
+    return register
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _disk_dir(path: str) -> Path:
+    disk = Path(path).expanduser()
+    if not disk.exists():
+        raise UsageError(f"{disk}: no such directory")
+    if not disk.is_dir():
+        raise UsageError(f"{disk}: not a directory")
+    return disk
+
+
+def _rank_files(disk: Path) -> list[Path]:
+    def rank(p: Path) -> int:
+        digits = p.stem.removeprefix("rank")
+        return int(digits) if digits.isdigit() else 1 << 30
+
+    return sorted(disk.glob("rank*.slab"), key=rank)
+
+
+def _require_manifest(disk: Path) -> Manifest:
+    manifest = load_manifest(disk) if (disk / MANIFEST_NAME).exists() else None
+    if manifest is None:
+        raise UsageError(
+            f"{disk}: no readable {MANIFEST_NAME}; not a tieredkv disk tier, or its manifest is "
+            "damaged (an engine starting on it will reset it)"
+        )
+    return manifest
+
+
+def _print_json(data: dict[str, Any]) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+# -- inspect ------------------------------------------------------------------------------
+
+
+def _inspect_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="the disk tier directory (disk_path)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@subcommand("inspect", "show what a disk tier holds", configure=_inspect_args)
+def inspect_cmd(args: argparse.Namespace) -> int:
+    disk = _disk_dir(args.path)
+    has_manifest = (disk / MANIFEST_NAME).exists()
+    manifest = load_manifest(disk) if has_manifest else None
+    files = _rank_files(disk)
+    if manifest is None and not files and not (disk / JOURNAL_NAME).exists():
+        raise UsageError(f"{disk}: not a tieredkv disk tier (no manifest, journal or slab files)")
+    replay = Journal.replay(disk / JOURNAL_NAME)
+    holder = DiskLock.holder(disk)
+    slabs = []
+    for file in files:
+        st = file.stat()
+        slabs.append({"file": file.name, "bytes": st.st_size, "allocated": st.st_blocks * 512})
+    info: dict[str, Any] = {
+        "path": str(disk),
+        "manifest": asdict(manifest) if manifest is not None else None,
+        "manifest_status": "ok" if manifest else ("unreadable" if has_manifest else "missing"),
+        "journal": {
+            "entries": len(replay.entries),
+            "records": replay.records,
+            "bad_tail_bytes": replay.bad_tail_bytes,
+        },
+        "slab_files": slabs,
+        "lock_holder_pid": holder,
+    }
+    if manifest is not None:
+        used = len(replay.entries)
+        info["slots_used"] = used
+        info["slots_capacity"] = manifest.num_slots
+        info["payload_bytes_used"] = used * manifest.payload_bytes * manifest.world_size
+        info["payload_bytes_capacity"] = (
+            manifest.num_slots * manifest.payload_bytes * manifest.world_size
+        )
+    if args.json:
+        _print_json(info)
+        return EXIT_OK
+    lines = [("disk tier", str(disk))]
+    if manifest is not None:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
+        lines += [
+            ("namespace", manifest.fingerprint),
+            ("format", f"version {manifest.format_version}, created {created}"),
+            ("geometry", f"payload {manifest.payload_bytes} B, slot stride {manifest.slot_stride} B, "
+                         f"{manifest.num_slots} slots per rank, world size {manifest.world_size}"),
+        ]
+    else:
+        lines.append(("manifest", f"{info['manifest_status']} (an engine will start this tier empty)"))
+    tail = f", {replay.bad_tail_bytes} bytes of torn/corrupt tail" if replay.bad_tail_bytes else ""
+    lines.append(("journal", f"{len(replay.entries)} entries ({replay.records} records{tail})"))
+    if manifest is not None:
+        pct = 100.0 * info["slots_used"] / manifest.num_slots if manifest.num_slots else 0.0
+        lines.append(("slots used", f"{info['slots_used']} / {manifest.num_slots} ({pct:.1f}%)"))
+        lines.append(("bytes used", f"{_size(info['payload_bytes_used'])} of "
+                                    f"{_size(info['payload_bytes_capacity'])} (all ranks)"))
+    for slab in slabs:
+        lines.append((slab["file"], f"{_size(slab['bytes'])} (allocated {_size(slab['allocated'])})"))
+    if holder is None:
+        lines.append(("lock", "free"))
+    else:
+        lines.append(("lock", f"held by pid {holder}" if holder > 0 else "held (pid unknown)"))
+    width = max(len(name) for name, _ in lines)
+    for name, value in lines:
+        print(f"{name:<{width}}  {value}")
+    return EXIT_OK
+
+
+# -- verify -------------------------------------------------------------------------------
+
+
+def _verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="the disk tier directory (disk_path)")
+    parser.add_argument(
+        "--drop", action="store_true",
+        help="invalidate bad slots and journal their removal (needs the engine stopped)",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@subcommand("verify", "read and checksum every journaled slot on every rank", configure=_verify_args)
+def verify_cmd(args: argparse.Namespace) -> int:
+    disk = _disk_dir(args.path)
+    manifest = _require_manifest(disk)
+    lock: DiskLock | None = None
+    if args.drop:
+        try:
+            lock = DiskLock(disk)
+        except ConfigError as exc:
+            raise UsageError(f"--drop needs the disk tier to be free: {exc}") from None
+    try:
+        return _verify(disk, manifest, args, lock)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _verify(disk: Path, manifest: Manifest, args: argparse.Namespace, lock: DiskLock | None) -> int:
+    fingerprint = bytes.fromhex(manifest.fingerprint)
+    entries = Journal.replay(disk / JOURNAL_NAME).entries
+    bad: dict[bytes, tuple[int, int, SlabError]] = {}  # key -> (slot, rank, first failure)
+    out = bytearray(manifest.payload_bytes)
+    for rank in range(manifest.world_size):
+        todo = sorted(((slot, key) for key, slot in entries.items() if key not in bad))
+        try:
+            slab = SlabFile.open(
+                slab_path(disk, rank), manifest.num_slots, manifest.payload_bytes, fingerprint,
+                direct=False, create=False, readonly=True,
+            )
+        except SlabError as exc:
+            for slot, key in todo:
+                bad[key] = (slot, rank, exc)
+            continue
+        with slab:
+            for slot, key in todo:
+                if slot >= manifest.num_slots:
+                    bad[key] = (slot, rank, SlabError(FailureKind.MISSING, "slot beyond num_slots"))
+                    continue
+                try:
+                    slab.read_slot_into(slot, key, out)
+                except SlabError as exc:
+                    bad[key] = (slot, rank, exc)
+    counts = Counter(err.kind.value for _, _, err in bad.values())
+    dropped = _drop(disk, manifest, fingerprint, bad) if lock is not None and bad else 0
+    holder = DiskLock.holder(disk) if lock is None else None
+    report = {
+        "path": str(disk),
+        "entries": len(entries),
+        "good": len(entries) - len(bad),
+        "bad": dict(counts),
+        "bad_keys": [
+            {"key": key.hex(), "slot": slot, "rank": rank, "kind": err.kind.value, "error": str(err)}
+            for key, (slot, rank, err) in sorted(bad.items(), key=lambda kv: kv[1][0])
+        ],
+        "dropped": dropped,
+        "engine_running_pid": holder,
+    }
+    if args.json:
+        _print_json(report)
+    else:
+        if holder is not None:
+            print(f"note: an engine (pid {holder}) is using this tier; slots it is writing right "
+                  "now may show up as bad")
+        print(f"{disk}: {len(entries)} journaled entries x {manifest.world_size} rank(s): "
+              f"{report['good']} good, {len(bad)} bad")
+        for kind, count in sorted(counts.items()):
+            print(f"  {kind}: {count}")
+        for item in report["bad_keys"]:
+            print(f"  bad: key {item['key']} slot {item['slot']} rank {item['rank']}: {item['kind']}")
+        if dropped:
+            print(f"dropped {dropped} bad entries (slots invalidated, removal journaled)")
+        elif bad:
+            print("run again with --drop (engine stopped) to invalidate them")
+    return EXIT_BAD if bad else EXIT_OK
+
+
+def _drop(disk: Path, manifest: Manifest, fingerprint: bytes,
+          bad: dict[bytes, tuple[int, int, SlabError]]) -> int:
+    """Zero the bad slots' headers on every rank and journal their removal; returns the count."""
+    for rank in range(manifest.world_size):
+        try:
+            slab = SlabFile.open(
+                slab_path(disk, rank), manifest.num_slots, manifest.payload_bytes, fingerprint,
+                direct=False, create=False,
+            )
+        except SlabError:
+            continue  # nothing there to invalidate
+        with slab:
+            for slot, _, _ in bad.values():
+                if slot < manifest.num_slots:
+                    try:
+                        slab.invalidate_slot(slot)
+                    except SlabError as exc:
+                        print(f"warning: could not invalidate slot {slot} on rank {rank}: {exc}",
+                              file=sys.stderr)
+            slab.sync()
+    with Journal(disk / JOURNAL_NAME) as journal:
+        for key in bad:
+            journal.record_remove(key)
+        journal.flush()
+    return len(bad)
+
+
+# -- entry point --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tieredkv", description="Inspect and check tieredkv KV-cache tiers."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in SUBCOMMANDS.values():
+        sub = commands.add_parser(command.name, help=command.help, description=command.help)
+        if command.configure is not None:
+            command.configure(sub)
+        sub.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="tieredkv: %(levelname)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except UsageError as exc:
+        parser.exit(EXIT_USAGE, f"tieredkv: error: {exc}\n")
+    except BrokenPipeError:
+        return EXIT_OK
+    return EXIT_OK  # pragma: no cover - parser.exit raised
+
+
+if __name__ == "__main__":
+    sys.exit(main())
