@@ -1,13 +1,26 @@
-"""Jobs the scheduler ships to workers: plain, picklable dataclasses (no tensors)."""
+"""The jobs the scheduler half sends to every worker, and the results the workers send back.
+
+They travel inside vLLM's connector metadata from the engine-core process to each worker
+process, so they are plain frozen dataclasses of ints, bytes, strs and tuples: cheap to
+pickle, impossible to mutate on the way, and never holding a tensor.
+
+Block ids are device (vLLM) block ids; slots are host-pool or slab-file slots. Position ``j``
+of a host slot holds block ``j`` of its chunk, for every layer (see ``kv_views``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Failure names the engine produces itself; disk failures use ``FailureKind`` values.
+CANCELLED = "cancelled"  # fenced, shut down, or never started
+COPY_ERROR = "copy_error"  # a device<->host copy raised, or a host slot was still in flight
+DROPPED = "dropped"  # a spill found the bounded spill queue full
+
 
 @dataclass(frozen=True)
 class StoreJob:
-    """d2h: device blocks -> one host slot (block j of the chunk -> position j in the slot)."""
+    """d2h: device blocks ``block_ids`` -> host slot ``host_slot`` (block j -> position j)."""
 
     job_id: int
     key: bytes
@@ -17,7 +30,7 @@ class StoreJob:
 
 @dataclass(frozen=True)
 class SpillJob:
-    """Host slot -> disk slot, with header and checksum."""
+    """Host slot -> disk slot (written with a verified header; the host copy stays)."""
 
     job_id: int
     key: bytes
@@ -27,7 +40,7 @@ class SpillJob:
 
 @dataclass(frozen=True)
 class PromoteJob:
-    """Disk slot -> host slot, verified before anything may promise it."""
+    """Disk slot -> host slot, verified before the scheduler may promise it as a hit."""
 
     job_id: int
     key: bytes
@@ -37,7 +50,9 @@ class PromoteJob:
 
 @dataclass(frozen=True)
 class LoadChunk:
-    """Blocks [first_block, first_block + len(block_ids)) of a chunk -> device blocks."""
+    """One chunk of a load: slot positions ``[first_block, first_block + len(block_ids))``
+    go to device blocks ``block_ids`` (a hit may start mid-chunk). With ``disk_slot`` set the
+    chunk is first read (verified) from disk into ``host_slot``."""
 
     key: bytes
     host_slot: int
@@ -48,13 +63,30 @@ class LoadChunk:
 
 @dataclass(frozen=True)
 class LoadJob:
+    """A request's chunks, in prefix order; disk reads and h2d copies overlap across chunks."""
+
     job_id: int
     req_id: str
     chunks: tuple[LoadChunk, ...]
 
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(b for chunk in self.chunks for b in chunk.block_ids)
+
+
+Job = StoreJob | SpillJob | PromoteJob | LoadJob
+
 
 @dataclass(frozen=True)
 class JobResult:
+    """What happened to one job.
+
+    ``failure`` is a ``FailureKind`` value or one of ``cancelled``/``copy_error``/``dropped``.
+    For a failed load, ``failed_block_ids`` are exactly the device blocks of the chunks that
+    did not load: the failed chunk and every chunk after it (a prefix with a hole is useless,
+    so nothing after a failure is copied to the device).
+    """
+
     job_id: int
     ok: bool
     failure: str | None = None
