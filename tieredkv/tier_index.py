@@ -1,0 +1,335 @@
+"""The scheduler-side index of one tier (host or disk): which key holds which slot, in which state.
+
+The index is the single owner of slot assignment for its tier. Workers only ever see the
+concrete slots it hands out, so its one non-negotiable rule is that a slot is never handed
+out again while a copy may still read or write it:
+
+* an entry being written (``WRITING``) is pinned by its write until ``mark_ready``/``abort``;
+* a reader pins a ``READY`` entry for the duration of its copy;
+* only ``READY`` entries with no pins are evicted;
+* an entry removed while pinned is *doomed*: it disappears from lookups at once, but its slot
+  stays taken until the last pin is dropped.
+
+While a doomed copy of a key still holds a slot, the key cannot be stored again (``allocate``
+returns None, a plain miss), so ``unpin(key)`` always names one record and is never ambiguous.
+A full tier whose entries are all pinned answers ``allocate`` with None: never a wait, never
+an assert. Not thread-safe: the scheduler half calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tieredkv.policies import EvictionPolicy, make_policy
+
+
+class SlotState(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where a key lives in the tier; ``pins`` counts in-flight copies (the write included)."""
+
+    slot: int
+    state: SlotState
+    pins: int = 0
+
+
+def _require(condition: bool, message: str) -> None:
+    # Raised explicitly so the checks still run under ``python -O``.
+    if not condition:
+        raise AssertionError(message)
+
+
+class TierIndex:
+    """``num_slots`` slots of one tier, a key -> :class:`Placement` map and an eviction policy."""
+
+    def __init__(self, name: str, num_slots: int, policy: str = "lru") -> None:
+        if num_slots < 0:
+            raise ValueError(f"tieredkv: {name} tier: num_slots must be >= 0, got {num_slots}")
+        self.name = name
+        self.num_slots = num_slots
+        self.policy: EvictionPolicy = make_policy(policy, num_slots)
+        self._entries: dict[bytes, Placement] = {}
+        self._doomed: dict[bytes, Placement] = {}
+        # An insertion-ordered dict used as a set: O(1) pop of the most recently freed slot and
+        # O(1) removal of a given slot (restore). Lowest slots come out first on a fresh index.
+        self._free: dict[int, None] = dict.fromkeys(range(num_slots - 1, -1, -1))
+        self._ready = 0
+        self._pinned = 0
+        self.evictions = 0
+
+    # ------------------------------------------------------------------ lookups
+
+    def get(self, key: bytes) -> Placement | None:
+        """A snapshot of ``key``'s placement, or None (also for doomed keys); no side effects."""
+        entry = self._entries.get(key)
+        return None if entry is None else Placement(entry.slot, entry.state, entry.pins)
+
+    def is_ready(self, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.state is SlotState.READY
+
+    def is_doomed(self, key: bytes) -> bool:
+        """Whether a removed-but-pinned copy of ``key`` still holds a slot."""
+        return key in self._doomed
+
+    def touch(self, key: bytes) -> None:
+        """Record a hit in the policy; unknown keys are ignored."""
+        if key in self._entries:
+            self.policy.touch(key)
+
+    def keys(self) -> list[bytes]:
+        """The live keys (a snapshot; doomed keys excluded)."""
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.keys())
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        """Slots not free: live entries and doomed ones still held by a copy."""
+        return self.num_slots - len(self._free)
+
+    @property
+    def ready_count(self) -> int:
+        return self._ready
+
+    @property
+    def writing_count(self) -> int:
+        return len(self._entries) - self._ready
+
+    @property
+    def pinned_count(self) -> int:
+        """Slots held by at least one in-flight copy (writes and doomed entries included)."""
+        return self._pinned
+
+    @property
+    def doomed_count(self) -> int:
+        return len(self._doomed)
+
+    # ------------------------------------------------------------------ writes
+
+    def allocate(self, key: bytes) -> tuple[int, list[tuple[bytes, int]]] | None:
+        """Reserve a slot for ``key`` in state ``WRITING``, pinned by its write.
+
+        Takes a free slot, else evicts the policy's victim among unpinned ``READY`` entries.
+        Returns ``(slot, evicted)`` with the ``(key, slot)`` pairs evicted to make room, or
+        None when nothing can be evicted or a doomed copy of ``key`` still holds a slot.
+        Raises KeyError when ``key`` is already present (callers check with :meth:`get`).
+        """
+        if key in self._entries:
+            raise KeyError(f"tieredkv: {self.name} tier: key {key.hex()} is already present")
+        if key in self._doomed:
+            return None
+        evicted: list[tuple[bytes, int]] = []
+        if not self._free:
+            victim = self.policy.victim(self._evictable)
+            if victim is None:
+                return None
+            entry = self._entries.pop(victim)
+            self.policy.remove(victim, evicted=True)
+            self._ready -= 1
+            self._free[entry.slot] = None
+            self.evictions += 1
+            evicted.append((victim, entry.slot))
+        slot, _ = self._free.popitem()
+        self._entries[key] = Placement(slot, SlotState.WRITING, pins=1)
+        self._pinned += 1
+        self.policy.insert(key)
+        return slot, evicted
+
+    def mark_ready(self, key: bytes) -> bool:
+        """A write finished: ``WRITING`` -> ``READY`` and the write pin is dropped.
+
+        Returns False when the entry was removed while being written (doomed): its slot is
+        freed now if no other copy holds it, and the written bytes must not be advertised.
+        """
+        entry = self._writing_entry(key, "mark_ready")
+        if key in self._doomed:
+            self._drop_pin(key, entry)
+            return False
+        entry.state = SlotState.READY
+        entry.pins = 0
+        self._pinned -= 1
+        self._ready += 1
+        return True
+
+    def abort(self, key: bytes) -> None:
+        """A write failed: the entry is removed and its slot freed."""
+        entry = self._writing_entry(key, "abort")
+        if key in self._doomed:
+            self._drop_pin(key, entry)
+            return
+        del self._entries[key]
+        self.policy.remove(key, evicted=False)
+        self._pinned -= 1
+        self._free[entry.slot] = None
+
+    def restore(self, key: bytes, slot: int) -> None:
+        """Insert a ``READY`` entry at ``slot`` (journal recovery)."""
+        if key in self._entries or key in self._doomed:
+            raise KeyError(f"tieredkv: {self.name} tier: key {key.hex()} is already present")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(
+                f"tieredkv: {self.name} tier: slot {slot} out of range 0..{self.num_slots - 1}"
+            )
+        if slot not in self._free:
+            raise ValueError(f"tieredkv: {self.name} tier: slot {slot} is already taken")
+        del self._free[slot]
+        self._entries[key] = Placement(slot, SlotState.READY)
+        self._ready += 1
+        self.policy.insert(key)
+
+    # ------------------------------------------------------------------ reads
+
+    def pin(self, key: bytes) -> None:
+        """Hold a ``READY`` entry for an in-flight read: it cannot be evicted until unpinned."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"tieredkv: {self.name} tier: cannot pin absent key {key.hex()}")
+        if entry.state is not SlotState.READY:
+            raise ValueError(
+                f"tieredkv: {self.name} tier: cannot pin {key.hex()} while it is being written"
+            )
+        if entry.pins == 0:
+            self._pinned += 1
+        entry.pins += 1
+
+    def unpin(self, key: bytes) -> None:
+        """Release a read pin; the last pin of a doomed entry frees its slot."""
+        entry = self._entries.get(key) or self._doomed.get(key)
+        if entry is None:
+            raise KeyError(f"tieredkv: {self.name} tier: cannot unpin absent key {key.hex()}")
+        if entry.state is SlotState.WRITING:
+            raise ValueError(
+                f"tieredkv: {self.name} tier: {key.hex()} is being written; "
+                "its pin is dropped by mark_ready or abort"
+            )
+        if entry.pins == 0:
+            raise ValueError(f"tieredkv: {self.name} tier: unpin of {key.hex()} below zero pins")
+        self._drop_pin(key, entry)
+
+    # ------------------------------------------------------------------ removal
+
+    def remove(self, key: bytes) -> int | None:
+        """Drop ``key`` (e.g. after a failed read); returns the slot freed now, if any.
+
+        A pinned entry is doomed instead: gone from lookups at once, its slot freed only when
+        the last pin (or its write) goes. Unknown or already doomed keys return None.
+        """
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self.policy.remove(key, evicted=False)
+        if entry.state is SlotState.READY:
+            self._ready -= 1
+        if entry.pins > 0:
+            self._doomed[key] = entry
+            return None
+        self._free[entry.slot] = None
+        return entry.slot
+
+    def clear(self) -> list[tuple[bytes, int]]:
+        """Drop every live entry (a cache reset); pinned ones become doomed.
+
+        Returns the ``(key, slot)`` pairs whose slots were freed now.
+        """
+        dropped: list[tuple[bytes, int]] = []
+        for key in list(self._entries):
+            slot = self.remove(key)
+            if slot is not None:
+                dropped.append((key, slot))
+        self.policy.clear()
+        return dropped
+
+    # ------------------------------------------------------------------ internals
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self._entries[key]
+        return entry.state is SlotState.READY and entry.pins == 0
+
+    def _writing_entry(self, key: bytes, action: str) -> Placement:
+        entry = self._entries.get(key) or self._doomed.get(key)
+        if entry is None:
+            raise KeyError(f"tieredkv: {self.name} tier: {action} of absent key {key.hex()}")
+        if entry.state is not SlotState.WRITING:
+            raise ValueError(
+                f"tieredkv: {self.name} tier: {action} of {key.hex()}, which is not being written"
+            )
+        return entry
+
+    def _drop_pin(self, key: bytes, entry: Placement) -> None:
+        entry.pins -= 1
+        if entry.pins > 0:
+            return
+        self._pinned -= 1
+        if self._doomed.get(key) is entry:
+            del self._doomed[key]
+            self._free[entry.slot] = None
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        _require(
+            not (self._entries.keys() & self._doomed.keys()),
+            f"{self.name}: a key is both live and doomed",
+        )
+        holders: dict[int, bytes] = {}
+        ready = pinned = 0
+        for doomed, table in ((False, self._entries), (True, self._doomed)):
+            for key, entry in table.items():
+                _require(
+                    0 <= entry.slot < self.num_slots,
+                    f"{self.name}: {key.hex()} holds out-of-range slot {entry.slot}",
+                )
+                _require(
+                    entry.slot not in holders,
+                    f"{self.name}: slot {entry.slot} held by {key.hex()} and "
+                    f"{holders.get(entry.slot, b'').hex()}",
+                )
+                _require(
+                    entry.slot not in self._free, f"{self.name}: held slot {entry.slot} is free"
+                )
+                holders[entry.slot] = key
+                _require(entry.pins >= 0, f"{self.name}: {key.hex()} has {entry.pins} pins")
+                if entry.state is SlotState.WRITING:
+                    _require(
+                        entry.pins == 1, f"{self.name}: writing {key.hex()} has {entry.pins} pins"
+                    )
+                if doomed:
+                    _require(entry.pins > 0, f"{self.name}: doomed {key.hex()} has no pins")
+                elif entry.state is SlotState.READY:
+                    ready += 1
+                pinned += entry.pins > 0
+        _require(
+            all(0 <= slot < self.num_slots for slot in self._free),
+            f"{self.name}: an out-of-range slot is free",
+        )
+        _require(
+            len(self._free) + len(holders) == self.num_slots,
+            f"{self.name}: {len(self._free)} free + {len(holders)} held != {self.num_slots} slots",
+        )
+        _require(ready == self._ready, f"{self.name}: ready count {self._ready}, actual {ready}")
+        _require(
+            pinned == self._pinned, f"{self.name}: pinned count {self._pinned}, actual {pinned}"
+        )
+        _require(
+            len(self.policy) == len(self._entries) and all(k in self.policy for k in self._entries),
+            f"{self.name}: policy keys differ from live keys",
+        )
