@@ -129,6 +129,8 @@ class Planner:
         if catalog is not None and self.disk is not None:
             for key, slot in catalog.recovered.items():
                 self.disk.restore(key, slot)
+            dropped = getattr(catalog, "dropped_at_recovery", {}) or {}
+            self.counters["dropped_at_recovery"] = sum(dropped.values())
             if catalog.recovered:
                 logger.info("tieredkv: disk tier recovered %d chunks", len(catalog.recovered))
 
@@ -326,6 +328,7 @@ class Planner:
     def preempted(self, req_id: str) -> None:
         """vLLM freed the request's blocks: fence in-flight stores that read them."""
         state = self._requests.get(req_id)
+        self.counters["preemptions"] += 1
         if state is None:
             return
         for job_id in state.store_jobs:

