@@ -131,7 +131,8 @@ class DiskCatalog:
     ) -> DiskCatalog:
         """Lock ``disk_path`` and recover the last run's verified index (see module docstring).
 
-        Raises ``ConfigError`` if another engine holds the directory.
+        Raises ``ConfigError`` if another engine holds the directory, and ``SlabError`` or
+        ``OSError`` if it cannot be written at all (the caller then runs without a disk tier).
         """
         disk_path = Path(disk_path).expanduser()
         if world_size < 1:

@@ -7,8 +7,10 @@ entries by kind instead of parsing messages, and a failure can never be confused
 from __future__ import annotations
 
 import errno
+from concurrent.futures import Future
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 
 class FailureKind(StrEnum):
@@ -38,7 +40,7 @@ class SlabError(Exception):
         *,
         slot: int | None = None,
         path: Path | str | None = None,
-        pending: object | None = None,
+        pending: Future[Any] | None = None,
     ) -> None:
         where = []
         if slot is not None:
