@@ -29,9 +29,11 @@ def _read_pid(fd: int) -> int | None:
 class DiskLock:
     """An exclusive lock on a disk tier, held until :meth:`close` (or process exit)."""
 
-    def __init__(self, disk_path: Path) -> None:
+    def __init__(self, disk_path: Path, name: str = LOCK_NAME) -> None:
+        # Workers lock ``rank{r}.lock`` before opening their slab, so a second engine's
+        # workers (started before its scheduler) fail before they touch a live slab file.
         self.disk_path = Path(disk_path)
-        self.path = self.disk_path / LOCK_NAME
+        self.path = self.disk_path / name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
