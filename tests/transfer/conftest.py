@@ -1,0 +1,55 @@
+"""Fixtures for transfer tests: views of vLLM-shaped caches, host pools, real slab files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from transfer_helpers import CHUNK_BLOCKS, FINGERPRINT, RecordingIO, layout_caches
+
+from tieredkv.disk.slab import SlabFile
+from tieredkv.host_tier import HostPool
+from tieredkv.transfer.copy_ops import CopyBackend, TorchCopyBackend
+from tieredkv.transfer.engine import TransferEngine
+from tieredkv.transfer.kv_views import KVViews
+
+
+@pytest.fixture
+def kv() -> KVViews:
+    return KVViews.from_kv_caches(layout_caches(), 40)
+
+
+@pytest.fixture
+def host(kv: KVViews) -> Iterator[HostPool]:
+    pool = HostPool(12, kv.slot_payload_bytes(CHUNK_BLOCKS), pin=False)
+    yield pool
+
+
+@pytest.fixture
+def fio() -> Iterator[RecordingIO]:
+    io = RecordingIO()
+    yield io
+    io.clear()
+
+
+@pytest.fixture
+def slab(tmp_path: Path, host: HostPool, fio: RecordingIO) -> Iterator[SlabFile]:
+    slab = SlabFile.open(tmp_path / "rank0.slab", 16, host.payload_bytes, FINGERPRINT, io=fio)
+    yield slab
+    slab.close()
+
+
+@pytest.fixture
+def make_engine(kv: KVViews, host: HostPool, slab: SlabFile) -> Iterator[Callable[..., TransferEngine]]:
+    engines: list[TransferEngine] = []
+
+    def make(backend: CopyBackend | None = None, *, with_slab: bool = True, **kw: object) -> TransferEngine:
+        engine = TransferEngine(kv, host, slab if with_slab else None,
+                                backend=backend or TorchCopyBackend(), **kw)  # type: ignore[arg-type]
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown(timeout_s=2.0)
