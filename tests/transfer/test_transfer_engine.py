@@ -1,0 +1,409 @@
+"""TransferEngine on CPU with real tensors and real slab files: bytes, order, faults, shutdown."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transfer_helpers import (
+    CHUNK_BLOCKS,
+    SlowBackend,
+    assert_slot_holds,
+    device_snapshot,
+    expected_slot,
+    make_key,
+    results_by_id,
+    slot_block,
+)
+
+from tieredkv.transfer.jobs import (
+    JobResult,
+    LoadChunk,
+    LoadJob,
+    PromoteJob,
+    SpillJob,
+    StoreJob,
+)
+
+C = CHUNK_BLOCKS
+
+
+def _store_all(engine, kv, chunks: dict[int, tuple[int, ...]], first_id: int = 1) -> dict:
+    """Store {host_slot: block ids}; returns the expected slot contents."""
+    want = {slot: expected_slot(kv, C, ids) for slot, ids in chunks.items()}
+    jobs = [StoreJob(first_id + i, make_key(slot), slot, ids) for i, (slot, ids) in enumerate(chunks.items())]
+    engine.submit(jobs)
+    results = results_by_id(engine, len(jobs))
+    assert all(r.ok for r in results.values()), results
+    return want
+
+
+def _device_blocks(kv, ids) -> list[list[torch.Tensor]]:
+    return [[kv.rows[layer][b].clone() for b in ids] for layer in range(kv.num_layers)]
+
+
+# ---------------------------------------------------------------------------- bytes
+
+
+def test_every_job_type_moves_the_right_bytes(kv, host, make_engine) -> None:
+    rng = random.Random(1)
+    engine = make_engine()
+    blocks = rng.sample(range(kv.num_blocks), 3 * C)
+    chunks = {slot: tuple(blocks[i * C : (i + 1) * C]) for i, slot in enumerate((0, 5, 9))}
+    want = _store_all(engine, kv, chunks)
+    for slot, ids in chunks.items():
+        assert_slot_holds(kv, host, slot, ids, snapshot=want[slot])
+
+    # spill two chunks, wreck their host copies, promote them back into other slots
+    engine.submit([SpillJob(10, make_key(0), 0, 3), SpillJob(11, make_key(5), 5, 7)])
+    assert all(r.ok for r in results_by_id(engine, 2).values())
+    host.slot(0).fill_(0xAA)
+    host.slot(5).fill_(0x55)
+    engine.submit([PromoteJob(12, make_key(0), 3, 1), PromoteJob(13, make_key(5), 7, 2)])
+    assert all(r.ok for r in results_by_id(engine, 2).values())
+    assert_slot_holds(kv, host, 1, chunks[0], snapshot=want[0])
+    assert_slot_holds(kv, host, 2, chunks[5], snapshot=want[5])
+
+    # load: chunk 9 from host, the spilled chunk 0 straight from disk (into slot 0 again)
+    free = [b for b in range(kv.num_blocks) if b not in blocks]
+    rng.shuffle(free)
+    target_a, target_b = tuple(free[:C]), tuple(free[C : 2 * C])
+    untouched = [b for b in range(kv.num_blocks) if b not in target_a + target_b]
+    before = _device_blocks(kv, untouched)
+    engine.submit([LoadJob(14, "req", (
+        LoadChunk(make_key(9), 9, 0, target_a),
+        LoadChunk(make_key(0), 0, 0, target_b, disk_slot=3),
+    ))])
+    assert results_by_id(engine, 1)[14] == JobResult(14, True)
+    for layer in range(kv.num_layers):
+        for j in range(C):
+            assert torch.equal(kv.rows[layer][target_a[j]], want[9][(layer, j)])
+            assert torch.equal(kv.rows[layer][target_b[j]], want[0][(layer, j)])
+    after = _device_blocks(kv, untouched)
+    assert all(torch.equal(a, b) for la, lb in zip(after, before, strict=True)
+               for a, b in zip(la, lb, strict=True))
+    stats = engine.take_stats()
+    assert stats["ops"] == {"d2h": 3, "h2d": 2, "spill": 2, "restore": 3}
+    assert stats["bytes"]["d2h"] == 3 * host.payload_bytes
+    assert stats["failures"] == {} and len(stats["latency_s"]["store"]) == 3
+    again = engine.take_stats()
+    assert again["ops"] == dict.fromkeys(again["ops"], 0) and again["latency_s"]["store"] == []
+
+
+def test_mid_chunk_load_copies_only_the_tail(kv, host, make_engine) -> None:
+    engine = make_engine()
+    ids = (3, 17, 8, 30)
+    want = _store_all(engine, kv, {4: ids})
+    engine.submit([SpillJob(2, make_key(4), 4, 0)])
+    assert results_by_id(engine, 1)[2].ok
+    targets_host, targets_disk = (20, 21, 22), (33, 11)
+    other = [b for b in range(kv.num_blocks) if b not in targets_host + targets_disk]
+    before = device_snapshot(kv)
+    engine.submit([
+        LoadJob(3, "a", (LoadChunk(make_key(4), 4, 1, targets_host),)),
+        LoadJob(4, "b", (LoadChunk(make_key(4), 6, 2, targets_disk, disk_slot=0),)),
+    ])
+    results = results_by_id(engine, 2)
+    assert results[3].ok and results[4].ok
+    for layer in range(kv.num_layers):
+        for j, block in enumerate(targets_host):
+            assert torch.equal(kv.rows[layer][block], want[4][(layer, 1 + j)])
+        for j, block in enumerate(targets_disk):
+            assert torch.equal(kv.rows[layer][block], want[4][(layer, 2 + j)])
+        for block in other:
+            assert torch.equal(kv.rows[layer][block], before[layer][block])
+
+
+def test_many_random_jobs_in_one_submit(kv, host, make_engine) -> None:
+    rng = random.Random(7)
+    engine = make_engine()
+    jobs, want = [], {}
+    blocks = rng.sample(range(kv.num_blocks), kv.num_blocks)
+    for i, slot in enumerate(rng.sample(range(host.num_slots), 8)):
+        ids = tuple(blocks[i * C : (i + 1) * C])
+        want[slot] = (ids, expected_slot(kv, C, ids))
+        jobs.append(StoreJob(100 + i, make_key(slot), slot, ids))
+    engine.submit(jobs)
+    assert all(r.ok for r in results_by_id(engine, len(jobs)).values())
+    for slot, (ids, snapshot) in want.items():
+        assert_slot_holds(kv, host, slot, ids, snapshot=snapshot)
+
+
+# ---------------------------------------------------------------------------- pipelining
+
+
+def test_load_reads_next_chunk_from_disk_while_previous_goes_h2d(kv, host, slab, fio, make_engine) -> None:
+    backend = SlowBackend(delay_s=0.15)
+    engine = make_engine(backend, io_threads=1)  # one I/O thread: reads happen one by one
+    chunks = {0: (1, 2, 3, 4), 1: (5, 6, 7, 8), 2: (9, 10, 11, 12)}
+    _store_all(engine, kv, chunks)
+    engine.submit([SpillJob(10 + s, make_key(s), s, s) for s in chunks])
+    assert all(r.ok for r in results_by_id(engine, 3).values())
+    fio.reads.clear()
+    fio.delay("read", 0.1)
+    backend.log.clear()
+    targets = [(20, 21, 22, 23), (24, 25, 26, 27), (28, 29, 30, 31)]
+    engine.submit([LoadJob(20, "r", tuple(
+        LoadChunk(make_key(s), 3 + s, 0, targets[s], disk_slot=s) for s in chunks
+    ))])
+    assert results_by_id(engine, 1)[20].ok
+    reads = {offset // slab.slot_stride: (start, end) for offset, start, end in fio.reads}
+    h2d = {}  # chunk -> (start, end) of the h2d call that carried it
+    for direction, start, end, pairs in backend.log:
+        for slot, _, _ in pairs:
+            if direction == "h2d":
+                h2d[slot - 3] = (start, end)
+    assert sorted(h2d) == [0, 1, 2]
+    for i in range(3):
+        assert h2d[i][0] >= reads[i][1]  # chunk i goes h2d only after its verified read
+    for i in range(2):
+        assert reads[i + 1][0] < h2d[i][1]  # chunk i+1 is read while chunk i goes h2d
+    for i in range(3):
+        for layer in range(kv.num_layers):
+            for j, block in enumerate(targets[i]):
+                assert torch.equal(kv.rows[layer][block], kv.rows[layer][chunks[i][j]])
+
+
+def test_independent_jobs_run_concurrently(kv, host, make_engine, fio) -> None:
+    backend = SlowBackend()
+    gate = backend.gate("h2d")
+    engine = make_engine(backend)
+    _store_all(engine, kv, {0: (1, 2, 3, 4)})
+    engine.submit([LoadJob(2, "r", (LoadChunk(make_key(0), 0, 0, (10, 11, 12, 13)),))])
+    assert backend.started["h2d"].wait(5)
+    # a store is not stuck behind a blocked load (separate lane, separate stream)
+    t0 = time.monotonic()
+    engine.submit([StoreJob(3, make_key(1), 1, (5, 6, 7, 8))])
+    got = results_by_id(engine, 1)
+    assert got[3].ok and time.monotonic() - t0 < 1.0
+    gate.set()
+    assert results_by_id(engine, 1)[2].ok
+
+
+# ---------------------------------------------------------------------------- fences
+
+
+def test_fence_waits_for_running_store_and_cancels_queued(kv, host, make_engine) -> None:
+    backend = SlowBackend()
+    gate = backend.gate("d2h")
+    engine = make_engine(backend)
+    running = expected_slot(kv, C, (1, 2, 3, 4))
+    engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
+    assert backend.started["d2h"].wait(5)
+    engine.submit([StoreJob(2, make_key(2), 2, (5, 6, 7, 8)), StoreJob(3, make_key(3), 3, (9, 10, 11, 12))])
+
+    t0 = time.monotonic()
+    engine.fence_blocks([30, 31, 32])  # nothing reads these: returns at once
+    assert time.monotonic() - t0 < 0.05
+
+    fenced = threading.Thread(target=engine.fence_blocks, args=([2, 6],))
+    fenced.start()
+    fenced.join(0.3)
+    assert fenced.is_alive(), "the fence returned while a store still read block 2"
+    gate.set()
+    fenced.join(5)
+    assert not fenced.is_alive()
+    results = results_by_id(engine, 3)
+    assert results[1].ok
+    assert results[2] == JobResult(2, False, "cancelled")
+    assert results[3].ok
+    assert_slot_holds(kv, host, 1, (1, 2, 3, 4), snapshot=running)
+
+
+def test_fence_timeout_fails_the_store_it_gave_up_on(kv, host, make_engine) -> None:
+    backend = SlowBackend()
+    gate = backend.gate("d2h")
+    engine = make_engine(backend)
+    engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
+    assert backend.started["d2h"].wait(5)
+    t0 = time.monotonic()
+    engine.fence_blocks([3], timeout_s=0.1)
+    assert 0.09 < time.monotonic() - t0 < 1.0
+    gate.set()
+    assert results_by_id(engine, 1)[1] == JobResult(1, False, "cancelled")
+
+
+# ---------------------------------------------------------------------------- shutdown
+
+
+def test_shutdown_with_jobs_in_flight_is_bounded_and_reports_everything(kv, host, slab, fio, make_engine) -> None:
+    backend = SlowBackend()
+    engine = make_engine(backend)
+    _store_all(engine, kv, {0: (1, 2, 3, 4)})
+    engine.submit([SpillJob(2, make_key(0), 0, 0)])
+    assert results_by_id(engine, 1)[2].ok
+    release = fio.hang("read")
+    gate = backend.gate("d2h")
+    jobs = [
+        StoreJob(3, make_key(3), 3, (5, 6, 7, 8)),  # blocked in the copy
+        StoreJob(4, make_key(4), 4, (9, 10, 11, 12)),  # queued behind it
+        LoadJob(5, "r", (LoadChunk(make_key(0), 6, 0, (20, 21, 22, 23), disk_slot=0),)),  # hung read
+        PromoteJob(6, make_key(0), 0, 7),  # hung read
+        *[SpillJob(10 + i, make_key(0), 0, 1 + i) for i in range(5)],  # held by hung reads
+    ]
+    engine.submit(jobs)
+    assert backend.started["d2h"].wait(5)
+    t0 = time.monotonic()
+    engine.shutdown(timeout_s=0.3)
+    assert time.monotonic() - t0 < 3.0
+    results = results_by_id(engine, len(jobs))
+    assert {r.failure for r in results.values()} <= {"cancelled", None}
+    assert results[5] == JobResult(5, False, "cancelled", (20, 21, 22, 23))
+    assert results[4].failure == "cancelled"
+    engine.shutdown()  # idempotent
+    engine.submit([StoreJob(99, make_key(9), 9, (1, 2, 3, 4))])
+    assert results_by_id(engine, 1)[99] == JobResult(99, False, "cancelled")
+    gate.set()
+    release.set()
+    fio.release_all()
+
+
+def test_drain_and_poll_are_non_blocking(kv, host, make_engine) -> None:
+    engine = make_engine()
+    assert engine.poll() == [] and engine.drain(0.1)
+    engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
+    assert engine.drain(5)
+    assert [r.job_id for r in engine.poll()] == [1]
+
+
+# ---------------------------------------------------------------------------- backpressure
+
+
+def test_slow_disk_drops_spills_and_never_delays_stores(kv, host, fio, make_engine) -> None:
+    engine = make_engine(spill_queue_depth=2, io_threads=2)
+    _store_all(engine, kv, {0: (1, 2, 3, 4)})
+    engine.take_stats()
+    fio.delay("write", 0.3)
+    engine.submit([SpillJob(10 + i, make_key(0), 0, i) for i in range(8)])
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    engine.submit([StoreJob(30 + i, make_key(30 + i), 1 + i, (5 + i, 10 + i, 20 + i, 30 + i)) for i in range(4)])
+    stores = {}
+    while len(stores) < 4 and time.monotonic() - t0 < 5:
+        for r in engine.poll():
+            if r.job_id >= 30:
+                stores[r.job_id] = r
+            else:
+                assert r.failure == "dropped", r
+        time.sleep(0.002)
+    assert all(r.ok for r in stores.values()) and len(stores) == 4
+    assert time.monotonic() - t0 < 0.25, "stores waited for the slow disk"
+    assert engine.drain(5)
+    stats = engine.take_stats()
+    # the burst arrives at once: two fit the queue, the other six are dropped
+    assert stats["spills_dropped"] == 6 and stats["ops"]["spill"] == 2
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("fault", ["checksum", "io_error", "short_read", "missing_slab"])
+def test_failed_read_in_load_fails_that_chunk_and_all_after(kv, host, slab, fio, make_engine, fault) -> None:
+    engine = make_engine(with_slab=fault != "missing_slab")
+    chunks = {0: (1, 2, 3, 4), 1: (5, 6, 7, 8), 2: (9, 10, 11, 12)}
+    _store_all(engine, kv, chunks)
+    if fault != "missing_slab":
+        engine.submit([SpillJob(10, make_key(1), 1, 4)])
+        assert results_by_id(engine, 1)[10].ok
+    at = slab.slot_offset(4)
+    if fault == "checksum":
+        fio.flip_read_bit(4096 + 100, at=at)  # a payload byte: header fine, checksum not
+    elif fault == "io_error":
+        fio.fail_reads(at=at)
+    elif fault == "short_read":
+        fio.short_reads(4096, at=at)
+    targets = [(20, 21, 22, 23), (24, 25, 26, 27), (28, 29, 30, 31)]
+    before = device_snapshot(kv)
+    engine.submit([LoadJob(5, "r", (
+        LoadChunk(make_key(0), 0, 0, targets[0]),
+        LoadChunk(make_key(1), 5, 0, targets[1], disk_slot=4),
+        LoadChunk(make_key(2), 2, 0, targets[2]),
+    ))])
+    result = results_by_id(engine, 1)[5]
+    kind = {"missing_slab": "missing"}.get(fault, fault)
+    assert result == JobResult(5, False, kind, targets[1] + targets[2])
+    for layer in range(kv.num_layers):
+        for j, block in enumerate(targets[0]):
+            assert torch.equal(kv.rows[layer][block], slot_block(kv, host, 0, layer, j))
+        for block in targets[1] + targets[2]:  # nothing after the failed read reached the device
+            assert torch.equal(kv.rows[layer][block], before[layer][block])
+    assert engine.take_stats()["failures"] == {kind: 1}
+
+
+def test_promote_timeout_keeps_the_slot_reserved_until_the_read_returns(kv, host, fio, make_engine) -> None:
+    engine = make_engine(load_timeout_s=0.2)
+    _store_all(engine, kv, {0: (1, 2, 3, 4)})
+    engine.submit([SpillJob(2, make_key(0), 0, 0)])
+    assert results_by_id(engine, 1)[2].ok
+    release = fio.hang("read", times=1)
+    engine.submit([PromoteJob(3, make_key(0), 0, 5)])
+    assert results_by_id(engine, 1, timeout_s=3)[3] == JobResult(3, False, "timeout")
+    # the hung read still owns slot 5: a store into it is refused, not corrupted
+    engine.submit([StoreJob(4, make_key(4), 5, (5, 6, 7, 8))])
+    assert results_by_id(engine, 1)[4] == JobResult(4, False, "copy_error")
+    release.set()
+    deadline = time.monotonic() + 3
+    while engine.take_stats()["queue_depths"]["host_slots_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.submit([StoreJob(6, make_key(4), 5, (5, 6, 7, 8))])
+    assert results_by_id(engine, 1)[6].ok
+
+
+def test_bad_job_fails_alone(kv, host, make_engine) -> None:
+    engine = make_engine()
+    engine.submit([
+        StoreJob(1, make_key(1), 1, (1, 2, 3, 999)),
+        StoreJob(2, make_key(2), 2, (5, 6, 7, 8)),
+        LoadJob(3, "r", (LoadChunk(make_key(1), 1, 0, (10, 11)), LoadChunk(make_key(1), 99, 0, (12,)))),
+    ])
+    results = results_by_id(engine, 3)
+    assert results[1].failure == "copy_error" and results[2].ok
+    assert results[3] == JobResult(3, False, "copy_error", (12,))
+    with pytest.raises(TypeError):
+        engine.submit(["not a job"])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------------------- slot reuse
+
+
+def test_slot_in_flight_is_never_reused(kv, host, make_engine) -> None:
+    backend = SlowBackend()
+    gate = backend.gate("d2h")
+    engine = make_engine(backend)
+    want = expected_slot(kv, C, (1, 2, 3, 4))
+    engine.submit([StoreJob(1, make_key(1), 3, (1, 2, 3, 4))])
+    assert backend.started["d2h"].wait(5)
+    # while the store still writes slot 3: no second writer, no reader
+    engine.submit([
+        StoreJob(2, make_key(2), 3, (5, 6, 7, 8)),
+        SpillJob(3, make_key(1), 3, 0),
+        LoadJob(4, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),)),
+        PromoteJob(5, make_key(1), 0, 3),
+    ])
+    early = results_by_id(engine, 4)
+    assert {i: r.failure for i, r in early.items()} == dict.fromkeys((2, 3, 4, 5), "copy_error")
+    assert early[4].failed_block_ids == (20, 21, 22, 23)
+    gate.set()
+    assert results_by_id(engine, 1)[1].ok
+    assert_slot_holds(kv, host, 3, (1, 2, 3, 4), snapshot=want)
+
+
+def test_promote_into_a_slot_being_loaded_is_refused(kv, host, fio, make_engine) -> None:
+    engine = make_engine()
+    _store_all(engine, kv, {0: (1, 2, 3, 4)})
+    engine.submit([SpillJob(2, make_key(0), 0, 0)])
+    assert results_by_id(engine, 1)[2].ok
+    fio.delay("read", 0.3, times=1)
+    before = device_snapshot(kv)
+    engine.submit([PromoteJob(3, make_key(0), 0, 6)])  # slow read writing slot 6
+    time.sleep(0.05)
+    engine.submit([LoadJob(4, "r", (LoadChunk(make_key(0), 6, 0, (30, 31, 32, 33)),))])
+    results = results_by_id(engine, 2)
+    assert results[3].ok
+    assert results[4] == JobResult(4, False, "copy_error", (30, 31, 32, 33))
+    for layer in range(kv.num_layers):
+        for block in (30, 31, 32, 33):
+            assert torch.equal(kv.rows[layer][block], before[layer][block])
