@@ -162,6 +162,27 @@ class TieredKVConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    # ------------------------------------------------------------------ metrics
+
+    def get_kv_connector_stats(self):
+        from tieredkv.stats import TieredKVStats
+
+        half = self._scheduler if self._scheduler is not None else self._worker
+        stats = TieredKVStats(data=half.stats_snapshot())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from tieredkv.stats import TieredKVStats
+
+        return TieredKVStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from tieredkv.prom_metrics import TieredKVPromMetrics
+
+        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def reset_cache(self) -> bool | None:
         if self._scheduler is not None:
             return self._scheduler.reset_cache()

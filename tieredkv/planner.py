@@ -119,6 +119,7 @@ class Planner:
         self.disk = TierIndex("disk", num_disk_slots, config.eviction) if num_disk_slots else None
         self.catalog = catalog
         self.counters: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
         self._requests: dict[str, _Request] = {}
@@ -508,6 +509,29 @@ class Planner:
             return True
         self.counters["disk_admission_rejected"] += 1
         return False
+
+    def take_counter_deltas(self) -> dict[str, int]:
+        """Counter increments since the last call (vLLM's stats path carries deltas)."""
+        deltas = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
+        self._reported = Counter(self.counters)
+        return {k: v for k, v in deltas.items() if v}
+
+    def gauges(self) -> dict[str, int]:
+        """Current occupancy, for usage-vs-capacity panels."""
+        disk = self.disk
+        return {
+            "host_slots_capacity": self.host.num_slots,
+            "host_slots_used": self.host.used_slots,
+            "host_slots_pinned": self.host.pinned_count,
+            "host_entries": len(self.host),
+            "disk_slots_capacity": disk.num_slots if disk else 0,
+            "disk_slots_used": disk.used_slots if disk else 0,
+            "disk_entries": len(disk) if disk else 0,
+            "requests_waiting_on_load": sum(
+                1 for r in self._requests.values() if r.load_job is not None or r.promote_jobs
+            ),
+            "jobs_in_flight": len(self._jobs),
+        }
 
     @property
     def pending_jobs(self) -> int:

@@ -176,6 +176,18 @@ class SchedulerHalf:
         self.planner.reset()
         return True
 
+    def stats_snapshot(self) -> dict:
+        """Scheduler-side counter deltas and gauges (plain data for vLLM's stats path)."""
+        return {
+            "scheduler": {
+                "counters": self.planner.take_counter_deltas(),
+                "gauges": self.planner.gauges(),
+                "chunk_bytes": self.geometry.chunk_payload_bytes,
+                "chunk_tokens": self.geometry.block_size * self.config.chunk_blocks,
+                "world_size": self.geometry.world_size,
+            }
+        }
+
     def has_pending_work(self) -> bool:
         return self.planner.has_pending_work()
 

@@ -56,11 +56,12 @@ class WorkerHalf:
         self._vllm_copy_op = copy_operation
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from tieredkv.faults import maybe_inject
         from tieredkv.transfer.copy_ops import select_backend
         from tieredkv.transfer.engine import TransferEngine
         from tieredkv.transfer.kv_views import KVViews
 
-        views = KVViews.from_kv_caches(kv_caches, self.num_blocks)
+        views = KVViews.from_kv_caches(kv_caches, self.num_blocks, layout=self.geometry.namespace.kv_layout)
         payload = views.slot_payload_bytes(self.config.chunk_blocks)
         if payload != self.geometry.chunk_payload_bytes:
             raise ValueError(
@@ -83,9 +84,9 @@ class WorkerHalf:
                 payload_bytes=payload,
                 fingerprint=self.geometry.fingerprint,
             )
-        backend = select_backend(
+        backend = maybe_inject(select_backend(
             self.config.copy_backend, kv=views, host=self.host, vllm_copy_op=self._vllm_copy_op
-        )
+        ))
         self.engine = TransferEngine(
             views,
             self.host,
@@ -184,6 +185,12 @@ class WorkerHalf:
             return None
         outcomes, self._outcomes = self._outcomes, {}
         return TieredKVWorkerMetadata(outcomes=outcomes)
+
+    def stats_snapshot(self) -> dict:
+        """This rank's transfer counters since the last call (see TransferEngine.take_stats)."""
+        if self.engine is None:
+            return {}
+        return {"workers": {str(self.rank): self.engine.take_stats()}}
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,15 @@ def run_engine(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
     _require_vllm()
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
-    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), handle.name],
+            capture_output=True, text=True, timeout=timeout, env=full_env,
+        )
+    finally:
+        os.unlink(handle.name)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT="):
             return json.loads(line[len("RESULT="):])

@@ -1,7 +1,7 @@
 """Run one vLLM engine (one configuration) in its own process and print results as JSON.
 
 The worker-side connector is a process global in vLLM, so every configuration gets a fresh
-process. Input: a JSON spec on argv[1]; output: one JSON line prefixed with RESULT= on stdout.
+process. Input: the path of a JSON spec in argv[1]; output: one JSON line prefixed with RESULT= on stdout.
 Phases run in order on the same engine: ``generate`` (a batch of prompts), ``reset_prefix``
 (vLLM's own prefix cache, so the next phase can only hit tieredkv), ``reset_all`` (tieredkv
 too), ``drain`` (wait until tieredkv has no job in flight).
@@ -37,7 +37,8 @@ def drain(llm, timeout_s: float = 30.0) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    with open(sys.argv[1]) as handle:
+        spec = json.load(handle)
     from vllm import LLM, SamplingParams
 
     kwargs = dict(

@@ -178,7 +178,7 @@ def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
     print("[demo] restarting the server on the same disk tier", flush=True)
     with Server(model, kv_config, workdir / "server2.log") as server:
         last_turn = [p for p in prompts if p[0] == turns - 1]
-        for turn, user, tokens in last_turn:
+        for _turn, user, tokens in last_turn:
             ttft, _ = server.complete(tokens)
             rows.append((f"run 2 (restart) user {user} ({len(tokens)} tok) from disk", ttft, len(tokens)))
         after = server.metrics()

@@ -1,0 +1,96 @@
+"""tieredkv's stats on vLLM's own path: one ``KVConnectorStats`` for both halves.
+
+Data shape (msgpack-safe: dicts of str -> numbers / lists of numbers)::
+
+    {"scheduler": {"counters": {name: delta}, "gauges": {name: value},
+                   "chunk_bytes": int, "chunk_tokens": int, "world_size": int},
+     "workers": {"<rank>": {"bytes": {dir: n}, "ops": {dir: n}, "spills_dropped": n,
+                             "failures": {kind: n}, "latency_s": {job_kind: [s, ...]},
+                             "queue_depths": {name: n}}}}
+
+Counters are per-step deltas; ``aggregate`` adds them up, gauges keep the latest value.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+# Every failure cause a load/promote/store/spill can report; exported from the start at 0.
+FAILURE_CAUSES = (
+    "io_error", "short_read", "checksum", "wrong_key", "missing", "timeout",
+    "no_space", "wrong_namespace", "copy_error", "cancelled", "injected",
+)
+
+
+def _add_numbers(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, dict):
+            _add_numbers(into.setdefault(key, {}), value)
+        elif isinstance(value, list):
+            into.setdefault(key, []).extend(value)
+        else:
+            into[key] = into.get(key, 0) + value
+
+
+def _merge_worker(into: dict[str, Any], other: dict[str, Any]) -> None:
+    gauges = other.get("queue_depths")
+    _add_numbers(into, {k: v for k, v in other.items() if k != "queue_depths"})
+    if gauges is not None:
+        into["queue_depths"] = dict(gauges)
+
+
+@dataclass
+class TieredKVStats(KVConnectorStats):
+    """Counter deltas and latest gauges from the scheduler half and every worker rank."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        sched = self.data.get("scheduler")
+        workers = self.data.get("workers") or {}
+        if sched and (sched.get("counters") or sched.get("gauges")):
+            return False
+        for snap in workers.values():
+            if any(snap.get("bytes", {}).values()) or any(snap.get("ops", {}).values()):
+                return False
+            if snap.get("failures") or snap.get("spills_dropped"):
+                return False
+            if any(snap.get("latency_s", {}).values()):
+                return False
+        return True
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        data = copy.deepcopy(self.data)
+        other_data = other.data if other is not None else {}
+        sched = other_data.get("scheduler")
+        if sched:
+            mine = data.setdefault("scheduler", {})
+            _add_numbers(mine.setdefault("counters", {}), sched.get("counters", {}))
+            for key in ("gauges", "chunk_bytes", "chunk_tokens", "world_size"):
+                if key in sched:
+                    mine[key] = copy.deepcopy(sched[key])
+        for rank, snap in (other_data.get("workers") or {}).items():
+            _merge_worker(data.setdefault("workers", {}).setdefault(rank, {}), snap)
+        return TieredKVStats(data=data)
+
+    def reduce(self) -> dict[str, int | float]:
+        """A one-line summary for vLLM's periodic log."""
+        sched = self.data.get("scheduler", {})
+        counters = sched.get("counters", {})
+        moved: dict[str, int] = {}
+        failures = 0
+        for snap in (self.data.get("workers") or {}).values():
+            for direction, nbytes in snap.get("bytes", {}).items():
+                moved[direction] = moved.get(direction, 0) + nbytes
+            failures += sum(snap.get("failures", {}).values())
+        return {
+            "hit_tokens_host": counters.get("hit_tokens_host", 0),
+            "hit_tokens_disk": counters.get("hit_tokens_disk", 0),
+            **{f"{d}_MiB": round(n / 2**20, 2) for d, n in sorted(moved.items())},
+            "failures": failures,
+        }
