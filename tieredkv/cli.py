@@ -313,6 +313,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workdir", type=Path, default=Path(".tieredkv-demo"),
+                        help="where the model, disk tier and server logs go")
+    parser.add_argument("--users", type=int, default=3, help="concurrent conversations")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
+
+
+@subcommand("demo", "serve long multi-turn prompts through vLLM + tieredkv and print TTFT", configure=_demo_args)
+def demo_cmd(args: argparse.Namespace) -> int:
+    from tieredkv.tools.demo import run_demo
+
+    return run_demo(args.workdir, users=args.users, turns=args.turns)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="tieredkv: %(levelname)s: %(message)s")
     parser = build_parser()
