@@ -250,3 +250,18 @@ def test_eviction_policies_make_room_for_new_chunks(policy):
         store_prompt(planner, f"r{i}", [i * 100_000 + t for t in range(CHUNK_TOKENS + 1)])
     assert planner.host.ready_count == 2
     assert planner.counters["evictions_host"] == 3
+
+
+def test_promotion_never_evicts_resident_chunks_of_its_own_prefix():
+    planner = make(host_slots=3, disk_slots=8)
+    a = list(range(3 * CHUNK_TOKENS + 1))
+    store_prompt(planner, "a", a)
+    ok_all(planner, planner.take_plan())  # spills of a
+    store_prompt(planner, "b", [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)])
+    keys = keys_for(a)
+    assert [planner.host.is_ready(k) for k in keys] == [False, False, True]
+    assert planner.lookup("c", keys, 0, len(a)) is None
+    plan = planner.take_plan()
+    assert {p.key for p in plan.promotes} == {keys[0], keys[1]}
+    ok_all(planner, plan)
+    assert planner.lookup("c", keys, 0, len(a)) == 3 * CHUNK_TOKENS

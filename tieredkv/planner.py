@@ -215,7 +215,21 @@ class Planner:
         return any(key in self._jobs[j].keys for j in state.promote_jobs)
 
     def _promote(self, state: _Request, run: list[bytes], disk_chunks: list[bytes]) -> list[bytes]:
-        """Queue disk -> host promotions for the disk chunks of a run; trims the run on a miss."""
+        """Queue disk -> host promotions for the disk chunks of a run; trims the run on a miss.
+
+        The run's host-resident chunks are pinned meanwhile, so making room for chunk i never
+        evicts chunk j < i of the same prefix.
+        """
+        resident = [key for key in run if self.host.is_ready(key)]
+        for key in resident:
+            self.host.pin(key)
+        try:
+            return self._promote_run(state, run, disk_chunks)
+        finally:
+            for key in resident:
+                self.host.unpin(key)
+
+    def _promote_run(self, state: _Request, run: list[bytes], disk_chunks: list[bytes]) -> list[bytes]:
         issued = False
         for pos, key in enumerate(run):
             if key not in disk_chunks:
@@ -223,6 +237,9 @@ class Planner:
             allocation = self.host.allocate(key)
             if allocation is None:
                 self.counters["promote_no_host_slot"] += 1
+                if issued:
+                    state.promote_rounds += 1
+                    state.promote_deadline = time.monotonic() + self.config.load_timeout_s
                 return run[:pos]
             host_slot, evicted = allocation
             self._count_evictions("host", evicted)
