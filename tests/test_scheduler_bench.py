@@ -1,0 +1,95 @@
+"""Smoke test of benchmarks/scheduler_bench.py: its smallest profile, in-process.
+
+Builds both scheduler halves (tieredkv and vLLM's OffloadingConnector) from real vLLM
+configs, runs every measurement once or a few times, and checks that the rows are sane
+and the results files are written. Timings themselves are not judged here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("scheduler_bench_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_bench()
+
+
+def test_smoke_profile_gives_sane_rows(bench, tmp_path):
+    # No plot: importing matplotlib alone would cost seconds of the smoke test's budget.
+    result = bench.run("smoke", out_dir=tmp_path, make_plot=False, show_progress=False)
+    profile = bench.PROFILES["smoke"]
+    rows = result.rows
+
+    lookups = [r for r in rows if r["group"] == "lookup"]
+    assert len(lookups) == 2 * 2 * len(profile.sizes)  # hit/miss x cold/repeat x sizes
+    assert {(r["state"], r["phase"], r["size"]) for r in lookups} == {
+        (s, p, n) for s in ("hit", "miss") for p in ("cold", "repeat") for n in profile.sizes
+    }
+    metas = [r for r in rows if r["group"] == "meta"]
+    assert {(r["variant"], r["size"]) for r in metas} == {
+        (v, c) for v in ("decode", "prefill") for c in profile.running
+    }
+    assert {r["operation"] for r in rows if r["group"] == "keying"} == {
+        "keying alone: chunk keys from block hashes (256 keys)",
+        "index lookups alone: 256 keys, all present",
+    }
+    for row in rows:
+        for side in ("tieredkv", "vllm"):
+            median, p90 = row[f"{side}_median_us"], row[f"{side}_p90_us"]
+            assert math.isfinite(median) and 0 < median < 1e6, row
+            assert median <= p90 + 1e-9, row
+        assert row["ratio"] == pytest.approx(row["tieredkv_median_us"] / row["vllm_median_us"])
+        assert row["verdict"] in ("PASS", "PASS (within noise)", "FAIL"), row
+        assert row["samples"] >= 1
+
+    # The hit rows really hit: everything but the block of the last prompt token.
+    hit_tokens = result.payload["hit_tokens"]
+    for n in profile.sizes:
+        assert hit_tokens["tieredkv"][n] == (n - 1) // bench.BLOCK_SIZE * bench.BLOCK_SIZE
+        assert n - bench.CHUNK_TOKENS <= hit_tokens["vllm"][n] <= n
+
+    # The smoke profile stops at 4k tokens: the 128k target row is reported as not measured.
+    assert result.payload["targets"]["lookup_128k_under_2ms"] == "not measured"
+    assert result.payload["machine"]["name"]
+
+    data = json.loads((tmp_path / "scheduler_bench.json").read_text())
+    assert data["profile"] == "smoke" and len(data["rows"]) == len(rows)
+    markdown = (tmp_path / "scheduler_bench.md").read_text()
+    assert "| operation | size | tieredkv µs median (p90) |" in markdown
+    assert "Keying a 128k-token prompt" in markdown
+    assert not (tmp_path / "scheduler_bench.png").exists()
+
+
+def test_percentiles_and_table(bench):
+    common = bench.common
+    assert common.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == pytest.approx(9.1)
+    assert common.summarize([3.0, 1.0, 2.0])["median"] == 2.0
+    table = common.markdown_table([{"a": 1.5, "b": "x|y"}], [("a", "A"), ("b", "B")])
+    assert table.splitlines() == ["| A | B |", "|---|---|", "| 1.5 | x\\|y |"]
+
+
+def test_verdicts_use_the_noise_band(bench):
+    assert bench.verdict(0.8) == "PASS"
+    assert bench.verdict(1.0) == "PASS"
+    assert bench.verdict(1.05) == "PASS (within noise)"
+    assert bench.verdict(1.1) == "PASS (within noise)"
+    assert bench.verdict(1.11) == "FAIL"
+    assert bench.verdict(float("nan")) == "n/a"
