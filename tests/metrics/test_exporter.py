@@ -1,0 +1,122 @@
+"""The standalone exporter: same metrics as inside vLLM, plain prometheus_client, no vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tieredkv.exporter import (
+    FAILURE_CAUSES,
+    HISTOGRAM,
+    METRIC_SPECS,
+    build_exporter_metrics,
+    start_exporter,
+)
+
+PAYLOAD = {
+    "scheduler": {
+        "counters": {"lookups": 2, "hit_tokens_disk": 256, "evictions_disk": 1,
+                     "spill_failed_io_error": 1, "disk_read_failed_wrong_key": 1},
+        "gauges": {"host_slots_capacity": 4, "host_slots_used": 4, "host_slots_pinned": 1,
+                   "disk_slots_capacity": 10, "disk_slots_used": 3,
+                   "requests_waiting_on_load": 2},
+        "chunk_bytes": 4096, "chunk_tokens": 64, "world_size": 1,
+    },
+    "workers": {"0": {"bytes": {"spill": 8192, "restore": 4096},
+                      "ops": {"spill": 2, "restore": 1}, "spills_dropped": 1, "failures": {},
+                      "latency_s": {"spill": [0.01, 0.2], "promote": [0.05]},
+                      "queue_depths": {"spill_queue": 7}}},
+}
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {"model_name": "bench", **labels})
+
+
+def test_exporter_does_not_import_vllm() -> None:
+    code = (
+        "import sys, tieredkv.exporter\n"
+        "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_exporter_records_a_stats_payload_exactly() -> None:
+    registry = CollectorRegistry()
+    metrics = build_exporter_metrics(registry, PAYLOAD, model_name="bench")
+    assert value(registry, "vllm:tieredkv_lookups_total") == 2
+    assert value(registry, "vllm:tieredkv_hit_tokens_total", tier="disk") == 256
+    assert value(registry, "vllm:tieredkv_hit_tokens_total", tier="host") == 0
+    assert value(registry, "vllm:tieredkv_evictions_total", tier="disk") == 1
+    assert value(registry, "vllm:tieredkv_spill_failures_total", cause="io_error") == 1
+    assert value(registry, "vllm:tieredkv_load_failures_total", cause="wrong_key") == 1
+    assert value(registry, "vllm:tieredkv_capacity_bytes", tier="disk") == 10 * 4096
+    assert value(registry, "vllm:tieredkv_used_bytes", tier="host") == 4 * 4096
+    assert value(registry, "vllm:tieredkv_pinned_host_slots") == 1
+    assert value(registry, "vllm:tieredkv_requests_waiting_on_load") == 2
+    assert value(registry, "vllm:tieredkv_bytes_total", direction="spill") == 8192
+    assert value(registry, "vllm:tieredkv_operations_total", direction="restore") == 1
+    assert value(registry, "vllm:tieredkv_spills_dropped_total") == 1
+    assert value(registry, "vllm:tieredkv_queue_depth", queue="spill_queue") == 7
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="spill") == 2
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_bucket",
+                 job="spill", le="0.1") == 1
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="promote") == 1
+    assert value(registry, "vllm:tieredkv_load_latency_seconds_count") == 0
+    for cause in FAILURE_CAUSES:
+        assert value(registry, "vllm:tieredkv_store_failures_total", cause=cause) == 0
+
+    metrics.observe(PAYLOAD)  # deltas again: counters double, gauges stay
+    assert value(registry, "vllm:tieredkv_lookups_total") == 4
+    assert value(registry, "vllm:tieredkv_bytes_total", direction="spill") == 16384
+    assert value(registry, "vllm:tieredkv_used_bytes", tier="host") == 4 * 4096
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="spill") == 4
+
+
+def test_exporter_and_vllm_share_names_help_and_label_values() -> None:
+    registry = CollectorRegistry()
+    build_exporter_metrics(registry, model_name="bench")
+    families = {family.name: family for family in registry.collect()}
+    assert set(families) == {spec.name for spec in METRIC_SPECS.values()}
+    for spec in METRIC_SPECS.values():
+        family = families[spec.name]
+        assert family.documentation == spec.help
+        wanted = {spec.name + "_count" if spec.kind == HISTOGRAM else spec.exposed_names[0]}
+        labels_seen = {
+            sample.labels.get(spec.label) if spec.label else None
+            for sample in family.samples if sample.name in wanted
+        }
+        assert labels_seen == (set(spec.values) if spec.label else {None})
+        assert all(s.labels["model_name"] == "bench" for s in family.samples)
+
+
+def test_building_twice_in_one_registry_is_refused() -> None:
+    registry = CollectorRegistry()
+    build_exporter_metrics(registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        build_exporter_metrics(registry)
+
+
+def test_start_exporter_serves_the_registry_on_loopback(parse_samples) -> None:
+    registry = CollectorRegistry()
+    build_exporter_metrics(registry, PAYLOAD, model_name="bench")
+    server, thread = start_exporter(0, registry)
+    try:
+        host, port = server.server_address[:2]
+        assert host == "127.0.0.1"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    samples = parse_samples(text)
+    assert samples.value("vllm:tieredkv_lookups_total", model_name="bench") == 2
+    assert samples.labelled("vllm:tieredkv_load_failures_total", "cause") == {
+        cause: (1.0 if cause == "wrong_key" else 0.0) for cause in FAILURE_CAUSES
+    }
