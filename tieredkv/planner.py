@@ -66,6 +66,8 @@ class _PendingHit:
     first_chunk: int
     keys: list[bytes]  # pinned host keys, chunk first_chunk + i
     disk_keys: set[bytes]
+    num_tokens: int = 0
+    epoch: int = 0
 
 
 @dataclass
@@ -119,6 +121,9 @@ class Planner:
         self.disk = TierIndex("disk", num_disk_slots, config.eviction) if num_disk_slots else None
         self.catalog = catalog
         self.counters: Counter[str] = Counter()
+        # Bumped whenever a pinned host entry may have been removed (reset, failed load):
+        # a cached pending hit from an older epoch is recomputed.
+        self._epoch = 0
         self._reported: Counter[str] = Counter()
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, _Job] = {}
@@ -162,29 +167,41 @@ class Planner:
         promised host chunks until :meth:`on_alloc` turns them into a load (or they are let go).
         """
         state = self._request(req_id)
+        self.counters["lookups"] += 1
+        cached = state.pending_hit
+        if (
+            cached is not None
+            and cached.epoch == self._epoch
+            and cached.start_token == num_computed_tokens
+            and cached.num_tokens == num_tokens
+        ):
+            # Asked again in the same state: the pinned chunks cannot have gone anywhere.
+            return cached.end_token - num_computed_tokens
         self._release_hit(state)
         if state.load_job is not None:
             return 0
         limit = (num_tokens - 1) // self.block_size * self.block_size
         first = num_computed_tokens // self.chunk_tokens
+        host_ready = self.host.is_ready
+        disk_ready = self.disk.is_ready if self.disk is not None else None
         run: list[bytes] = []
         disk_chunks: list[bytes] = []
         pending = False
         i = first
-        while i < len(keys) and i * self.chunk_tokens < limit:
+        last = min(len(keys), -(-limit // self.chunk_tokens))
+        while i < last:
             key = keys[i]
-            if self.host.is_ready(key):
+            if host_ready(key):
                 run.append(key)
-            elif self._promoting(state, key):
+            elif state.promote_jobs and self._promoting(state, key):
                 pending = True
                 run.append(key)
-            elif self.disk is not None and self.disk.is_ready(key):
+            elif disk_ready is not None and disk_ready(key):
                 disk_chunks.append(key)
                 run.append(key)
             else:
                 break
             i += 1
-        self.counters["lookups"] += 1
         if state.promote_jobs and time.monotonic() > state.promote_deadline:
             logger.warning("tieredkv: promotion for %s timed out; serving what is in memory", req_id)
             pending = False
@@ -194,20 +211,26 @@ class Planner:
             pending = pending or bool(state.promote_jobs)
         if pending and state.promote_jobs:
             return None
-        # The hit is the run of READY host chunks only.
-        ready: list[bytes] = []
-        for key in run:
-            if not self.host.is_ready(key):
-                break
-            ready.append(key)
+        if disk_chunks or pending:
+            # Only the leading READY host chunks can be promised.
+            ready: list[bytes] = []
+            for key in run:
+                if not host_ready(key):
+                    break
+                ready.append(key)
+        else:
+            ready = run
         end = min((first + len(ready)) * self.chunk_tokens, limit)
         hit = max(0, end - num_computed_tokens)
         if hit == 0:
             return 0
         for key in ready:
             self.host.pin(key)
+        promoted = state.promoted_keys
         state.pending_hit = _PendingHit(
-            num_computed_tokens, end, first, ready, disk_keys=state.promoted_keys & set(ready)
+            num_computed_tokens, end, first, ready,
+            disk_keys=promoted.intersection(ready) if promoted else set(),
+            num_tokens=num_tokens, epoch=self._epoch,
         )
         return hit
 
@@ -380,6 +403,7 @@ class Planner:
         for state in self._requests.values():
             self._release_hit(state)
             state.next_store_chunk = 0
+        self._epoch += 1
         self.host.clear()
         if self.disk is not None:
             self.disk.clear()
@@ -475,6 +499,7 @@ class Planner:
             self.host.unpin(key)
             if job.outcome.failed and failed_blocks.intersection(blocks):
                 self.host.remove(key)
+                self._epoch += 1
                 self.counters[f"load_failed_{job.outcome.failure}"] += 1
         self._detach(job_id, job)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.host_tier import align_up
-from tieredkv.keys import chunk_key
+from tieredkv.keys import LazyChunkKeys
 from tieredkv.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from tieredkv.planner import Planner
 from tieredkv.vllm_geometry import engine_geometry
@@ -93,7 +93,7 @@ class SchedulerHalf:
                 policy,
             )
         self._requests: dict[str, Any] = {}
-        self._keys: dict[str, list[bytes]] = {}
+        self._keys: dict[str, LazyChunkKeys] = {}
         logger.info(
             "tieredkv: scheduler ready: %d host slots, %d disk slots per rank, chunk %d tokens "
             "(%d bytes per rank), world size %d",
@@ -103,14 +103,13 @@ class SchedulerHalf:
 
     # ------------------------------------------------------------------ keys
 
-    def keys_for(self, request: Any) -> list[bytes]:
-        """Chunk keys of every full chunk of ``request``, extended incrementally."""
-        keys = self._keys.setdefault(request.request_id, [])
-        hashes = request.block_hashes
-        per = self._hashes_per_chunk
-        fingerprint = self.geometry.fingerprint
-        for chunk in range(len(keys), len(hashes) // per):
-            keys.append(chunk_key(fingerprint, bytes(hashes[(chunk + 1) * per - 1])))
+    def keys_for(self, request: Any) -> LazyChunkKeys:
+        """Chunk keys of every full chunk of ``request``, derived lazily and cached."""
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            keys = self._keys[request.request_id] = LazyChunkKeys(
+                self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk
+            )
         return keys
 
     # ------------------------------------------------------------------ vLLM calls
@@ -120,6 +119,8 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
         hit = self.planner.lookup(
             request.request_id, self.keys_for(request), num_computed_tokens, request.num_tokens
         )
