@@ -112,12 +112,18 @@ class _Plan:
         ]
         self.on_cpu = dev.device.type == "cpu"
         if self.on_cpu:
-            # numpy's fancy assignment scatters rows with a memcpy per row; torch's
-            # index_copy_ on CPU goes element by element (several times slower).
+            # On CPU, numpy moves rows with one memmove each at ~1-2 us per call; torch's
+            # index ops cost a TensorIterator per index (index_copy_ even goes element by
+            # element). np.take needs a C-contiguous source (else it copies the whole cache
+            # first), so strided layouts gather with torch.index_select instead.
             self.np_stacked = self.stacked.numpy() if self.stacked is not None else None
             self.np_pool = self.pool.numpy() if self.pool is not None else None
             self.np_rows = [r.numpy() for r in self.rows]
             self.np_pools = [p.numpy() for p in self.pools]
+            self.take_stacked = bool(
+                self.np_stacked is not None and self.np_stacked.flags.c_contiguous
+            )
+            self.take_rows = [bool(r.flags.c_contiguous) for r in self.np_rows]
         self.payload_elems = host.payload_bytes // w
 
 
@@ -150,59 +156,59 @@ class TorchCopyBackend(CopyBackend):
         if not pairs:
             return
         plan = self.plan(dev, host)
+        check_pairs(dev, host, plan.chunk_blocks, pairs)
         if not plan.on_cpu:
             return self._d2h_cuda(plan, dev, host, pairs)
-        flat = torch.tensor([b for _, _, ids in pairs for b in ids], dtype=torch.int64)
-        at = 0
+        stacked, pool, take = plan.np_stacked, plan.np_pool, plan.take_stacked
         for slot, first, ids in pairs:
             n = len(ids)
             if n == 0:
                 continue
-            run = _consecutive(ids)
-            if plan.stacked is not None:
-                out = plan.pool[slot, :, first : first + n]
+            run = n == 1 or _consecutive(ids)
+            if stacked is not None:
+                out = pool[slot, :, first : first + n]
                 if run:
-                    out.copy_(plan.stacked[:, ids[0] : ids[0] + n])
+                    out[...] = stacked[:, ids[0] : ids[0] + n]
+                elif take:
+                    # ids were range-checked above; "wrap" skips numpy's buffered bounds mode
+                    np.take(stacked, ids, axis=1, out=out, mode="wrap")
                 else:
-                    torch.index_select(plan.stacked, 1, flat[at : at + n], out=out)
-            else:
-                index = flat[at : at + n]
-                for rows, pool in zip(plan.rows, plan.pools, strict=True):
-                    out = pool[slot, first : first + n]
-                    if run:
-                        out.copy_(rows[ids[0] : ids[0] + n])
-                    else:
-                        torch.index_select(rows, 0, index, out=out)
-            at += n
+                    torch.index_select(plan.stacked, 1, torch.tensor(ids),
+                                       out=plan.pool[slot, :, first : first + n])
+                continue
+            index = None
+            for layer, (rows, pool_l) in enumerate(zip(plan.np_rows, plan.np_pools, strict=True)):
+                out = pool_l[slot, first : first + n]
+                if run:
+                    out[...] = rows[ids[0] : ids[0] + n]
+                elif plan.take_rows[layer]:
+                    np.take(rows, ids, axis=0, out=out, mode="wrap")
+                else:
+                    index = torch.tensor(ids) if index is None else index
+                    torch.index_select(plan.rows[layer], 0, index,
+                                       out=plan.pools[layer][slot, first : first + n])
 
     def h2d(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         if not pairs:
             return
         plan = self.plan(dev, host)
+        check_pairs(dev, host, plan.chunk_blocks, pairs)
         if not plan.on_cpu:
             return self._h2d_cuda(plan, dev, host, pairs)
-        flat = np.fromiter((b for _, _, ids in pairs for b in ids), dtype=np.int64)
-        at = 0
+        stacked, pool = plan.np_stacked, plan.np_pool
         for slot, first, ids in pairs:
             n = len(ids)
             if n == 0:
                 continue
-            run = _consecutive(ids)
-            if plan.np_stacked is not None:
-                src = plan.np_pool[slot, :, first : first + n]
-                if run:
-                    plan.np_stacked[:, ids[0] : ids[0] + n] = src
-                else:
-                    plan.np_stacked[:, flat[at : at + n]] = src
+            if n == 1 or _consecutive(ids):
+                target: Any = slice(ids[0], ids[0] + n)
             else:
-                index = flat[at : at + n]
-                for rows, pool in zip(plan.np_rows, plan.np_pools, strict=True):
-                    src = pool[slot, first : first + n]
-                    if run:
-                        rows[ids[0] : ids[0] + n] = src
-                    else:
-                        rows[index] = src
-            at += n
+                target = np.fromiter(ids, dtype=np.int64, count=n)
+            if stacked is not None:
+                stacked[:, target] = pool[slot, :, first : first + n]
+                continue
+            for rows, pool_l in zip(plan.np_rows, plan.np_pools, strict=True):
+                rows[target] = pool_l[slot, first : first + n]
 
     # ------------------------------------------------------------------ CUDA
 
