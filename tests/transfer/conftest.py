@@ -6,9 +6,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from transfer_helpers import CHUNK_BLOCKS, FINGERPRINT, RecordingIO, layout_caches
+from transfer_helpers import CHUNK_BLOCKS, FINGERPRINT, layout_caches, recording_io
 
-from tieredkv.disk.slab import SlabFile
 from tieredkv.host_tier import HostPool
 from tieredkv.transfer.copy_ops import CopyBackend, TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
@@ -27,21 +26,23 @@ def host(kv: KVViews) -> Iterator[HostPool]:
 
 
 @pytest.fixture
-def fio() -> Iterator[RecordingIO]:
-    io = RecordingIO()
+def fio() -> Iterator[object]:
+    io = recording_io()
     yield io
     io.clear()
 
 
 @pytest.fixture
-def slab(tmp_path: Path, host: HostPool, fio: RecordingIO) -> Iterator[SlabFile]:
+def slab(tmp_path: Path, host: HostPool, fio: object) -> Iterator[object]:
+    from tieredkv.disk.slab import SlabFile  # disk-tier imports stay out of GPU-only runs
+
     slab = SlabFile.open(tmp_path / "rank0.slab", 16, host.payload_bytes, FINGERPRINT, io=fio)
     yield slab
     slab.close()
 
 
 @pytest.fixture
-def make_engine(kv: KVViews, host: HostPool, slab: SlabFile) -> Iterator[Callable[..., TransferEngine]]:
+def make_engine(kv: KVViews, host: HostPool, slab: object) -> Iterator[Callable[..., TransferEngine]]:
     engines: list[TransferEngine] = []
 
     def make(backend: CopyBackend | None = None, *, with_slab: bool = True, **kw: object) -> TransferEngine:

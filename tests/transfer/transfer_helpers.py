@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import torch
 
-from tieredkv.disk.fileio import FaultyFileIO
 from tieredkv.host_tier import HostPool
 from tieredkv.transfer.copy_ops import CopyBackend, Pair, TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
@@ -115,19 +114,26 @@ class SlowBackend(CopyBackend):
         self._run("h2d", dev, host, pairs)
 
 
-class RecordingIO(FaultyFileIO):
-    """FaultyFileIO that also notes when each read starts and ends (monotonic, offset)."""
+def recording_io():
+    """A FaultyFileIO that also notes when each read starts and ends: (offset, start, end).
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[tuple[int, float, float]] = []
+    Built on demand so that GPU-only runs (no disk-tier dependencies) can import this module.
+    """
+    from tieredkv.disk.fileio import FaultyFileIO
 
-    def pread_into(self, fd: int, bufs: list[memoryview], offset: int) -> int:
-        start = time.monotonic()
-        try:
-            return super().pread_into(fd, bufs, offset)
-        finally:
-            self.reads.append((offset, start, time.monotonic()))
+    class RecordingIO(FaultyFileIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads: list[tuple[int, float, float]] = []
+
+        def pread_into(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+            start = time.monotonic()
+            try:
+                return super().pread_into(fd, bufs, offset)
+            finally:
+                self.reads.append((offset, start, time.monotonic()))
+
+    return RecordingIO()
 
 
 CHUNK_BLOCKS = 4

@@ -502,10 +502,10 @@ class VllmCopyBackend(CopyBackend):
 
     def _caches(self, dev: KVViews, host: HostPool, slot: int) -> tuple[dict, dict]:
         chunk_blocks = dev.chunk_blocks_for(host.payload_bytes)
-        padded = host.slot(slot)
+        payload = host.slot(slot)
         device_caches = dict(zip(dev.names, dev.rows, strict=True))
         host_caches = {
-            name: padded[off : off + chunk_blocks * bb].view(chunk_blocks, bb)
+            name: payload[off : off + chunk_blocks * bb].view(chunk_blocks, bb)
             for name, bb, off in zip(dev.names, dev.block_bytes, dev.layer_offsets(chunk_blocks),
                                      strict=True)
         }

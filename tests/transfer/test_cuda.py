@@ -1,0 +1,208 @@
+"""CUDA-only checks: pinned memory, stream ordering, every backend's bytes, d2h/h2d overlap.
+
+Skipped without CUDA. Needs only torch (and cupy for the cupy backend), not vLLM nor the disk
+tier's dependencies: ``python -m pytest tests/transfer/test_cuda.py -m cuda -q``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from transfer_helpers import layout_caches, make_key, results_by_id, slot_block
+
+from tieredkv.host_tier import HostPool
+from tieredkv.transfer.copy_ops import (
+    CupyCopyBackend,
+    TorchCopyBackend,
+    VllmCopyBackend,
+    select_backend,
+)
+from tieredkv.transfer.engine import TransferEngine
+from tieredkv.transfer.jobs import LoadChunk, LoadJob, StoreJob
+from tieredkv.transfer.kv_views import KVViews
+from tieredkv.transfer.streams import CopyLane
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+C = 4
+
+
+def _cuda_views(kind: str, num_blocks: int = 64) -> KVViews:
+    if kind == "per-layer":
+        caches = {
+            "a": torch.randint(0, 255, (num_blocks, 2, 16, 64), dtype=torch.uint8, device="cuda"),
+            "b": torch.randn(num_blocks, 8, 32, device="cuda", dtype=torch.float16),
+        }
+        return KVViews.from_kv_caches(caches, num_blocks)
+    return KVViews.from_kv_caches(
+        layout_caches(kind, num_layers=4, num_blocks=num_blocks, heads=2, tokens=16, content=64,
+                      device="cuda", seed=3), num_blocks)
+
+
+class _TorchCopyBlocksOp:
+    """vLLM's CUDA CopyBlocksOp semantics (``dst[ids] = src[ids].cpu()``); no vLLM here."""
+
+    def __call__(self, src: dict, dst: dict, src_ids: list, dst_ids: list, direction: str) -> None:
+        for name, tensor in src.items():
+            target = dst[name]
+            picked = tensor[torch.tensor(src_ids, device=tensor.device)]
+            target[torch.tensor(dst_ids, device=target.device)] = picked.to(target.device)
+
+
+def _backend(name: str):
+    if name == "torch":
+        return TorchCopyBackend()
+    if name == "vllm":
+        return VllmCopyBackend(_TorchCopyBlocksOp())
+    ok, why = CupyCopyBackend.available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    return CupyCopyBackend(torch.device("cuda"))
+
+
+def test_host_pool_is_pinned_and_mapped() -> None:
+    pool = HostPool(3, 1 << 20)
+    assert pool.pinned and pool.buffer.is_pinned()
+    assert pool.buffer.data_ptr() % 4096 == 0
+    ok, why = CupyCopyBackend.available(torch.device("cuda"), pool)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return
+    assert ok, why  # UVA: the pinned pool is addressable from the device at the same pointer
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cupy", "vllm"])
+@pytest.mark.parametrize("kind", ["LBHNC", "BLHNC", "per-layer"])
+def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> None:
+    rng = random.Random(11)
+    kv = _cuda_views(kind)
+    host = HostPool(16, kv.slot_payload_bytes(C))
+    host.buffer.random_(0, 255)
+    backend = _backend(backend_name)
+    blocks = rng.sample(range(kv.num_blocks), kv.num_blocks)
+    pairs = []
+    for i, slot in enumerate(rng.sample(range(host.num_slots), 10)):
+        n = C if i % 3 else rng.randint(1, C - 1)  # some partial chunks
+        first = 0 if n == C else rng.randint(0, C - n)
+        pairs.append((slot, first, tuple(blocks.pop() for _ in range(n))))
+    before = host.buffer.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        backend.d2h(kv, host, pairs)
+    stream.synchronize()
+    touched = set()
+    for slot, first, ids in pairs:
+        for layer in range(kv.num_layers):
+            for j, block in enumerate(ids):
+                touched.add((slot, layer, first + j))
+                assert torch.equal(slot_block(kv, host, slot, layer, first + j),
+                                   kv.rows[layer][block].cpu())
+    chunk_blocks = kv.chunk_blocks_for(host.payload_bytes)
+    for slot, _, _ in pairs:  # positions the pairs did not name are untouched
+        for layer in range(kv.num_layers):
+            for pos in range(chunk_blocks):
+                if (slot, layer, pos) in touched:
+                    continue
+                off = slot * host.slot_bytes + kv.layer_offsets(chunk_blocks)[layer] + pos * kv.block_bytes[layer]
+                assert torch.equal(slot_block(kv, host, slot, layer, pos),
+                                   before[off : off + kv.block_bytes[layer]])
+    back = [(slot, first, tuple(blocks.pop() for _ in ids)) for slot, first, ids in pairs[:5]]
+    device_before = [rows.clone() for rows in kv.rows]
+    with torch.cuda.stream(stream):
+        backend.h2d(kv, host, back)
+    stream.synchronize()
+    written = set()
+    for slot, first, ids in back:
+        for layer in range(kv.num_layers):
+            for j, block in enumerate(ids):
+                written.add(block)
+                assert torch.equal(kv.rows[layer][block].cpu(), slot_block(kv, host, slot, layer, first + j))
+    for layer in range(kv.num_layers):
+        others = [b for b in range(kv.num_blocks) if b not in written]
+        assert torch.equal(kv.rows[layer][others], device_before[layer][others])
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cupy"])
+def test_store_is_ordered_after_the_compute_stream(backend_name: str) -> None:
+    kv = _cuda_views("LBHNC", num_blocks=16)
+    host = HostPool(4, kv.slot_payload_bytes(C))
+    engine = TransferEngine(kv, host, None, backend=_backend(backend_name))
+    try:
+        for rows in kv.rows:
+            rows[[1, 2, 3, 4]] = 0
+        torch.cuda.synchronize()
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(30):  # ~tens of ms of work queued on the compute stream
+            a = torch.tanh(a @ a)
+        for rows in kv.rows:  # the forward's "write" happens after all of that
+            rows[[1, 2, 3, 4]] = 7 + (a[0, 0] * 0).to(torch.uint8)
+        engine.submit([StoreJob(1, make_key(1), 2, (1, 2, 3, 4))])  # no sync before submit
+        assert results_by_id(engine, 1)[1].ok
+        assert bool((host.slot(2) == 7).all()), "the store copied blocks before the forward wrote them"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cupy"])
+def test_engine_store_then_load_on_cuda(backend_name: str) -> None:
+    kv = _cuda_views("LBHNC")
+    host = HostPool(8, kv.slot_payload_bytes(C))
+    engine = TransferEngine(kv, host, None, backend=_backend(backend_name))
+    try:
+        want = [rows[[5, 9, 2, 40]].clone() for rows in kv.rows]
+        engine.submit([StoreJob(1, make_key(1), 3, (5, 9, 2, 40))])
+        assert results_by_id(engine, 1)[1].ok
+        engine.submit([LoadJob(2, "r", (LoadChunk(make_key(1), 3, 1, (60, 61, 62)),))])
+        assert results_by_id(engine, 1)[2].ok
+        for rows, expected in zip(kv.rows, want, strict=True):
+            assert torch.equal(rows[[60, 61, 62]], expected[1:])
+    finally:
+        engine.shutdown()
+
+
+def test_d2h_and_h2d_overlap() -> None:
+    # 64 MiB each way in 1 MiB chunks; separate streams and copy engines should overlap them.
+    kv = _cuda_views("LBHNC", num_blocks=2048)
+    chunk = kv.slot_payload_bytes(C)
+    count = max(1, (64 << 20) // chunk)
+    host = HostPool(2 * count, chunk)
+    backend = TorchCopyBackend()
+    down = [(i, 0, tuple(range(i * C, (i + 1) * C))) for i in range(count)]
+    up = [(count + i, 0, tuple(range(1024 + i * C, 1024 + (i + 1) * C))) for i in range(count)]
+    d2h = CopyLane("d2h", kv.device, lambda pairs: backend.d2h(kv, host, pairs))
+    h2d = CopyLane("h2d", kv.device, lambda pairs: backend.h2d(kv, host, pairs))
+
+    def timed(*lanes_pairs) -> float:
+        futures = []
+        start = time.perf_counter()
+        for lane, pairs in lanes_pairs:
+            futures.append(lane._thread.submit(lane.run, lambda lane=lane, pairs=pairs: lane._copy_fn(pairs)))
+        for future in futures:
+            future.result()
+        return time.perf_counter() - start
+
+    timed((d2h, down), (h2d, up))  # warm-up
+    alone = min(timed((d2h, down)) for _ in range(3)) + min(timed((h2d, up)) for _ in range(3))
+    together = min(timed((d2h, down), (h2d, up)) for _ in range(3))
+    d2h.stop(1.0)
+    h2d.stop(1.0)
+    assert together < 0.85 * alone, f"no overlap: together {together:.4f}s, one after the other {alone:.4f}s"
+
+
+def test_auto_picks_cupy_when_importable() -> None:
+    kv = _cuda_views("LBHNC", num_blocks=8)
+    host = HostPool(2, kv.slot_payload_bytes(C))
+    backend = select_backend("auto", kv=kv, host=host)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert backend.name == "torch"
+    else:
+        assert backend.name == "cupy"
