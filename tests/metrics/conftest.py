@@ -1,4 +1,10 @@
-"""Fixtures for the metrics suite: a sample reader, vLLM and Prometheus availability.
+"""Fixtures for the metrics suite: a sample reader, vLLM and Prometheus availability, and
+head starts for slow set-ups.
+
+A test module may define ``head_start(tmp_path_factory)``: it is called when the first test
+of this directory runs (not at the start of the whole session), so a vLLM server can start
+in the background while the unit tests here run. Whatever it returns is handed to the module
+through the ``head_starts`` fixture and closed (``.close()``) at the end of the session.
 
 In CI (``CI`` set) nothing here skips: a missing vLLM or Prometheus fails the test that needs
 it. ``prometheus`` comes from Debian (``apt-get install -y prometheus``); the session fixture
@@ -10,7 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,6 +61,27 @@ class Samples:
 @pytest.fixture(scope="session")
 def parse_samples() -> Callable[[str], Samples]:
     return Samples
+
+
+@pytest.fixture(scope="session")
+def head_starts() -> Iterator[dict[str, Any]]:
+    """Module name -> what its ``head_start`` returned."""
+    started: dict[str, Any] = {}
+    yield started
+    for handle in started.values():
+        handle.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launch_head_starts(request, head_starts, tmp_path_factory) -> None:
+    here = Path(__file__).parent
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in head_starts or Path(item.path).parent != here:
+            continue
+        launch = getattr(module, "head_start", None)
+        if launch is not None:
+            head_starts[module.__name__] = launch(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
