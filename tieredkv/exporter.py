@@ -115,8 +115,8 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "spill host->disk, restore disk->host.", "direction", DIRECTIONS),
     "operations": _spec(
         "operations", COUNTER,
-        "Transfer operations completed, summed over ranks (one per chunk for d2h/spill/restore, "
-        "one per chunk batch for h2d).", "direction", DIRECTIONS),
+        "Chunk transfers completed, summed over ranks (one per chunk and rank).",
+        "direction", DIRECTIONS),
     "transfer_latency": _spec(
         "transfer_latency_seconds", HISTOGRAM,
         "Duration of one transfer job on one rank, by job kind (store, spill, promote, load).",

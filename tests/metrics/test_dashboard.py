@@ -120,3 +120,11 @@ def test_provisioning_points_at_the_mounted_directory() -> None:
     mount = provider["options"]["path"]
     readme = (GRAFANA / "README.md").read_text()
     assert f'grafana:{mount}' in readme and f"GF_PATHS_PROVISIONING={mount}/provisioning" in readme
+
+
+def test_readme_lists_every_metric() -> None:
+    readme = (GRAFANA.parent / "README.md").read_text()
+    section = readme[readme.index("## Observability"):]
+    for spec in METRIC_SPECS.values():
+        name = spec.exposed_names[0] if spec.kind != "histogram" else spec.name
+        assert f"`{name}" in section, name
