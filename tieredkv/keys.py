@@ -77,9 +77,14 @@ class LazyChunkKeys:
             return keys[chunk]
         if not 0 <= chunk < len(self):
             raise IndexError(chunk)
-        fingerprint, hashes, per = self._fingerprint, self._hashes, self._per_chunk
+        namespace, hashes, per = self._fingerprint[:_NS_PART], self._hashes, self._per_chunk
+        append = keys.append
         for i in range(len(keys), chunk + 1):
-            keys.append(chunk_key(fingerprint, hashes[(i + 1) * per - 1]))
+            block_hash = hashes[(i + 1) * per - 1]
+            if len(block_hash) >= _HASH_PART:  # sha256: 32 bytes, the common case
+                append(block_hash[:_HASH_PART] + namespace)
+            else:
+                append(chunk_key(self._fingerprint, block_hash))
         return keys[chunk]
 
 

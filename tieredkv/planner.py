@@ -224,8 +224,7 @@ class Planner:
         hit = max(0, end - num_computed_tokens)
         if hit == 0:
             return 0
-        for key in ready:
-            self.host.pin(key)
+        self.host.pin_all(ready)
         promoted = state.promoted_keys
         state.pending_hit = _PendingHit(
             num_computed_tokens, end, first, ready,

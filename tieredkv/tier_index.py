@@ -226,6 +226,17 @@ class TierIndex:
             raise ValueError(f"tieredkv: {self.name} tier: unpin of {key.hex()} below zero pins")
         self._drop_pin(key, entry)
 
+    def pin_all(self, keys: list[bytes]) -> None:
+        """:meth:`pin` for many READY keys at once (a hit of a long prefix)."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or entry.state is not SlotState.READY:
+                raise KeyError(f"tieredkv: {self.name} tier: cannot pin {key!r}: not READY")
+            if entry.pins == 0:
+                self._pinned += 1
+            entry.pins += 1
+
     # ------------------------------------------------------------------ removal
 
     def remove(self, key: bytes) -> int | None:

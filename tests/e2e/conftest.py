@@ -69,6 +69,9 @@ def run_engine(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
         )
     finally:
         os.unlink(handle.name)
+    if os.environ.get("TIEREDKV_E2E_STDERR"):
+        with open(os.environ["TIEREDKV_E2E_STDERR"], "a") as log:
+            log.write(proc.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT="):
             return json.loads(line[len("RESULT="):])
@@ -112,8 +115,13 @@ def reference(tiny_model) -> dict[str, dict]:
 
 
 def assert_same_as_reference(phase: dict, names: list[str], reference: dict[str, dict]) -> None:
-    """Identical greedy tokens and logprobs equal within bf16 noise of batching."""
+    """Identical greedy tokens and logprobs.
+
+    The engines run the model in float32: in bfloat16 a different prefill split point alone
+    (a 128-token hit, then the rest computed) flips near-tied tokens even with vLLM's own
+    prefix cache and no connector, which would hide real errors behind noise.
+    """
     for name, out in zip(names, phase["outputs"], strict=True):
         ref = reference[name]
         assert out["token_ids"] == ref["token_ids"], f"{name}: tokens differ from the reference"
-        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=0.05), f"{name}: logprobs differ"
+        assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=2e-3), f"{name}: logprobs differ"

@@ -50,6 +50,7 @@ def main() -> None:
         enable_prefix_caching=spec.get("prefix_caching", True),
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 256 << 20),
         seed=0,
+        dtype=spec.get("dtype", "float32"),
     )
     for key in ("num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
                 "tensor_parallel_size", "enable_chunked_prefill"):

@@ -28,10 +28,10 @@ pytestmark = pytest.mark.vllm
 
 RESET = {"kind": "reset_prefix"}
 DRAIN = {"kind": "drain"}
-# Host tier of 16 chunks (4 MiB): holds one 1,500-token prompt (11 chunks), not the working
-# set of three. A hit is bounded by the host tier: disk chunks are verified into host slots
-# before they are promised.
-SMALL_HOST = "4MiB"
+# Host tier of 16 chunks (8 MiB of 512 KiB float32 chunks): holds one 1,500-token prompt
+# (11 chunks), not the working set of three. A hit is bounded by the host tier: disk chunks
+# are verified into host slots before they are promised.
+SMALL_HOST = "8MiB"
 
 
 def spec(model: str, phases: list[dict], **kv) -> dict:
@@ -74,7 +74,7 @@ def _disk_dir(tmp_path: Path) -> Path:
 
 def test_disk_tier_hit_then_restart_serves_prefix_from_disk(tiny_model, reference, tmp_path):
     disk = _disk_dir(tmp_path)
-    kv = dict(host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="64MiB")
+    kv = dict(host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="128MiB")
     first = run_engine(spec(
         tiny_model,
         [generate("p1"), generate("p2"), generate("p3"), DRAIN, RESET, generate("p1"), DRAIN],
@@ -103,18 +103,18 @@ def written_tier(tiny_model, tmp_path_factory) -> Path:
     run_engine(spec(
         tiny_model,
         [generate("p1"), generate("p2"), generate("p3"), DRAIN],
-        host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="64MiB",
+        host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="128MiB",
     ))
     assert (disk / "rank0.slab").exists()
     return disk
 
 
 def _journal_slots(disk: Path) -> list[int]:
-    from tieredkv.cli import main as cli_main  # noqa: F401 - the CLI must import cleanly
+    """Disk slots the journal says hold chunks (what a restarted engine will find)."""
+    from tieredkv.disk.catalog import JOURNAL_NAME
+    from tieredkv.disk.journal import Journal
 
-    out = os.popen(f"{shutil.which('tieredkv') or 'tieredkv'} inspect {disk} --json").read()
-    info = json.loads(out)
-    return sorted(int(entry["slot"]) for entry in info.get("entries", []))
+    return sorted(Journal.recover(disk / JOURNAL_NAME).values())
 
 
 def _flip_payload_bytes(disk: Path, slots: list[int]) -> None:
@@ -147,7 +147,7 @@ def test_corruption_between_runs_is_a_miss_never_wrong(tiny_model, reference, wr
         (disk / "rank0.slab").unlink()
     result = run_engine(spec(
         tiny_model, [generate("p1", "p2", "p3")],
-        host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="64MiB", policy=policy,
+        host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="128MiB", policy=policy,
     ))
     (phase,) = result["phases"]
     assert_same_as_reference(phase, ["p1", "p2", "p3"], reference)
@@ -197,7 +197,7 @@ def test_preemption_with_slow_stores_keeps_outputs_identical(tiny_model, referen
 def test_sixteen_concurrent_shared_prefixes_with_chunked_prefill(tiny_model, reference):
     names = [f"shared{i}" for i in range(16)]
     result = run_engine({
-        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="2MiB"),
+        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="4MiB"),
         "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
     })
     cold, _, warm = result["phases"]
@@ -215,7 +215,7 @@ def test_bad_configuration_fails_at_startup_naming_the_key(tiny_model):
 
 def test_tensor_parallel_two_ranks(tiny_model, reference, tmp_path):
     disk = _disk_dir(tmp_path)
-    kv = dict(host_bytes="2MiB", disk_path=str(disk), disk_bytes="64MiB")
+    kv = dict(host_bytes="4MiB", disk_path=str(disk), disk_bytes="128MiB")
     result = run_engine(
         {**spec(tiny_model, [generate("p1"), generate("p2"), DRAIN, RESET, generate("p1", "p2")], **kv),
          "tensor_parallel_size": 2},
