@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,9 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 EVICTION_POLICIES = ("lru", "arc")
 COPY_BACKENDS = ("auto", "torch", "cupy", "vllm")
+# Auto chunk size: big enough for large sequential copies and disk I/O, small enough that
+# prompts of a few hundred tokens still get stored.
+CHUNK_TOKENS_TARGET = 256
 
 
 class ConfigError(ValueError):
@@ -115,7 +118,7 @@ class TieredKVConfig:
     disk_bytes: int = 0
     eviction: str = "lru"
     disk_admission: int = 1
-    chunk_blocks: int = 16
+    chunk_blocks: int = 0  # 0: resolved to ~256-token chunks from the engine's block size
     io_threads: int = 2
     copy_backend: str = "auto"
     store_generated: bool = False
@@ -178,6 +181,12 @@ class TieredKVConfig:
                 raise ConfigError("metrics_port", extra["metrics_port"], "expected a TCP port number")
             values["metrics_port"] = port
         return cls(**values)
+
+    def resolved(self, block_size: int) -> TieredKVConfig:
+        """This config with ``chunk_blocks`` fixed for a block size (auto: ~256 tokens)."""
+        if self.chunk_blocks:
+            return self
+        return replace(self, chunk_blocks=max(1, CHUNK_TOKENS_TARGET // max(1, block_size)))
 
     @property
     def has_disk(self) -> bool:

@@ -112,7 +112,7 @@ class Planner:
         world_size: int = 1,
         catalog=None,
     ) -> None:
-        self.config = config
+        self.config = config = config.resolved(block_size)
         self.block_size = block_size
         self.chunk_blocks = config.chunk_blocks
         self.chunk_tokens = block_size * config.chunk_blocks

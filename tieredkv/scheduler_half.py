@@ -37,8 +37,8 @@ def slot_counts(config: TieredKVConfig, payload_bytes: int, world_size: int) -> 
 
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
-        self.config = config
         self.geometry = geometry = engine_geometry(vllm_config, kv_cache_config, config)
+        self.config = config = config.resolved(geometry.block_size)
         hash_block = getattr(kv_cache_config, "hash_block_size", None) or geometry.block_size
         if (geometry.block_size * config.chunk_blocks) % hash_block:
             raise ValueError(

@@ -59,6 +59,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
             "than serve wrong KV. Remove --kv-transfer-config for this model."
         )
     spec = groups[0].kv_cache_spec
+    config = config.resolved(int(spec.block_size))
     num_layers = len(groups[0].layer_names)
     parallel = vllm_config.parallel_config
     world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size

@@ -32,8 +32,8 @@ def _worker_rank() -> int:
 
 class WorkerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
-        self.config = config
         self.geometry = engine_geometry(vllm_config, kv_cache_config, config)
+        self.config = config = config.resolved(self.geometry.block_size)
         self.num_blocks = kv_cache_config.num_blocks
         self.rank = _worker_rank()
         self.engine = None
