@@ -265,12 +265,13 @@ def server(launch) -> Iterator[Server]:
 def traffic(server, parse_samples) -> dict:
     """The phase-1 traffic, with settled /metrics after each request."""
     snaps = {"start": parse_samples(server.metrics())}
-    for step, prompt, lookups in (("a_cold", PROMPT_A, 1), ("a_repeat", PROMPT_A, 2),
-                                  ("b_cold", PROMPT_B, 3), ("c_disk", PROMPT_C, 5)):
+    last = snaps["start"]
+    for step, prompt in (("a_cold", PROMPT_A), ("a_repeat", PROMPT_A), ("b_cold", PROMPT_B),
+                         ("c_disk", PROMPT_C)):
         server.complete(prompt)
-        snaps[step] = settle(
-            server, parse_samples, lambda s, n=lookups: tkv(s, "lookups_total") >= n
-        )
+        seen = tkv(last, "lookups_total")
+        last = snaps[step] = settle(server, parse_samples,
+                                    lambda s, n=seen: tkv(s, "lookups_total") > n)
     return snaps
 
 
@@ -412,8 +413,9 @@ def test_other_prompt_misses_and_pushes_a_out_of_host(traffic) -> None:
 
 def test_shared_prefix_is_promoted_from_disk(traffic) -> None:
     before, after = traffic["b_cold"], traffic["c_disk"]
-    # Looked up again while its chunks were promoted (the lookup answers "not yet").
-    assert delta(after, before, "lookups_total") >= 2
+    # At least once; the planner also counts the lookups that answer "not yet" while the
+    # chunks are being promoted (2 here today).
+    assert delta(after, before, "lookups_total") >= 1
     assert delta(after, before, "hit_tokens_total", tier="disk") == HOST_HIT_TOKENS
     assert delta(after, before, "hit_tokens_total", tier="host") == 0
     assert delta(after, before, "chunks_total", op="promoted") == HOST_SLOTS
