@@ -170,7 +170,7 @@ def test_load_failing_after_its_promise_is_reported(tiny_model, reference, polic
     )
     _, _, failed, other = result["phases"]
     assert_same_as_reference(other, ["p2"], reference)
-    assert failed["counters"].get("load_failed_injected", 0) == 1, failed["counters"]
+    assert failed["counters"].get("load_failed_copy_error", 0) == 1, failed["counters"]
     if policy == "recompute":
         assert_same_as_reference(failed, ["p1"], reference)
     else:

