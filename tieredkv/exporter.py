@@ -35,14 +35,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tieredkv.failures import FAILURE_CAUSES
+
 logger = logging.getLogger("tieredkv")
 
-# Mirror of ``tieredkv.stats.FAILURE_CAUSES`` (that module imports vLLM; this one must not).
-# tests/metrics checks that the two tuples are equal.
-FAILURE_CAUSES = (
-    "io_error", "short_read", "checksum", "wrong_key", "missing", "timeout",
-    "no_space", "wrong_namespace", "copy_error", "cancelled", "injected",
-)
 TIERS = ("host", "disk")
 DIRECTIONS = ("d2h", "h2d", "spill", "restore")
 JOB_KINDS = ("store", "spill", "promote", "load")
@@ -94,8 +90,11 @@ METRIC_SPECS: dict[str, MetricSpec] = {
     # -- is it helping?
     "lookups": _spec(
         "lookups", COUNTER,
-        "Prefix lookups the connector answered for vLLM's scheduler (a request waiting for a "
-        "disk promotion is looked up again each step)."),
+        "Requests tieredkv answered a prefix lookup for (counted once per request)."),
+    "lookup_tokens": _spec(
+        "lookup_tokens", COUNTER,
+        "Prompt tokens tieredkv was asked about (beyond vLLM's own prefix-cache hit), once per "
+        "request; missed tokens = lookup_tokens - hit_tokens."),
     "hit_tokens": _spec(
         "hit_tokens", COUNTER,
         "Prompt tokens loaded from tieredkv instead of recomputed, by the tier that held them "
@@ -178,6 +177,7 @@ METRIC_SPECS: dict[str, MetricSpec] = {
 # Scheduler counters (tieredkv/planner.py Planner.counters) -> (spec id, label value).
 _COUNTER_ROUTES: dict[str, tuple[str, str | None]] = {
     "lookups": ("lookups", None),
+    "lookup_tokens": ("lookup_tokens", None),
     "hit_tokens_host": ("hit_tokens", "host"),
     "hit_tokens_disk": ("hit_tokens", "disk"),
     "evictions_host": ("evictions", "host"),

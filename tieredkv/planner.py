@@ -84,6 +84,7 @@ class _Request:
     pending_hit: _PendingHit | None = None
     hit_tokens: dict[str, int] = field(default_factory=dict)
     finished: bool = False
+    looked_up: bool = False
 
 
 @dataclass
@@ -167,7 +168,6 @@ class Planner:
         promised host chunks until :meth:`on_alloc` turns them into a load (or they are let go).
         """
         state = self._request(req_id)
-        self.counters["lookups"] += 1
         cached = state.pending_hit
         if (
             cached is not None
@@ -211,6 +211,11 @@ class Planner:
             pending = pending or bool(state.promote_jobs)
         if pending and state.promote_jobs:
             return None
+        if not state.looked_up:
+            # Counted once per request, when it gets its answer (not each "ask me later").
+            state.looked_up = True
+            self.counters["lookups"] += 1
+            self.counters["lookup_tokens"] += max(0, limit - num_computed_tokens)
         if disk_chunks or pending:
             # Only the leading READY host chunks can be promised.
             ready: list[bytes] = []
@@ -460,7 +465,7 @@ class Planner:
         (key,) = job.keys
         if job.outcome.failed:
             self.host.abort(key)
-            self.counters[f"store_failed_{job.outcome.failure}"] += 1
+            self.counters[f"store_failed_{job.outcome.failure or 'unknown'}"] += 1
         elif self.host.mark_ready(key):
             self.counters["stored_chunks"] += 1
             if self._admit_to_disk(key):
@@ -473,7 +478,7 @@ class Planner:
         assert self.disk is not None
         if job.outcome.failed:
             self.disk.abort(key)
-            self.counters[f"spill_failed_{job.outcome.failure}"] += 1
+            self.counters[f"spill_failed_{job.outcome.failure or 'unknown'}"] += 1
             return
         slot = self.disk.get(key)
         if self.disk.mark_ready(key):
@@ -499,7 +504,7 @@ class Planner:
             if job.outcome.failed and failed_blocks.intersection(blocks):
                 self.host.remove(key)
                 self._epoch += 1
-                self.counters[f"load_failed_{job.outcome.failure}"] += 1
+                self.counters[f"load_failed_{job.outcome.failure or 'unknown'}"] += 1
         self._detach(job_id, job)
 
     def _detach(self, job_id: int, job: _Job) -> None:
@@ -517,7 +522,7 @@ class Planner:
         self.disk.remove(key)
         if self.catalog is not None:
             self.catalog.record_removed(key)
-        self.counters[f"disk_read_failed_{failure}"] += 1
+        self.counters[f"disk_read_failed_{failure or 'unknown'}"] += 1
 
     # ------------------------------------------------------------------ helpers
 

@@ -19,11 +19,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-# Every failure cause a load/promote/store/spill can report; exported from the start at 0.
-FAILURE_CAUSES = (
-    "io_error", "short_read", "checksum", "wrong_key", "missing", "timeout",
-    "no_space", "wrong_namespace", "copy_error", "cancelled", "injected",
-)
+from tieredkv.failures import FAILURE_CAUSES  # noqa: F401 - re-exported
 
 
 def _add_numbers(into: dict[str, Any], other: dict[str, Any]) -> None:
@@ -56,6 +52,8 @@ class TieredKVStats(KVConnectorStats):
         if sched and (sched.get("counters") or sched.get("gauges")):
             return False
         for snap in workers.values():
+            if any(snap.get("queue_depths", {}).values()):
+                return False  # a backlog must keep its gauge fresh even in a quiet step
             if any(snap.get("bytes", {}).values()) or any(snap.get("ops", {}).values()):
                 return False
             if snap.get("failures") or snap.get("spills_dropped"):
