@@ -171,6 +171,16 @@ def _failed_load_flow(w: WorkerHalf, caches) -> None:
     assert torch.equal(block(caches, 0, 30), untouched)
 
 
+def run_rank(worker: WorkerHalf, plan: StepPlan) -> TieredKVWorkerMetadata:
+    """Run a plan's stores on one rank; its reports, aggregated as vLLM would within a step."""
+    step(worker, plan)
+    _, _, metas = collect_until(worker, lambda s, r, m: sum(len(x.outcomes) for x in m) >= len(plan.stores))
+    merged = metas[0]
+    for extra in metas[1:]:
+        merged = merged.aggregate(extra)
+    return merged
+
+
 def test_two_ranks_aggregate_into_the_planner_across_steps():
     vllm_config, kv_cache_config = fake_configs(world=2)
     cfg = TieredKVConfig.from_dict({"host_bytes": "8MiB", "chunk_blocks": CHUNK_BLOCKS})
@@ -183,19 +193,9 @@ def test_two_ranks_aggregate_into_the_planner_across_steps():
         plan = planner.take_plan()
         assert len(plan.stores) == 3
         # Rank 0 reports in one step, rank 1 in a later one.
-        step(ranks[0], plan)
-        _, _, metas0 = collect_until(ranks[0], lambda s, r, m: sum(len(x.outcomes) for x in m) >= 3)
-        merged = metas0[0]
-        for extra in metas0[1:]:
-            merged = merged.aggregate(extra)
-        planner.apply(merged.to_outcomes())
+        planner.apply(run_rank(ranks[0], plan).to_outcomes())
         assert planner.host.ready_count == 0  # one rank is not enough
-        step(ranks[1], plan)
-        _, _, metas1 = collect_until(ranks[1], lambda s, r, m: sum(len(x.outcomes) for x in m) >= 3)
-        merged = metas1[0]
-        for extra in metas1[1:]:
-            merged = merged.aggregate(extra)
-        planner.apply(merged.to_outcomes())
+        planner.apply(run_rank(ranks[1], plan).to_outcomes())
         assert planner.host.ready_count == 3
     finally:
         for worker in ranks:
