@@ -350,8 +350,13 @@ class Planner:
         for chunk in range(state.next_store_chunk, n_chunks):
             key = keys[chunk]
             if key in self.host or self.host.is_doomed(key):
+                # Another request computed the same prefix: it is hot, keep it resident.
+                self.host.touch(key)
+                self._note_seen(key)
                 continue
             if self.disk is not None and (key in self.disk):
+                self.disk.touch(key)
+                self._note_seen(key)
                 continue
             allocation = self.host.allocate(key)
             if allocation is None:

@@ -182,7 +182,8 @@ def test_preemption_with_slow_stores_keeps_outputs_identical(tiny_model, referen
     result = run_engine(
         {
             **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="256MiB"),
-            "num_gpu_blocks_override": 96, "max_tokens": 48,
+            # 96 blocks of 32 tokens hold two of these prompts, not six: vLLM must preempt.
+            "num_gpu_blocks_override": 96, "max_model_len": 2048, "max_tokens": 48,
         },
         env={"TIEREDKV_FAULTS": json.dumps({"store_delay_s": 0.05})},
     )
@@ -197,13 +198,23 @@ def test_preemption_with_slow_stores_keeps_outputs_identical(tiny_model, referen
 def test_sixteen_concurrent_shared_prefixes_with_chunked_prefill(tiny_model, reference):
     names = [f"shared{i}" for i in range(16)]
     result = run_engine({
-        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="4MiB"),
+        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="8MiB"),
         "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
     })
     cold, _, warm = result["phases"]
     assert_same_as_reference(cold, names, reference)
     assert_same_as_reference(warm, names, reference)
     assert warm["counters"].get("hit_tokens_host", 0) > 0
+
+
+def test_prefix_longer_than_the_host_tier_is_served_in_part(tiny_model, reference):
+    # 4 host slots of 512 KiB; p1 has 11 full chunks.
+    result = run_engine(spec(tiny_model, [generate("p1"), RESET, generate("p1")], host_bytes="2MiB"))
+    cold, _, warm = result["phases"]
+    assert_same_as_reference(cold, ["p1"], reference)
+    assert_same_as_reference(warm, ["p1"], reference)
+    assert 0 < warm["outputs"][0]["num_cached_tokens"] <= 4 * CHUNK_TOKENS
+    assert warm["counters"].get("store_skipped_host_full", 0) > 0  # a miss, never a wait
 
 
 def test_bad_configuration_fails_at_startup_naming_the_key(tiny_model):
