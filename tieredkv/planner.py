@@ -504,12 +504,14 @@ class Planner:
 
     def _complete_load(self, job_id: int, job: _Job) -> None:
         failed_blocks = job.outcome.failed_block_ids
+        if job.outcome.failed:
+            self.counters[f"load_failed_{job.outcome.failure or 'unknown'}"] += 1  # per load
         for key, blocks in zip(job.keys, job.chunk_blocks, strict=True):
             self.host.unpin(key)
             if job.outcome.failed and failed_blocks.intersection(blocks):
                 self.host.remove(key)
                 self._epoch += 1
-                self.counters[f"load_failed_{job.outcome.failure or 'unknown'}"] += 1
+                self.counters["load_failed_chunks"] += 1
         self._detach(job_id, job)
 
     def _detach(self, job_id: int, job: _Job) -> None:
