@@ -511,7 +511,7 @@ class Planner:
             if job.outcome.failed and failed_blocks.intersection(blocks):
                 self.host.remove(key)
                 self._epoch += 1
-                self.counters["load_failed_chunks"] += 1
+                self.counters["chunks_dropped_by_failed_loads"] += 1
         self._detach(job_id, job)
 
     def _detach(self, job_id: int, job: _Job) -> None:
