@@ -50,7 +50,9 @@ def chunk_key(fingerprint: bytes, block_hash: bytes) -> bytes:
     ``cache_salt``; concatenating costs ~0.15 us per key where a keyed hash cost ~1 us, which
     matters for 128k-token prompts. Slot headers carry the full fingerprint as well.
     """
-    return bytes(block_hash[:_HASH_PART]).ljust(_HASH_PART, b"\0") + fingerprint[:_NS_PART]
+    if len(block_hash) >= _HASH_PART:
+        return block_hash[:_HASH_PART] + fingerprint[:_NS_PART]
+    return bytes(block_hash).ljust(_HASH_PART, b"\0") + fingerprint[:_NS_PART]
 
 
 class LazyChunkKeys:
@@ -77,26 +79,31 @@ class LazyChunkKeys:
             return keys[chunk]
         if not 0 <= chunk < len(self):
             raise IndexError(chunk)
+        return self.materialize(chunk + 1)[chunk]
+
+    def materialize(self, stop: int) -> list[bytes]:
+        """The key list with at least the first ``min(stop, len(self))`` keys derived."""
+        keys = self._keys
+        stop = min(stop, len(self))
+        if stop <= len(keys):
+            return keys
         namespace, hashes, per = self._fingerprint[:_NS_PART], self._hashes, self._per_chunk
         append = keys.append
-        for i in range(len(keys), chunk + 1):
+        for i in range(len(keys), stop):
             block_hash = hashes[(i + 1) * per - 1]
             if len(block_hash) >= _HASH_PART:  # sha256: 32 bytes, the common case
                 append(block_hash[:_HASH_PART] + namespace)
             else:
                 append(chunk_key(self._fingerprint, block_hash))
-        return keys[chunk]
+        return keys
 
 
 def chunk_keys(
     fingerprint: bytes, block_hashes: Sequence[bytes], chunk_blocks: int, start_chunk: int = 0
 ) -> list[bytes]:
     """Keys of every *full* chunk of a request, from chunk ``start_chunk`` on."""
-    count = len(block_hashes) // chunk_blocks
-    return [
-        chunk_key(fingerprint, bytes(block_hashes[(i + 1) * chunk_blocks - 1]))
-        for i in range(start_chunk, count)
-    ]
+    keys = LazyChunkKeys(fingerprint, block_hashes, chunk_blocks)
+    return keys.materialize(len(keys))[start_chunk:]
 
 
 def sha256_block_hashes(

@@ -184,11 +184,19 @@ class Planner:
         first = num_computed_tokens // self.chunk_tokens
         host_ready = self.host.is_ready
         disk_ready = self.disk.is_ready if self.disk is not None else None
-        run: list[bytes] = []
         disk_chunks: list[bytes] = []
         pending = False
-        i = first
         last = min(len(keys), -(-limit // self.chunk_tokens))
+        if first < last and host_ready(keys[first]):
+            # A hit: derive the keys in one batch, then scan the resident run in one loop.
+            materialize = getattr(keys, "materialize", None)
+            if materialize is not None:
+                keys = materialize(last)
+            resident = self.host.ready_prefix(keys, first, last)
+            run = list(keys[first : first + resident])
+        else:
+            run = []
+        i = first + len(run)
         while i < last:
             key = keys[i]
             if host_ready(key):

@@ -19,7 +19,7 @@ an assert. Not thread-safe: the scheduler half calls it from one thread.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tieredkv.policies import EvictionPolicy, make_policy
@@ -225,6 +225,18 @@ class TierIndex:
         if entry.pins == 0:
             raise ValueError(f"tieredkv: {self.name} tier: unpin of {key.hex()} below zero pins")
         self._drop_pin(key, entry)
+
+    def ready_prefix(self, keys: Sequence[bytes], start: int, stop: int) -> int:
+        """How many of ``keys[start:stop]``, from ``start`` on, are READY (one tight loop)."""
+        entries = self._entries
+        ready = SlotState.READY
+        i = start
+        while i < stop:
+            entry = entries.get(keys[i])
+            if entry is None or entry.state is not ready:
+                break
+            i += 1
+        return i - start
 
     def pin_all(self, keys: list[bytes]) -> None:
         """:meth:`pin` for many READY keys at once (a hit of a long prefix)."""
