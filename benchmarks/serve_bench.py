@@ -109,6 +109,13 @@ CONFIG_LABELS = {
     "tieredkv_host": "TieredKVConnector host only (+ prefix caching)",
     "tieredkv_disk": "TieredKVConnector host + disk (+ prefix caching)",
 }
+PLOT_LABELS = {
+    "no_cache": "no cache",
+    "prefix_cache": "vLLM prefix cache",
+    "example_connector": "ExampleConnector",
+    "tieredkv_host": "tieredkv host",
+    "tieredkv_disk": "tieredkv host+disk",
+}
 CONFIG_STYLE = {
     "no_cache": {"color": "tab:red", "marker": "x", "linestyle": "--"},
     "prefix_cache": {"color": "tab:orange", "marker": "s", "linestyle": "--"},
@@ -554,6 +561,14 @@ TABLE_COLUMNS = [
 ]
 
 
+def load_payload(path: Path) -> dict[str, Any]:
+    """An earlier run's JSON with its integer keys (user counts) restored."""
+    payload = json.loads(Path(path).read_text())
+    payload["results"] = {c: {int(k): v for k, v in lv.items()} for c, lv in payload["results"].items()}
+    payload["requests"] = {c: {int(k): v for k, v in lv.items()} for c, lv in payload.get("requests", {}).items()}
+    return payload
+
+
 def write_outputs(payload: dict[str, Any], out_dir: Path) -> tuple[Path, Path, Path | None]:
     results = payload["results"]
     exceeding = payload["exceeding_levels"]
@@ -599,19 +614,22 @@ def write_outputs(payload: dict[str, Any], out_dir: Path) -> tuple[Path, Path, P
     png_path = None
     levels = payload["levels"]
     series_ttft, series_rps = [], []
-    for config, per_level in results.items():
-        xs = [lvl for lvl in levels if per_level.get(lvl, {}).get("completed")]
-        if not xs:
+    for k, (config, per_level) in enumerate(results.items()):
+        levels_run = [lvl for lvl in levels if per_level.get(lvl, {}).get("completed")]
+        if not levels_run:
             continue
+        # A small per-configuration offset along the (log2) x axis keeps p99 whiskers apart.
+        xs = [lvl * 2 ** (0.05 * (k - (len(results) - 1) / 2)) for lvl in levels_run]
         style = CONFIG_STYLE.get(config, {})
+        label = PLOT_LABELS.get(config, config)
         series_ttft.append({
-            "label": CONFIG_LABELS.get(config, config), "x": xs,
-            "y": [per_level[x]["ttft_p50_s"] * 1e3 for x in xs],
-            "yerr_hi": [per_level[x]["ttft_p99_s"] * 1e3 for x in xs], **style,
+            "label": label, "x": xs,
+            "y": [per_level[x]["ttft_p50_s"] * 1e3 for x in levels_run],
+            "yerr_hi": [per_level[x]["ttft_p99_s"] * 1e3 for x in levels_run], **style,
         })
         series_rps.append({
-            "label": CONFIG_LABELS.get(config, config), "x": xs,
-            "y": [per_level[x]["prompt_tokens_per_s"] for x in xs], **style,
+            "label": label, "x": xs,
+            "y": [per_level[x]["prompt_tokens_per_s"] for x in levels_run], **style,
         })
     if series_ttft:
         ticks = (levels, [str(lv) for lv in levels])
@@ -661,7 +679,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="model, logs, tiers (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="only rewrite the Markdown and PNG from an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        payload = load_payload(args.from_json)
+        _, md_path, png_path = write_outputs(payload, args.out)
+        print(f"wrote {md_path}" + (f", {png_path}" if png_path else ""), file=sys.stderr)
+        return 0
 
     started_wall = time.monotonic()
     server_env = apply_server_env()
