@@ -1,0 +1,1228 @@
+"""End-to-end TTFT on real vLLM (CPU build): tieredkv hits against recompute, vLLM's own
+prefix cache and vLLM's ExampleConnector, on the same model and the same long prompts.
+
+TTFT is the wall time of ``LLM.generate([prompt], SamplingParams(max_tokens=1))``. Rows:
+
+1. ``recompute``: no connector, no prefix caching (the ceiling);
+2. ``vllm_prefix``: vLLM's in-memory prefix-cache hit, same prompt twice (the floor);
+3. ``example_connector``: vLLM's ExampleConnector hit (safetensors files in a temp dir),
+   vLLM's prefix cache reset before every measured run;
+4. ``tieredkv_host``: a TieredKVConnector hit from the host tier (prefix cache reset before
+   every measured run);
+5. ``tieredkv_disk``: a hit from the disk tier: the host tier holds exactly one prompt, two
+   prompts A and B alternate, so each measured prompt was evicted from host by the other and
+   is promoted (read + checksum) from the slab file before it is promised;
+6. ``tieredkv_disk_restart``: a fresh engine on the same ``disk_path`` (index recovered from
+   the journal), the same alternation.
+
+Every configuration runs in its own subprocess (vLLM's worker-side connector is a process
+global); the parent orchestrates, measures the raw O_DIRECT read bandwidth of the disk tier's
+filesystem, checks the targets and writes ``benchmarks/results/e2e_ttft.{json,md,png}``.
+Every hit row is checked through ``RequestOutput.num_cached_tokens`` (and tieredkv's own hit
+counters): a hit that did not happen is a FAIL, not a number.
+
+These are CPU-build figures: the "device" KV cache and the host tier are the same RAM, so a
+host-tier load is a memcpy, not a PCIe transfer.
+
+    python benchmarks/e2e_ttft.py            # quick profile (~4k-token prompts)
+    python benchmarks/e2e_ttft.py --full     # ~8k-token prompts, more repeats
+    python benchmarks/e2e_ttft.py --trace    # also a per-step timeline of tieredkv hits
+
+The exit status is 1 when a target (wall-clock verdict) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:  # shared helpers written by another engineer; minimal fallbacks below otherwise
+    import _common  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the checkout
+    _common = None
+
+NAME = "e2e_ttft"
+BLOCK_SIZE = 32
+CHUNK_BLOCKS = 16
+CHUNK_TOKENS = BLOCK_SIZE * CHUNK_BLOCKS
+MODEL = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
+HOST_TARGET = 1.3  # host hit <= 1.3 x floor
+DISK_TARGET = 1.3  # disk hit <= 1.3 x (floor + KV bytes / raw disk read bandwidth)
+WARMUP_TOKENS = 96  # a short first prompt: first-forward costs stay out of every figure
+KiB, MiB = 1024, 1024 * 1024
+
+PROFILES = {
+    # chunks per prompt, recompute repeats, hit repeats, timeout per child (s)
+    "quick": {"chunks": 8, "recompute_repeats": 2, "hit_repeats": 10, "timeout": 420},
+    "full": {"chunks": 16, "recompute_repeats": 3, "hit_repeats": 20, "timeout": 900},
+}
+
+# ============================================================================ helpers
+
+
+def _machine() -> dict[str, Any]:
+    if _common is not None:
+        return _common.machine_info()
+    import platform
+
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"name": f"{name}, {os.cpu_count()} cores", "cpu": name, "python": platform.python_version()}
+
+
+def _results_dir() -> Path:
+    if _common is not None:
+        return _common.results_dir()
+    path = HERE / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _git_rev() -> str | None:
+    if _common is not None:
+        return _common.git_revision(HERE)
+    return None
+
+
+def _progress(total: int, label: str):
+    if _common is not None:
+        return _common.Progress(total, label)
+
+    class _Plain:
+        def __init__(self) -> None:
+            self.done = 0
+
+        def advance(self, steps: int = 1, label: str | None = None) -> None:
+            self.done += steps
+            print(f"[{self.done}/{total}] {label or ''}", file=sys.stderr, flush=True)
+
+        def set_label(self, label: str) -> None:
+            print(label, file=sys.stderr, flush=True)
+
+        def close(self) -> None:
+            pass
+
+    return _Plain()
+
+
+def _fmt_ms(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "n/a"
+    return f"{seconds * 1000:,.1f}"
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 2000) for _ in range(length)]
+
+
+def kv_bytes_per_token(model: dict[str, int], dtype_bytes: int = 2) -> int:
+    head_dim = model["hidden_size"] // model["num_heads"]
+    return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
+
+
+# ============================================================================ child
+
+
+def _scheduler_half(llm) -> Any:
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    connector = getattr(core.scheduler, "connector", None)
+    return getattr(connector, "_scheduler", None)
+
+
+def _engine_core(llm) -> Any:
+    core = llm.llm_engine.engine_core
+    return getattr(core, "engine_core", core)
+
+
+def _step_until_idle(llm, timeout_s: float = 60.0) -> bool:
+    """Step the engine until tieredkv has no job in flight (stores done, spills journaled) and
+    vLLM holds no finished request's blocks any more (a request whose stores were still
+    running when it finished keeps its blocks until the connector reports it sent).
+
+    ``LLM.generate`` returns as soon as every output is final; in-process, nothing steps the
+    engine after that, so this does what the engine core's busy loop does between requests.
+    """
+    half = _scheduler_half(llm)
+    core = _engine_core(llm)
+    deadline = time.monotonic() + timeout_s
+    while (half is not None and half.has_pending_work()) or core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            return False
+        core.step_fn() if hasattr(core, "step_fn") else core.step()
+        time.sleep(0.002)
+    return True
+
+
+class _Trace:
+    """Timestamps of tieredkv's scheduler/worker calls, by wrapping the connector's methods.
+
+    Instrumentation of this benchmark's own process only (tieredkv is not modified).
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []
+        self.t0 = 0.0
+
+    def mark(self, what: str, detail: str = "") -> None:
+        self.events.append((time.perf_counter(), what, detail))
+
+    def install(self) -> None:
+        from tieredkv.connector import TieredKVConnector
+        from tieredkv.transfer import engine as engine_mod
+
+        trace = self
+
+        def wrap(cls, name: str, describe=None):
+            original = getattr(cls, name)
+
+            def wrapper(self, *args, **kwargs):
+                start = time.perf_counter()
+                result = original(self, *args, **kwargs)
+                detail = describe(args, result) if describe else ""
+                trace.events.append((start, name, f"{detail} [{(time.perf_counter() - start) * 1e3:.2f} ms]"))
+                return result
+
+            setattr(cls, name, wrapper)
+
+        wrap(TieredKVConnector, "get_num_new_matched_tokens",
+             lambda a, r: f"computed={a[1]} -> {r}")
+        wrap(TieredKVConnector, "update_state_after_alloc", lambda a, r: f"external={a[2]}")
+        wrap(TieredKVConnector, "build_connector_meta", lambda a, r: (
+            f"loads={len(r.plan.loads)} promotes={len(r.plan.promotes)} "
+            f"stores={len(r.plan.stores)} spills={len(r.plan.spills)}"))
+        wrap(TieredKVConnector, "update_connector_output", lambda a, r: (
+            f"recving={sorted(a[0].finished_recving or ())}"
+            if getattr(a[0], "finished_recving", None) else ""))
+        wrap(TieredKVConnector, "start_load_kv")
+        wrap(TieredKVConnector, "get_transfer_results", lambda a, r: (
+            f"recving={sorted(r.finished_recving)}" if r.finished_recving else ""))
+
+        for meth in ("_load", "_promote"):
+            original = getattr(engine_mod.TransferEngine, meth)
+
+            def make(original=original, meth=meth):
+                async def wrapper(self, seq, job, *args):
+                    trace.mark(f"engine{meth}:start", f"job={job.job_id}")
+                    try:
+                        return await original(self, seq, job, *args)
+                    finally:
+                        trace.mark(f"engine{meth}:end", f"job={job.job_id}")
+                return wrapper
+
+            setattr(engine_mod.TransferEngine, meth, make())
+
+        from tieredkv.transfer.streams import CopyLane
+
+        original_run_batch = CopyLane._run_batch
+
+        def run_batch(self, requests):
+            start = time.perf_counter()
+            original_run_batch(self, requests)
+            n = sum(len(r.pairs) for r in requests)
+            trace.events.append((start, f"lane_{self.name}", f"{n} pairs [{(time.perf_counter() - start) * 1e3:.2f} ms]"))
+
+        CopyLane._run_batch = run_batch
+
+        try:
+            from tieredkv.disk.slab import SlabFile
+
+            original_read = SlabFile.read_slot_into
+
+            def read_slot_into(self, *args, **kwargs):
+                start = time.perf_counter()
+                result = original_read(self, *args, **kwargs)
+                trace.events.append((start, "slab_read", f"[{(time.perf_counter() - start) * 1e3:.2f} ms]"))
+                return result
+
+            SlabFile.read_slot_into = read_slot_into
+        except (ImportError, AttributeError):
+            pass
+
+    @staticmethod
+    def _idle(what: str, detail: str) -> bool:
+        """A polling call that changed nothing (the engine steps while a load/promotion runs)."""
+        text = detail.split(" [")[0]
+        return (
+            (what == "get_num_new_matched_tokens" and "-> (None" in text)
+            or (what == "build_connector_meta" and text == "loads=0 promotes=0 stores=0 spills=0")
+            or (what in ("start_load_kv", "get_transfer_results", "update_connector_output") and not text)
+        )
+
+    def take(self, t0: float) -> list[str]:
+        """The timeline since ``t0``, runs of idle polling calls folded into one line."""
+        events, self.events = sorted(self.events), []
+        lines: list[str] = []
+        idle: list[tuple[float, str, str]] = []
+
+        def flush() -> None:
+            if len(idle) > 3:
+                lines.append(f"{(idle[0][0] - t0) * 1e3:9.2f} ms  .. {len(idle)} idle connector calls "
+                             f"(engine steps polling) until {(idle[-1][0] - t0) * 1e3:.2f} ms")
+            else:
+                lines.extend(f"{(t - t0) * 1e3:9.2f} ms  {w} {d}".rstrip() for t, w, d in idle)
+            idle.clear()
+
+        for t, what, detail in events:
+            if self._idle(what, detail):
+                idle.append((t, what, detail))
+                continue
+            flush()
+            lines.append(f"{(t - t0) * 1e3:9.2f} ms  {what} {detail}".rstrip())
+        flush()
+        return lines
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """fsync + POSIX_FADV_DONTNEED every file under ``directory``: the next read hits the disk."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+class _StepClock:
+    """Where a request's TTFT went: model forward passes (the same compute in every
+    configuration) against everything else (connector loads, polling steps, scheduling).
+
+    Wraps the in-process executor's ``execute_model``/``sample_tokens`` and, for a connector
+    that loads synchronously inside the forward (ExampleConnector), its ``start_load_kv``, so
+    that load is not counted as compute.
+    """
+
+    def __init__(self, llm, connector: str | None) -> None:
+        self.forwards: list[tuple[float, float]] = []
+        self.sync_loads: list[tuple[float, float]] = []
+        self._last_had_tokens = False
+        executor = _engine_core(llm).model_executor
+        execute, sample = executor.execute_model, executor.sample_tokens
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            start = time.perf_counter()
+            out = execute(scheduler_output, *args, **kwargs)
+            self._last_had_tokens = scheduler_output.total_num_scheduled_tokens > 0
+            if self._last_had_tokens:
+                self.forwards.append((start, time.perf_counter()))
+            return out
+
+        def sample_tokens(*args, **kwargs):
+            start = time.perf_counter()
+            out = sample(*args, **kwargs)
+            if self._last_had_tokens:
+                self.forwards.append((start, time.perf_counter()))
+            return out
+
+        executor.execute_model = execute_model
+        executor.sample_tokens = sample_tokens
+        if connector == "ExampleConnector":
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+                ExampleConnector,
+            )
+
+            load = ExampleConnector.start_load_kv
+
+            def start_load_kv(conn, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return load(conn, *args, **kwargs)
+                finally:
+                    self.sync_loads.append((start, time.perf_counter()))
+
+            ExampleConnector.start_load_kv = start_load_kv
+
+    def clear(self) -> None:
+        self.forwards.clear()
+        self.sync_loads.clear()
+
+    def breakdown(self, t0: float) -> dict[str, float | None]:
+        sync = sum(end - start for start, end in self.sync_loads)
+        forward = sum(end - start for start, end in self.forwards) - sync
+        first = min((start for start, _ in self.forwards), default=None)
+        return {
+            "forward_s": forward,  # model compute of this request's steps
+            "connector_sync_load_s": sync,  # a synchronous load inside the forward
+            "until_first_forward_s": None if first is None else first - t0,
+        }
+
+
+def child_main(spec_path: str) -> None:
+    """One engine, driven by the parent: one JSON line of phases in on stdin, one ``DONE=``
+    line of records out, until ``{"exit": true}``. vLLM's own stdout goes to the log."""
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM logs to stdout: into the log file with stderr
+
+    def send(kind: str, payload: dict[str, Any]) -> None:
+        proto.write(f"{kind}={json.dumps(payload)}\n")
+        proto.flush()
+
+    trace = _Trace() if spec.get("trace") and spec.get("kv_transfer_config", {}).get(
+        "kv_connector") == "TieredKVConnector" else None
+    if trace is not None:
+        trace.install()
+    if spec.get("switch_interval"):
+        sys.setswitchinterval(spec["switch_interval"])  # diagnostic only (--switch-interval)
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=spec["max_model_len"],
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=spec["prefix_caching"],
+        kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
+        seed=0,
+    )
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    llm = LLM(**kwargs)
+    import torch
+
+    send("READY", {
+        "startup_s": time.perf_counter() - started,
+        "threads": {"torch_threads": torch.get_num_threads(),
+                    "affinity": sorted(os.sched_getaffinity(0)),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+    })
+    steps = _StepClock(llm, spec.get("kv_transfer_config", {}).get("kv_connector"))
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompts: dict[str, list[int]] = spec["prompts"]
+
+    def counters() -> dict[str, int]:
+        half = _scheduler_half(llm)
+        return dict(half.planner.counters) if half is not None else {}
+
+    def run(phase: dict[str, Any]) -> dict[str, Any] | None:
+        kind = phase["kind"]
+        if kind == "reset_prefix":
+            _step_until_idle(llm)
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache() returned False (blocks still held)")
+            return None
+        if kind == "drop_page_cache":
+            _drop_page_cache(Path(phase["path"]))
+            return None
+        if kind == "drain":
+            if not _step_until_idle(llm, phase.get("timeout_s", 60.0)):
+                raise RuntimeError("tieredkv did not finish its pending jobs in time")
+            return None
+        assert kind == "generate", kind
+        name = phase["prompt"]
+        before = counters()
+        steps.clear()
+        t0 = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": prompts[name]}], sampling, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        clock = steps.breakdown(t0)
+        after = counters()
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        record = {
+            "label": phase["label"],
+            "prompt": name,
+            "seconds": seconds,
+            "at": time.time(),
+            "num_cached_tokens": outputs[0].num_cached_tokens,
+            "first_token": list(outputs[0].outputs[0].token_ids)[:1],
+            "tieredkv": {k: v for k, v in delta.items() if v},
+            **clock,
+        }
+        if trace is not None:
+            record["trace"] = trace.take(t0)
+        send("PROGRESS", {"label": phase["label"], "seconds": seconds})
+        return record
+
+    for line in sys.stdin:
+        message = json.loads(line)
+        if message.get("exit"):
+            break
+        records = [r for r in (run(phase) for phase in message["phases"]) if r is not None]
+        send("DONE", {"records": records})
+    _step_until_idle(llm)
+    _engine_core(llm).shutdown()  # flushes tieredkv's journal and closes its files (restart row needs it)
+    send("BYE", {})
+    os._exit(0)  # skip the slow interpreter teardown of the engine
+
+
+# ============================================================================ parent
+
+
+def raw_read_bandwidth(directory: Path, nbytes: int, io_bytes: int, repeats: int = 5) -> dict[str, Any]:
+    """Sequential read of a file of ``nbytes`` in ``directory``: O_DIRECT if the filesystem
+    allows it, else buffered reads after fsync + POSIX_FADV_DONTNEED (said in ``mode``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "raw_read_probe.bin"
+    io_bytes = max(4096, io_bytes // 4096 * 4096)
+    nbytes = (nbytes + io_bytes - 1) // io_bytes * io_bytes
+    buf = mmap.mmap(-1, io_bytes)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(io_bytes))
+    with open(path, "wb") as out:
+        for _ in range(nbytes // io_bytes):
+            out.write(buf)
+        out.flush()
+        os.fsync(out.fileno())
+    mode = "O_DIRECT"
+    samples: list[float] = []
+    try:
+        for _ in range(repeats):
+            fd = None
+            try:
+                if mode == "O_DIRECT":
+                    try:
+                        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                        os.preadv(fd, [buf], 0)
+                    except OSError:
+                        if fd is not None:
+                            os.close(fd)
+                        mode = "buffered + fsync + POSIX_FADV_DONTNEED (O_DIRECT refused)"
+                        fd = None
+                if fd is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                view = memoryview(buf)
+                start = time.perf_counter()
+                offset = 0
+                while offset < nbytes:
+                    got = os.preadv(fd, [view], offset)
+                    if got <= 0:
+                        raise OSError(f"short read at {offset}")
+                    offset += got
+                samples.append(time.perf_counter() - start)
+                view.release()
+            finally:
+                if fd is not None:
+                    os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+        buf.close()
+    best = statistics.median(samples)
+    return {
+        "mode": mode, "bytes": nbytes, "io_bytes": io_bytes, "seconds": samples,
+        "median_s": best, "gb_per_s": nbytes / best / 1e9,
+    }
+
+
+class Engine:
+    """A child process running one configuration's engine, driven phase list by phase list."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], progress) -> None:
+        self.spec = spec
+        self.config = spec["config"]
+        self.progress = progress
+        self.records: list[dict[str, Any]] = []
+        self.info: dict[str, Any] = {}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump(spec, handle)
+        self._spec_path = handle.name
+        self.log_path = Path(spec["log"])
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the child
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--child", handle.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+        )
+
+    def _read(self, want: str, timeout: float) -> dict[str, Any]:
+        import threading
+
+        watchdog = threading.Timer(timeout, self.proc.kill)
+        watchdog.start()
+        try:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                kind, _, body = line.partition("=")
+                if kind == "PROGRESS":
+                    info = json.loads(body)
+                    self.progress.advance(1, f"{self.config}: {info['label']} {info['seconds']:.2f}s")
+                elif kind == want:
+                    return json.loads(body)
+        finally:
+            watchdog.cancel()
+        self.proc.wait()
+        tail = self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"{self.config}: child died (exit {self.proc.returncode}) waiting for "
+                           f"{want}; log {self.log_path}:\n{tail}")
+
+    def ready(self, timeout: float = 600) -> None:
+        self.info = self._read("READY", timeout)
+        os.unlink(self._spec_path)
+
+    def run(self, phases: list[dict[str, Any]], timeout: float = 600) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"phases": phases}) + "\n")
+        self.proc.stdin.flush()
+        self.records.extend(self._read("DONE", timeout)["records"])
+
+    def close(self, timeout: float = 120) -> dict[str, Any]:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+            self.proc.stdin.flush()
+            self._read("BYE", timeout)
+            self.proc.wait(timeout)
+        self._log.close()
+        return {**self.info, "records": self.records}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def tieredkv_transfer_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "TieredKVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"chunk_blocks": CHUNK_BLOCKS, **extra},
+    }
+
+
+def build_specs(args, model_dir: Path, work: Path, prompt_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every configuration: engine settings, set-up phases (not measured unless labelled
+    ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index)."""
+    prof = PROFILES[args.profile]
+    prompt_kv = prompt_tokens * kv_bytes_per_token(MODEL)
+    chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(MODEL)
+    n_chunks = (prompt_tokens - 2) // CHUNK_TOKENS
+    base = {
+        "model": str(model_dir),
+        "max_model_len": prompt_tokens + 64,
+        "kv_cache_memory_bytes": max(256 * MiB, 4 * prompt_kv),
+        "prompts": {
+            "warmup": make_prompt(7, WARMUP_TOKENS),
+            "A": make_prompt(1, prompt_tokens),
+            "B": make_prompt(2, prompt_tokens),
+        },
+        "trace": args.trace,
+        "switch_interval": args.switch_interval,
+    }
+
+    def gen(prompt: str, label: str) -> dict[str, str]:
+        return {"kind": "generate", "prompt": prompt, "label": label}
+
+    reset = {"kind": "reset_prefix"}
+    drain = {"kind": "drain"}
+    example_dir = work / "example_connector"
+    disk_dir = work / "tieredkv_disk"
+    disk_cfg = tieredkv_transfer_config(
+        host_bytes=n_chunks * chunk_payload, disk_path=str(disk_dir),
+        disk_bytes=8 * prompt_kv + 64 * MiB,
+    )
+    # Every connector hit is followed by the same prompt again without a reset: a vLLM
+    # prefix-cache hit in the same engine a moment later ("pfloor", the same-engine floor).
+    disk_round = [
+        # The host tier holds exactly one prompt and A, B alternate: the measured prompt is
+        # the one the other evicted from host (it is on disk). After its disk hit it is in
+        # host again: a host-tier hit of the same engine follows ("hosthit").
+        reset, gen("{AB}", "hit{i}"), drain, gen("{AB}", "pfloor{i}"),
+        reset, gen("{AB}", "hosthit{i}"), drain,
+    ]
+    specs = {
+        # 1. no connector, no prefix caching: every run computes everything.
+        "recompute": {"prefix_caching": False, "setup": [
+            gen("warmup", "warmup"),
+            *[gen("A", f"recompute{i}") for i in range(args.recompute_repeats or prof["recompute_repeats"])],
+        ], "round": []},
+        # 2. vLLM's own prefix cache: compute once, then hit it.
+        "vllm_prefix": {"prefix_caching": True, "setup": [gen("warmup", "warmup"), gen("A", "cold A")],
+                        "round": [gen("A", "hit{i}")]},
+        # 3. ExampleConnector: reads its files through the page cache, warm right after they
+        #    were written; "diskhit" runs first drop them from the page cache (read from disk).
+        "example_connector": {
+            "prefix_caching": True,
+            "kv_transfer_config": {
+                "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
+            "setup": [gen("warmup", "warmup"), gen("A", "cold A")],
+            "round": [reset, gen("A", "hit{i}"), gen("A", "pfloor{i}"),
+                      reset, {"kind": "drop_page_cache", "path": str(example_dir)},
+                      gen("A", "diskhit{i}")],
+        },
+        # 4. tieredkv host tier: plenty of host memory, no disk.
+        "tieredkv_host": {
+            "prefix_caching": True,
+            "kv_transfer_config": tieredkv_transfer_config(host_bytes=4 * prompt_kv + 64 * MiB),
+            "setup": [gen("warmup", "warmup"), gen("A", "cold A"), drain],
+            "round": [reset, gen("A", "hit{i}"), drain, gen("A", "pfloor{i}")],
+        },
+        # 5. tieredkv disk tier: host_bytes = one prompt, disk behind it.
+        "tieredkv_disk": {
+            "prefix_caching": True, "kv_transfer_config": disk_cfg,
+            "setup": [gen("warmup", "warmup"), gen("A", "cold A"), drain, gen("B", "cold B"), drain],
+            "round": disk_round,
+        },
+        # 6. the same disk tier after a restart: a fresh engine recovers the index from the
+        #    journal; its host tier starts empty, so every measured hit is read from disk.
+        "tieredkv_disk_restart": {
+            "prefix_caching": True, "kv_transfer_config": disk_cfg,
+            "setup": [gen("warmup", "warmup")], "round": disk_round,
+        },
+    }
+    example_dir.mkdir(parents=True, exist_ok=True)
+    for config, spec in specs.items():
+        spec.update({k: v for k, v in base.items() if k not in spec})
+        spec["config"] = config
+        spec["log"] = str(work / f"{config}.log")
+    return specs
+
+
+def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """One measured round of a configuration, labels numbered ``i``; A/B alternate by ``i``."""
+    out = []
+    for phase in spec["round"]:
+        phase = dict(phase)
+        if "label" in phase:
+            phase["label"] = phase["label"].format(i=i)
+            phase["prompt"] = phase["prompt"].replace("{AB}", "AB"[i % 2])
+        out.append(phase)
+    return out
+
+
+def _check_hits(runs: list[dict[str, Any]], expected_hit: int, tier: str | None) -> list[str]:
+    problems = []
+    cached = [r["num_cached_tokens"] for r in runs]
+    missed = [c for c in cached if c < expected_hit]
+    if missed:
+        problems.append(f"num_cached_tokens {cached}: {len(missed)} run(s) below the {expected_hit}-token hit")
+    if tier is not None:
+        from_tier = [r["tieredkv"].get(f"hit_tokens_{tier}", 0) for r in runs]
+        if any(t < expected_hit for t in from_tier):
+            problems.append(f"tieredkv hit_tokens_{tier} per run {from_tier}: not every hit came from the {tier} tier")
+    return problems
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(config: str, result: dict[str, Any], expected_hit: int) -> dict[str, Any]:
+    """The measured runs of one configuration, with the proof that each hit hit."""
+    records = result["records"]
+
+    def runs(prefix: str) -> list[dict[str, Any]]:
+        return [r for r in records if r["label"].rstrip("0123456789") == prefix]
+
+    main = runs("recompute" if config == "recompute" else "hit")
+    secs = [r["seconds"] for r in main]
+    cached = [r["num_cached_tokens"] for r in main]
+    if config == "recompute":
+        problems = [f"recompute runs reported cached tokens {cached}"] if any(cached) else []
+    else:
+        tier = None
+        if config.startswith("tieredkv"):
+            tier = "host" if config == "tieredkv_host" else "disk"
+        problems = _check_hits(main, expected_hit, tier)
+    row: dict[str, Any] = {
+        "config": config,
+        "n": len(secs),
+        "median_s": _median(secs),
+        "min_s": min(secs) if secs else None,
+        "max_s": max(secs) if secs else None,
+        "samples_s": secs,
+        "num_cached_tokens": cached,
+        "cold_s": [r["seconds"] for r in records if r["label"].startswith("cold")],
+        "forward_median_s": _median([r["forward_s"] for r in main if r.get("forward_s") is not None]),
+        # TTFT minus the model's forward compute: what the cache path itself costs
+        "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in main
+                                      if r.get("forward_s") is not None]),
+        "overhead_samples_s": [r["seconds"] - r["forward_s"] for r in main if r.get("forward_s") is not None],
+        "hit_ok": bool(secs) and not problems,
+        "problems": problems,
+        "startup_s": result.get("startup_s"),
+        "threads": result.get("threads"),
+    }
+    if config.startswith("tieredkv"):
+        row["tieredkv_counters"] = [r["tieredkv"] for r in main]
+    pfloor = runs("pfloor")
+    if pfloor:
+        # pfloor{i} ran right after hit{i} in the same engine: a vLLM prefix-cache hit.
+        by_label = {r["label"]: r for r in records}
+        ratios = [h["seconds"] / by_label[f"pfloor{h['label'][3:]}"]["seconds"]
+                  for h in main if f"pfloor{h['label'][3:]}" in by_label]
+        row["paired_floor"] = {
+            "median_s": _median([r["seconds"] for r in pfloor]),
+            "forward_median_s": _median([r["forward_s"] for r in pfloor]),
+            "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in pfloor]),
+            "samples_s": [r["seconds"] for r in pfloor],
+            "num_cached_tokens": [r["num_cached_tokens"] for r in pfloor],
+            "hit_ok": not _check_hits(pfloor, expected_hit, None),
+            "ratio_median": _median(ratios),
+            "ratios": ratios,
+        }
+    diskhits = runs("diskhit")
+    if diskhits:
+        disk_problems = _check_hits(diskhits, expected_hit, None)
+        row["from_disk"] = {
+            "median_s": _median([r["seconds"] for r in diskhits]),
+            "samples_s": [r["seconds"] for r in diskhits],
+            "forward_median_s": _median([r["forward_s"] for r in diskhits]),
+            "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in diskhits]),
+            "overhead_samples_s": [r["seconds"] - r["forward_s"] for r in diskhits],
+            "num_cached_tokens": [r["num_cached_tokens"] for r in diskhits],
+            "hit_ok": not disk_problems,
+            "problems": disk_problems,
+        }
+    hosthits = runs("hosthit")
+    if hosthits:
+        host_problems = _check_hits(hosthits, expected_hit, "host")
+        row["host_hits_same_engine"] = {
+            "median_s": _median([r["seconds"] for r in hosthits]),
+            "forward_median_s": _median([r["forward_s"] for r in hosthits]),
+            "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in hosthits]),
+            "overhead_samples_s": [r["seconds"] - r["forward_s"] for r in hosthits],
+            "samples_s": [r["seconds"] for r in hosthits],
+            "num_cached_tokens": [r["num_cached_tokens"] for r in hosthits],
+            "hit_ok": not host_problems,
+            "problems": host_problems,
+        }
+    if config == "tieredkv_disk_restart" and main:
+        row["first_after_restart_s"] = main[0]["seconds"]
+    return row
+
+
+LABELS = {
+    "recompute": "1. recompute (no connector, no prefix cache) — ceiling",
+    "vllm_prefix": "2. vLLM prefix-cache hit — floor",
+    "example_connector": "3. ExampleConnector hit",
+    "tieredkv_host": "4. tieredkv host-tier hit",
+    "tieredkv_disk": "5a. tieredkv disk-tier hit (evicted from host)",
+    "tieredkv_disk_restart": "5b. tieredkv disk-tier hit after restart",
+}
+
+
+def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> list[dict[str, Any]]:
+    """Each target on the wall-clock medians (floor = row 2), and again at equal compute.
+
+    Every hit ends with the same model forward (2 tokens on the full context); on this shared
+    machine its wall time swings several-fold with the load. "Equal compute" gives every row
+    the floor row's median forward time plus the row's own median of TTFT − forward (the
+    connector's load, the polling steps, scheduling): a comparison of what the cache paths
+    cost that the machine's load skews much less. A row whose hits did not all hit FAILs.
+    """
+    floor_row = rows["vllm_prefix"]
+    compute = floor_row["forward_median_s"]
+    read_s = kv_bytes / disk_bw
+    example = rows["example_connector"]
+    example_disk = example.get("from_disk") or {}
+
+    def wall(sub: dict[str, Any]) -> float | None:
+        return sub.get("median_s")
+
+    def equal(sub: dict[str, Any]) -> float | None:
+        ovh = sub.get("overhead_median_s")
+        return None if ovh is None or compute is None else compute + ovh
+
+    out = []
+
+    def add(target: str, config: str, limit_of, limit_text: str, ref_ok: bool = True) -> None:
+        row = rows[config]
+        ok_hit = bool(row["hit_ok"] and floor_row["hit_ok"] and ref_ok)
+        entry: dict[str, Any] = {"target": target, "config": config, "limit": limit_text,
+                                 "note": "" if row["hit_ok"] else "hit did not happen: " + "; ".join(row["problems"])}
+        for view, fn in (("wall", wall), ("equal_compute", equal)):
+            value, limit = fn(row), limit_of(fn)
+            entry[view] = {"value_s": value, "limit_s": limit,
+                           "pass": bool(ok_hit and value is not None and limit is not None and value <= limit)}
+        entry["pass"] = entry["wall"]["pass"]
+        out.append(entry)
+
+    add("host hit <= 1.3 x floor", "tieredkv_host",
+        lambda fn: HOST_TARGET * fn(floor_row) if fn(floor_row) else None, "1.3 x floor")
+    for config, label in (("tieredkv_disk", "disk hit"), ("tieredkv_disk_restart", "disk hit after restart")):
+        add(f"{label} <= 1.3 x (floor + KV / raw disk BW)", config,
+            lambda fn: DISK_TARGET * (fn(floor_row) + read_s) if fn(floor_row) else None,
+            f"1.3 x (floor + {_fmt_ms(read_s)} ms)")
+    for config, label in (("tieredkv_host", "host hit"), ("tieredkv_disk", "disk hit"),
+                          ("tieredkv_disk_restart", "disk hit after restart")):
+        add(f"{label} faster than ExampleConnector", config, lambda fn: fn(example),
+            "< ExampleConnector (page cache warm)", ref_ok=example["hit_ok"])
+        if config != "tieredkv_host" and example_disk:
+            add(f"{label} faster than ExampleConnector reading from disk (info)", config,
+                lambda fn: fn(example_disk), "< ExampleConnector (files dropped from page cache)",
+                ref_ok=example_disk.get("hit_ok", False))
+    return out
+
+
+def write_outputs(payload: dict[str, Any]) -> tuple[Path, Path, Path]:
+    out = _results_dir()
+    json_path = out / f"{NAME}.json"
+    md_path = out / f"{NAME}.md"
+    png_path = out / f"{NAME}.png"
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    json_path.write_text(text)
+    md_path.write_text(f"# End-to-end TTFT\n\n{payload['markdown']}\n")
+    plot(payload, png_path)
+    return json_path, md_path, png_path
+
+
+def _compact(values: list[int]) -> str:
+    """``4096 ×12`` for a run of equal counts, else the list."""
+    if values and all(v == values[0] for v in values):
+        return f"{values[0]} ×{len(values)}"
+    return ", ".join(str(v) for v in values)
+
+
+def table_markdown(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    floor = rows["vllm_prefix"]["median_s"]
+    compute = rows["vllm_prefix"]["forward_median_s"]
+    lines = [
+        "| configuration | TTFT median (ms) | min–max (ms) | n | x floor | forward compute, median (ms) "
+        "| TTFT − compute, median (ms) | at equal compute (ms) | num_cached_tokens | hit? |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+
+    def line(label: str, row: dict[str, Any], samples: list[float], hit: str) -> str:
+        med = _median(samples)
+        ratio = f"{med / floor:.2f}" if floor and med else "n/a"
+        ovh = row.get("overhead_median_s")
+        eq = "n/a"
+        if compute is not None and ovh is not None and row is not rows["recompute"]:
+            eq = _fmt_ms(compute + ovh)
+        return (
+            f"| {label} | {_fmt_ms(med)} | {_fmt_ms(min(samples))}–{_fmt_ms(max(samples))} "
+            f"| {len(samples)} | {ratio} | {_fmt_ms(row.get('forward_median_s'))} "
+            f"| {_fmt_ms(ovh)} | {eq} | {_compact(row['num_cached_tokens'])} | {hit} |"
+        )
+
+    for config, label in LABELS.items():
+        row = rows[config]
+        hit = "n/a (ceiling)" if config == "recompute" else ("yes" if row["hit_ok"] else "**NO — FAIL**")
+        lines.append(line(label, row, row["samples_s"], hit))
+        for key, text in (("from_disk", "↳ same, files dropped from the page cache first (read from disk)"),
+                          ("host_hits_same_engine", "↳ host-tier hit of the same prompt, same engine, right after")):
+            extra = row.get(key)
+            if extra:
+                ok = "yes" if extra["hit_ok"] else "**NO — FAIL**"
+                lines.append(line(text, extra, extra["samples_s"], ok))
+    pf = {c: r["paired_floor"] for c, r in rows.items() if r.get("paired_floor")}
+    paired_text = "; ".join(
+        f"{c} {_fmt_ms(v['median_s'])} ms (compute {_fmt_ms(v['forward_median_s'])})" for c, v in pf.items()
+    )
+    vlines = ["| target | limit | wall-clock median (ms) | verdict | at equal compute (ms) | verdict |",
+              "|---|---|---:|---|---:|---|"]
+    for v in payload["verdicts"]:
+        note = f" ({v['note']})" if v["note"] else ""
+        cells = []
+        for view in ("wall", "equal_compute"):
+            got = v[view]
+            cells.append(f"{_fmt_ms(got['value_s'])} (limit {_fmt_ms(got['limit_s'])})")
+            cells.append(("**PASS**" if got["pass"] else "**FAIL**") + note)
+        vlines.append(f"| {v['target']} | {v['limit']} | " + " | ".join(cells) + " |")
+    disk = payload["raw_disk_read"]
+    p = payload["params"]
+    restart = rows["tieredkv_disk_restart"].get("first_after_restart_s")
+    cold = {c: rows[c]["cold_s"] for c in rows if rows[c]["cold_s"]}
+    cold_text = "; ".join(f"{c} {', '.join(_fmt_ms(s) for s in v)} ms" for c, v in cold.items())
+    return "\n".join([
+        f"Machine: **{payload['machine']['name']}** — CPU-build vLLM ({payload['vllm']}): the "
+        "\"device\" KV cache and tieredkv's host tier are the same RAM, so a host-tier load is a "
+        "memcpy, not a PCIe DMA; these are not GPU figures.",
+        "",
+        f"Model: random Llama, hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, "
+        f"{MODEL['num_heads']} heads, {MODEL['num_kv_heads']} KV heads, bf16; block {BLOCK_SIZE}, "
+        f"tieredkv chunk {CHUNK_BLOCKS} blocks. Prompt {p['prompt_tokens']:,} tokens "
+        f"(hit {p['expected_hit_tokens']:,}); KV = {p['prompt_tokens']:,} × "
+        f"{p['kv_bytes_per_token']:,} B = {p['kv_bytes'] / MiB:.1f} MiB. TTFT = wall time of "
+        "`generate(max_tokens=1)`; profile "
+        f"`{p['profile']}`, git {payload.get('git') or 'n/a'}, Python switch interval "
+        f"{p['switch_interval_s'] * 1000:g} ms, load average at the end "
+        f"{', '.join(f'{x:.1f}' for x in payload['load_average_end'])}.",
+        "",
+        "\n".join(lines),
+        "",
+        f"Raw disk read bandwidth ({disk['mode']}, sequential, {disk['io_bytes'] // MiB} MiB I/Os, "
+        f"{disk['bytes'] / MiB:.0f} MiB file on the disk tier's filesystem): "
+        f"**{disk['gb_per_s']:.2f} GB/s** (median of {len(disk['seconds'])}); "
+        f"KV / bandwidth = {_fmt_ms(p['kv_bytes'] / disk['gb_per_s'] / 1e9)} ms.",
+        f"Recompute for scale: {_fmt_ms(rows['recompute']['median_s'])} ms. "
+        + (f"First request after the restart: {_fmt_ms(restart)} ms. " if restart else "")
+        + f"Cold (storing) runs: {cold_text}.",
+        "",
+        "\"Forward compute\" is the time in the model's forward passes for the request (the "
+        "same 2-token forward on the same context in every hit row; a synchronous connector load "
+        "inside the forward, ExampleConnector's, is not counted as compute). \"At equal "
+        "compute\" = the floor row's median forward + the row's median TTFT − compute. "
+        "vLLM prefix-cache hit of the same prompt in each connector's engine right after each "
+        f"hit (the same-engine floor): {paired_text}.",
+        "",
+        "\n".join(vlines),
+    ])
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    configs = list(LABELS)
+    short = {
+        "recompute": "recompute\n(ceiling)", "vllm_prefix": "vLLM prefix\nhit (floor)",
+        "example_connector": "Example-\nConnector", "tieredkv_host": "tieredkv\nhost",
+        "tieredkv_disk": "tieredkv\ndisk", "tieredkv_disk_restart": "tieredkv disk\nafter restart",
+    }
+    colors = dict(zip(configs, ["#999999", "#4c72b0", "#dd8452", "#55a868", "#2e7d32", "#1b5e20"],
+                      strict=True))
+    p = payload["params"]
+    floor = rows["vllm_prefix"]["median_s"] * 1000
+    read_ms = p["kv_bytes"] / (payload["raw_disk_read"]["gb_per_s"] * 1e9) * 1000
+    fig, axes = plt.subplots(1, 3, figsize=(19, 6.4), gridspec_kw={"width_ratios": [1.1, 1, 1]})
+
+    def bars(ax, shown, values, samples, fmt="{:,.0f}"):
+        xs = range(len(shown))
+        drawn = ax.bar(xs, values, color=[colors[c] for c in shown])
+        for x, c in enumerate(shown):
+            ax.scatter([x] * len(samples[c]), samples[c], color="black", s=9, zorder=3,
+                       label="each run" if x == 0 else None)
+        for bar, value, c in zip(drawn, values, shown, strict=True):
+            text = fmt.format(value)
+            if c != "recompute" and not rows[c]["hit_ok"]:
+                text += "\nNO HIT"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points",
+                        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1},
+                        zorder=5)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([short[c] for c in shown], fontsize=8)
+        ax.grid(True, axis="y", alpha=0.35)
+
+    ms = {c: [x * 1000 for x in rows[c]["samples_s"]] for c in configs}
+    ax = axes[0]
+    bars(ax, configs, [rows[c]["median_s"] * 1000 for c in configs], ms)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (ms, log scale)")
+    ax.set_title("TTFT, all rows (bar = median)", fontsize=10)
+    ax.legend(fontsize=7.5, loc="upper right")
+
+    hits = configs[1:]
+    ax = axes[1]
+    bars(ax, hits, [rows[c]["median_s"] * 1000 for c in hits], ms)
+    for value, text, color in ((HOST_TARGET * floor, "host target: 1.3 x floor", "tab:green"),
+                               (DISK_TARGET * (floor + read_ms), "disk target: 1.3 x (floor + KV/BW)",
+                                "tab:red")):
+        ax.axhline(value, color=color, linestyle=":", linewidth=1.3)
+        ax.annotate(text, xy=(0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 2),
+                    textcoords="offset points", fontsize=7.5, color=color)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("Hits: wall-clock TTFT (machine load makes the forward swing)", fontsize=10)
+
+    ax = axes[2]
+    ovh = {c: [x * 1000 for x in rows[c]["overhead_samples_s"]] for c in hits}
+    bars(ax, hits, [rows[c]["overhead_median_s"] * 1000 for c in hits], ovh, fmt="{:.1f}")
+    ax.axhline(read_ms, color="tab:red", linestyle=":", linewidth=1.3)
+    ax.annotate(f"KV / raw disk read BW = {read_ms:.1f} ms", xy=(0.01, read_ms),
+                xycoords=("axes fraction", "data"), xytext=(0, 2), textcoords="offset points",
+                fontsize=7.5, color="tab:red")
+    ax.set_ylabel("TTFT − model forward compute (ms)")
+    ax.set_title("What the cache path costs: TTFT minus forward compute", fontsize=10)
+
+    fig.suptitle(
+        f"TTFT, {p['prompt_tokens']:,}-token prompt ({p['kv_bytes'] / MiB:.0f} MiB KV), "
+        f"CPU-build vLLM, {payload['machine']['cpu']}", fontsize=11)
+    fig.text(0.005, 0.005, "CPU build: the device KV cache and the host tier share the same RAM "
+             "(a host-tier load is a memcpy). Dots: every measured run.", fontsize=7.5,
+             color="dimgrey")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parent_main(args) -> int:
+    prof = PROFILES[args.profile]
+    n_chunks = prof["chunks"]
+    # N whole chunks + 2 tokens: every connector and vLLM's prefix cache can hit exactly
+    # N x 512 tokens (ExampleConnector matches up to the block below len-1), 2 are computed.
+    prompt_tokens = args.prompt_tokens or n_chunks * CHUNK_TOKENS + 2
+    expected_hit = (prompt_tokens - 2) // CHUNK_TOKENS * CHUNK_TOKENS
+    if (prompt_tokens - 2) % CHUNK_TOKENS:
+        print("--prompt-tokens should be a multiple of 512 plus 2", file=sys.stderr)
+        return 2
+    kv_per_token = kv_bytes_per_token(MODEL)
+    kv_bytes = expected_hit * kv_per_token
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="tieredkv_e2e_ttft_", dir=args.tmp_root))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir)
+    from tieredkv.tools.tiny_model import make_tiny_llama
+
+    make_tiny_llama(model_dir, **MODEL)
+    specs = build_specs(args, model_dir, work, prompt_tokens)
+    if args.only:
+        specs = {c: s for c, s in specs.items() if c in args.only.split(",")}
+    reps = args.repeats or prof["hit_repeats"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    def gens(phases: list[dict[str, Any]]) -> int:
+        return sum(1 for p in phases if p["kind"] == "generate")
+
+    total = 1 + sum(gens(s["setup"]) + reps * gens(s["round"]) for s in specs.values())
+    if "tieredkv_disk_restart" in specs:  # the floor/host/example rounds run again beside it
+        total += reps * sum(gens(specs[c]["round"]) for c in ("vllm_prefix", "example_connector",
+                                                               "tieredkv_host") if c in specs)
+    progress = _progress(total, "raw disk read bandwidth")
+    t_start = time.monotonic()
+    timeout = prof["timeout"]
+    wall_s = load_end = git = None
+    if args.rerender:  # tables and plot again from a kept run's raw results (no engine runs)
+        raw = json.loads(Path(args.rerender).read_text())
+        disk, results = raw["raw_disk_read"], raw["results"]
+        wall_s, load_end = raw.get("wall_s"), raw.get("load_average_end")
+        git = raw.get("git")
+        progress.close()
+    else:
+        engines: dict[str, Engine] = {}
+        results = {}
+        try:
+            disk = raw_read_bandwidth(work / "tieredkv_disk", kv_bytes, CHUNK_TOKENS * kv_per_token)
+            progress.advance(1, f"raw disk {disk['gb_per_s']:.2f} GB/s")
+            # All engines but the restarted one start together and stay up, so the measured
+            # hits of every configuration can be interleaved in time: on a shared machine the
+            # load drifts, and configurations measured minutes apart would see different loads.
+            first = [c for c in specs if c != "tieredkv_disk_restart"]
+            progress.set_label(f"starting {len(first)} engines")
+            for config in first:
+                engines[config] = Engine(specs[config], env, progress)
+            for config in first:
+                engines[config].ready(timeout)
+            # Set-up one engine at a time (the recompute runs are measured: nothing else runs).
+            for config in first:
+                engines[config].run(specs[config]["setup"], timeout)
+            if "recompute" in engines:  # measured in its set-up; free its memory
+                results["recompute"] = engines.pop("recompute").close()
+
+            def rounds(configs: list[str], offset: int) -> None:
+                for i in range(reps):
+                    order = configs[i % len(configs):] + configs[:i % len(configs)]
+                    for config in order:
+                        j = i if config.startswith("tieredkv_disk") else offset + i
+                        engines[config].run(round_phases(specs[config], j), timeout)
+
+            live = [c for c in ("vllm_prefix", "example_connector", "tieredkv_host", "tieredkv_disk")
+                    if c in engines]
+            rounds(live, 0)
+            if "tieredkv_disk" in engines:
+                results["tieredkv_disk"] = engines.pop("tieredkv_disk").close()  # journal flushed
+            if "tieredkv_disk_restart" in specs:
+                progress.set_label("restarting the disk tier's engine")
+                engines["tieredkv_disk_restart"] = Engine(specs["tieredkv_disk_restart"], env, progress)
+                engines["tieredkv_disk_restart"].ready(timeout)
+                engines["tieredkv_disk_restart"].run(specs["tieredkv_disk_restart"]["setup"], timeout)
+                rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host",
+                                    "tieredkv_disk_restart") if c in engines], reps)
+            for config in list(engines):
+                results[config] = engines.pop(config).close()
+            (work / "raw_results.json").write_text(json.dumps({
+                "raw_disk_read": disk, "results": results, "wall_s": time.monotonic() - t_start,
+                "load_average_end": list(os.getloadavg()), "git": _git_rev()}))
+        finally:
+            for engine in engines.values():
+                engine.kill()
+            progress.close()
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
+    results = {c: results[c] for c in LABELS if c in results}
+    if args.only:
+        print(json.dumps({c: summarize(c, r, expected_hit) for c, r in results.items()}, indent=1))
+        return 0
+    rows = {c: summarize(c, r, expected_hit) for c, r in results.items()}
+    floor = rows["vllm_prefix"]["median_s"]
+    import vllm
+
+    payload: dict[str, Any] = {
+        "benchmark": NAME,
+        "machine": _machine(),
+        "vllm": f"vllm-cpu {vllm.__version__}",
+        "git": git if args.rerender else _git_rev(),
+        "params": {
+            "profile": args.profile, "model": MODEL, "block_size": BLOCK_SIZE,
+            "chunk_blocks": CHUNK_BLOCKS, "prompt_tokens": prompt_tokens,
+            "expected_hit_tokens": expected_hit, "kv_bytes_per_token": kv_per_token,
+            "kv_bytes": kv_bytes,
+            "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
+            "disk_limit_s": DISK_TARGET * (floor + kv_bytes / (disk["gb_per_s"] * 1e9)),
+            "wall_s": wall_s if args.rerender else time.monotonic() - t_start,
+        },
+        "raw_disk_read": disk,
+        "load_average_end": load_end if args.rerender else list(os.getloadavg()),
+        "rows": rows,
+    }
+    payload["verdicts"] = verdicts(rows, kv_bytes, disk["gb_per_s"] * 1e9)
+    if args.trace:
+        payload["traces"] = {
+            c: {r["label"]: r.get("trace") for r in results[c]["records"] if r.get("trace")}
+            for c in results if c.startswith("tieredkv")
+        }
+    payload["markdown"] = table_markdown(payload)
+    paths = write_outputs(payload)
+    print(payload["markdown"])
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    if args.trace:
+        for config, traces in payload["traces"].items():
+            for label, lines in traces.items():
+                if label not in ("hit0", "hit1", "hosthit0", "hosthit1"):
+                    continue  # all of them are in the JSON
+                print(f"\n--- trace {config} {label}")
+                print("\n".join(lines))
+    return 0 if all(v["pass"] for v in payload["verdicts"] if "(info)" not in v["target"]) else 1
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child_main(sys.argv[2])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_const", dest="profile", const="full", default="quick",
+                        help="~8k-token prompts and more repeats (default: quick, ~4k tokens)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="override the prompt length (a multiple of 512, plus 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="measured hits per configuration")
+    parser.add_argument("--recompute-repeats", type=int, default=None)
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "tieredkv_e2e_ttft_model"),
+                        help="where the random model is written (reused when its geometry matches)")
+    parser.add_argument("--tmp-root", default=None, help="parent of the work dir (disk tier, ExampleConnector files)")
+    parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, slab files)")
+    parser.add_argument("--trace", action="store_true", help="record a per-step timeline of tieredkv hits")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="diagnostic: the children's sys.setswitchinterval (default: Python's 5 ms)")
+    parser.add_argument("--rerender", default=None, metavar="RAW_JSON",
+                        help="rebuild the outputs from a kept run's WORK_DIR/raw_results.json")
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # debugging: some configs only
+    args = parser.parse_args()
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
