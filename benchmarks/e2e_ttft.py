@@ -1101,6 +1101,8 @@ def parent_main(args) -> int:
         wall_s, load_end = raw.get("wall_s"), raw.get("load_average_end")
         git = raw.get("git")
         progress.close()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     else:
         engines: dict[str, Engine] = {}
         results = {}
