@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tieredkv.daemon_calls import STOP, serve_calls
 from tieredkv.disk.errors import FailureKind, SlabError
 from tieredkv.disk.format import SlotHeader
 from tieredkv.disk.slab import SlabFile
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_STOP = object()
 
 
 class SlabExecutor:
@@ -60,19 +60,7 @@ class SlabExecutor:
             thread.start()
 
     def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the caller, never lost in the thread
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+        serve_calls(self._queue)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
         """Queue ``fn(*args)`` on the pool (also usable without asyncio)."""
@@ -164,7 +152,7 @@ class SlabExecutor:
         for future in pending:
             future.cancel()
         for _ in self._threads:
-            self._queue.put(_STOP)
+            self._queue.put(STOP)
         deadline = time.monotonic() + max(0.0, wait_s)
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))

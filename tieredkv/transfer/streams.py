@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tieredkv.daemon_calls import STOP, serve_calls
 from tieredkv.transfer.copy_ops import Pair
 from tieredkv.transfer.jobs import CANCELLED
 
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_STOP = object()
 
 
 def compute_mark(device: torch.device) -> torch.cuda.Event | None:
@@ -88,17 +88,7 @@ class LaneThread:
                 self._initializer()
             except Exception:  # noqa: BLE001 - a lane without its tuning still copies correctly
                 logger.exception("tieredkv: copy lane initialiser failed")
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the waiter, never lost in the thread
-                future.set_exception(exc)
+        serve_calls(self._queue)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
         future: cf.Future[T] = cf.Future()
@@ -107,7 +97,7 @@ class LaneThread:
 
     def stop(self, wait_s: float = 0.0) -> bool:
         """Stop after the calls already queued; True if the thread ended within ``wait_s``."""
-        self._queue.put(_STOP)
+        self._queue.put(STOP)
         self._thread.join(max(0.0, wait_s))
         return not self._thread.is_alive()
 
