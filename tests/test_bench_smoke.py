@@ -1,0 +1,240 @@
+"""Smoke test of benchmarks/serve_bench.py and benchmarks/soak.py: imports and pure helpers.
+
+No vLLM server is started; everything here runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import serve_bench  # noqa: E402
+import soak  # noqa: E402
+
+# ---------------------------------------------------------------------------- serve_bench
+
+
+def test_workload_is_deterministic_and_shaped():
+    spec = serve_bench.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=7)
+    a = serve_bench.make_conversations(spec, 4)
+    b = serve_bench.make_conversations(spec, 4)
+    assert a == b
+    assert [c.user for c in a] == [0, 1, 2, 3]
+    assert all(len(c.user_texts) == 3 and all(len(t) == 16 for t in c.user_texts) for c in a)
+    assert len({c.user_texts for c in a}) == 4  # users differ
+    assert serve_bench.make_conversations(spec, 2)[0] != a[0]  # levels get fresh conversations
+    assert serve_bench.system_prompt(spec) == serve_bench.system_prompt(spec)
+    assert len(serve_bench.system_prompt(spec)) == 64
+    other = serve_bench.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=8)
+    assert serve_bench.make_conversations(other, 1) != serve_bench.make_conversations(spec, 1)
+    think = [t for c in a for t in c.think_s]
+    assert all(0 <= t <= 3 * spec.think_mean_s for t in think)
+    assert all(lo <= tok < hi for c in a for text in c.user_texts for tok in text
+               for lo, hi in [serve_bench.VOCAB])
+
+
+def test_prompt_lengths_and_device_sizing():
+    spec = serve_bench.ChatWorkload(system_tokens=1024, user_tokens=192, reply_tokens=32, turns=4)
+    assert spec.prompt_tokens(0) == 1024 + 192
+    assert spec.prompt_tokens(3) == 1024 + 4 * 192 + 3 * 32
+    assert spec.conversation_tokens() == spec.prompt_tokens(3) + 32
+    blocks = serve_bench.conversation_blocks(spec, 32)
+    assert blocks == math.ceil(spec.conversation_tokens() / 32)
+    # The system prompt's 32 full blocks are shared by every user.
+    assert serve_bench.working_set_blocks(spec, 1, 32) == blocks
+    assert serve_bench.working_set_blocks(spec, 3, 32) == 32 + 3 * (blocks - 32)
+    n = serve_bench.device_blocks(spec, 2, 32)
+    assert not serve_bench.exceeds_device(spec, 1, n, 32)
+    assert not serve_bench.exceeds_device(spec, 2, n, 32)
+    assert serve_bench.exceeds_device(spec, 3, n, 32)
+    assert serve_bench.exceeds_device(spec, 4, n, 32)
+    assert serve_bench.chunks_of(spec, 1, 256) == spec.prompt_tokens(3) // 256
+    assert serve_bench.kv_bytes_per_token({"hidden_size": 256, "num_layers": 4, "num_heads": 4,
+                                           "num_kv_heads": 2}, 4) == 4096
+
+
+def test_percentile_math():
+    p = serve_bench.percentile
+    assert math.isnan(p([], 50))
+    assert p([5.0], 99) == 5.0
+    assert p([1, 2, 3, 4], 50) == 2.5
+    assert p(list(range(101)), 99) == pytest.approx(99.0)
+    assert p([10, 0], 0) == 0 and p([10, 0], 100) == 10
+    assert p([1, 2], 99) == pytest.approx(1.99)
+
+
+def test_level_summary_and_hit_rates():
+    recs = [
+        {"ok": True, "turn": 0, "ttft_s": 0.2, "prompt_tokens": 100, "output": [1, 2]},
+        {"ok": True, "turn": 1, "ttft_s": 0.4, "prompt_tokens": 200, "output": [1, 2]},
+        {"ok": False, "turn": 2, "prompt_tokens": 300, "error": "x"},
+    ]
+    s = serve_bench.level_summary(recs, 2.0)
+    assert s["completed"] == 2 and s["errors"] == 1
+    assert s["ttft_p50_s"] == pytest.approx(0.3)
+    assert s["ttft_p50_warm_s"] == pytest.approx(0.4)
+    assert s["requests_per_s"] == pytest.approx(1.0)
+    assert s["output_tokens_per_s"] == pytest.approx(2.0)
+    assert s["prompt_tokens_per_s"] == pytest.approx(150.0)
+    before = "\n".join([
+        "# HELP vllm:prefix_cache_hits_total x",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 10.0',
+        'vllm:tieredkv_hit_tokens_total{engine="0",model_name="tiny",tier="host"} 0.0',
+        'vllm:tieredkv_hit_tokens_total{engine="0",model_name="tiny",tier="disk"} 5.0',
+    ])
+    after = "\n".join([
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 110.0',
+        'vllm:tieredkv_hit_tokens_total{engine="0",model_name="tiny",tier="host"} 50.0',
+        'vllm:tieredkv_hit_tokens_total{engine="0",model_name="tiny",tier="disk"} 30.0',
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 75.0',
+    ])
+    h = serve_bench.hit_rates(before, after, 300)
+    assert h["device_rate"] == pytest.approx(100 / 300)
+    assert h["tieredkv_host_rate"] == pytest.approx(50 / 300)
+    assert h["tieredkv_disk_rate"] == pytest.approx(25 / 300)
+    assert h["connector_rate"] == pytest.approx(75 / 300)
+    assert serve_bench.metric_sum(after, "vllm:tieredkv_hit_tokens_total") == 80.0
+    assert serve_bench.metric_sum(after, "vllm:tieredkv_hit_tokens") == 0.0  # no prefix matches
+
+
+def test_judge_targets():
+    def r(p50):
+        return {"ttft_p50_s": p50}
+
+    results = {
+        "no_cache": {1: r(1.0), 4: r(2.0)},
+        "prefix_cache": {1: r(0.2), 4: r(0.9)},
+        "tieredkv_host": {1: r(0.2), 4: r(0.5)},
+        "tieredkv_disk": {1: r(0.2), 4: r(1.2)},
+    }
+    rows = serve_bench.judge(results, [4])
+    by = {(x["config"], x["target"].split()[4]): x["verdict"] for x in rows}
+    assert len(rows) == 4
+    assert by[("tieredkv_host", "better")] == "PASS"  # 4x
+    assert by[("tieredkv_disk", "better")] == "FAIL"  # 1.67x
+    assert [x["verdict"] for x in rows if "every" in x["target"]] == ["PASS", "FAIL"]
+    missing = serve_bench.judge({"no_cache": {}, "tieredkv_host": {4: r(0.5)}}, [4])
+    assert {x["verdict"] for x in missing} == {"n/a"}
+
+
+# ---------------------------------------------------------------------------- soak
+
+
+def test_pool_and_zipf():
+    pool = soak.make_pool(0, 8, 2, 64, (32, 96))
+    assert pool == soak.make_pool(0, 8, 2, 64, (32, 96))
+    assert len(pool) == 8 and all(96 <= len(x) <= 160 for x in pool)
+    assert pool[0][:64] == pool[2][:64] and pool[0][:64] != pool[1][:64]
+    w = soak.zipf_weights(5, 1.0)
+    assert sum(w) == pytest.approx(1.0) and w == sorted(w, reverse=True)
+    choose = soak.ZipfChooser(10, 1.1, "x")
+    picks = [choose() for _ in range(5000)]
+    assert set(picks) <= set(range(10))
+    counts = sorted((picks.count(i) for i in range(10)), reverse=True)
+    assert counts[0] > 3 * counts[-1]  # skewed
+    assert picks.count(choose.order[0]) == counts[0]  # the hottest is rank 1
+    again = soak.ZipfChooser(10, 1.1, "x")
+    assert [again() for _ in range(100)] == picks[:100]
+    # Two prompts sharing a 64-token prefix with 32-token chunks: 2 shared chunks.
+    a, b = [1] * 64 + [2] * 64, [1] * 64 + [3] * 64
+    assert soak.working_set_chunks([a, b], 32) == 2 + 2 + 2
+    assert soak.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert soak.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert soak.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def _series(fn, n=60, period=5.0):
+    ts = [i * period for i in range(n)]
+    return ts, [fn(t) for t in ts]
+
+
+def test_leak_check_flat_noisy_and_plateau_pass():
+    rnd = random.Random(1)
+    rule = soak.LeakRule(abs_tol=64, rel_tol=0.05, rise_frac=0.05)
+    ts, ys = _series(lambda t: 2000 + rnd.uniform(-20, 20))
+    assert soak.leak_check(ts, ys, rule)["verdict"] == "PASS"
+    # Fast growth during warm-up, then a plateau: not a leak.
+    ts, ys = _series(lambda t: min(2000.0, 1000 + 20 * t))
+    assert soak.leak_check(ts, ys, rule)["verdict"] == "PASS"
+
+
+def test_leak_check_linear_growth_fails():
+    rule = soak.LeakRule(abs_tol=64, rel_tol=0.05, rise_frac=0.05)
+    ts, ys = _series(lambda t: 2000 + 2.0 * t)  # +600 over 300 s
+    res = soak.leak_check(ts, ys, rule)
+    assert res["verdict"] == "FAIL"
+    assert res["slope_per_s"] == pytest.approx(2.0)
+    assert res["projected"] == pytest.approx(2.0 * 295)
+    assert "slope" in res["reason"]
+
+
+def test_leak_check_late_step_fails_on_ceiling():
+    rule = soak.LeakRule(abs_tol=4, rel_tol=0.05, rise_frac=0.05)
+    ts, ys = _series(lambda t: 100 if t < 280 else 130)  # a jump in the last samples
+    res = soak.leak_check(ts, ys, rule)
+    assert res["verdict"] == "FAIL" and "last-quarter" in res["reason"]
+
+
+def test_leak_check_slow_growth_projected_over_long_run():
+    rule = soak.LeakRule(abs_tol=64 * 1024, rel_tol=0.0, rise_frac=0.0)
+    ts, ys = _series(lambda t: 1000 + 100 * t)  # 100 B/s: 30 KB over 5 min
+    short = soak.leak_check(ts, ys, rule, run_s=300)
+    long = soak.leak_check(ts, ys, rule, run_s=4 * 3600)
+    assert long["verdict"] == "FAIL"
+    assert long["projected"] == pytest.approx(100 * 4 * 3600)
+    assert short["projected"] < 64 * 1024
+
+
+def test_leak_check_undecided_is_not_a_pass():
+    rule = soak.LeakRule(abs_tol=1)
+    assert soak.leak_check([0, 1, 2], [1, 1, 1], rule)["verdict"] == "n/a"
+    assert soak.leak_check([], [], rule)["verdict"] == "n/a"
+    assert soak.lsq_slope([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(2.0)
+    assert soak.lsq_slope([1, 1], [0, 5]) == 0.0
+
+
+def test_flip_payload_bytes(tmp_path):
+    stride, payload = 4096 + 8192, 8192
+    slab = tmp_path / "rank0.slab"
+    slab.write_bytes(bytes(3 * stride))
+    offsets = soak.flip_payload_bytes(slab, 1, stride, payload, 16, random.Random(0))
+    data = slab.read_bytes()
+    changed = [i for i, b in enumerate(data) if b]
+    assert len(offsets) == 16 and len(changed) == 16
+    base = stride + soak.HEADER_BYTES
+    assert all(base <= i < base + payload for i in changed)  # payload of slot 1 only
+    assert changed == [base + o for o in offsets]
+
+
+def test_leak_rules_cover_every_plotted_series():
+    assert set(soak.LEAK_RULES) == set(soak.SERIES_UNITS)
+    assert soak.journal_path(Path("/x")).name == "journal.bin"
+
+
+def test_pool_without_shared_prefixes_and_idle_verdict():
+    pool = soak.make_pool(0, 4, 0, 64, (32, 40))
+    assert all(32 <= len(x) <= 40 for x in pool)
+    assert soak.idle_verdict({})[0] == "FAIL"
+    assert soak.idle_verdict({"error": "x"}) == ("FAIL", "x")
+    zero = {"pinned_host_slots": 0, "jobs_in_flight": 0, "host_slots_in_flight": 0,
+            "requests_waiting_on_load": 0}
+    assert soak.idle_verdict(zero)[0] == "PASS"
+    assert soak.idle_verdict({**zero, "pinned_host_slots": 3})[0] == "FAIL"
+
+
+def test_root_cause_finds_the_engine_error(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n"
+        "(EngineCore pid=2) ERROR [core.py:1512] KeyError: 'tieredkv: host tier: key ab is already present'\n"
+        "(APIServer pid=1) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+    )
+    assert soak.root_cause(log) == "KeyError: 'tieredkv: host tier: key ab is already present'"
+    assert soak.root_cause(tmp_path / "missing.log") is None
