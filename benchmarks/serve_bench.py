@@ -92,7 +92,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
         "levels": (1, 2, 4, 8), "turns": 5, "system_tokens": 1024, "user_tokens": 384,
         "reply_tokens": 64, "think_mean_s": 0.5, "level_timeout_s": 150.0,
-        "request_timeout_s": 120.0, "budget_s": 590.0,
+        "request_timeout_s": 120.0, "budget_s": 540.0,
     },
     "full": {
         "levels": (1, 2, 4, 8, 16), "turns": 8, "system_tokens": 1024, "user_tokens": 384,
