@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tieredkv.config import TieredKVConfig
@@ -265,3 +267,44 @@ def test_promotion_never_evicts_resident_chunks_of_its_own_prefix():
     assert {p.key for p in plan.promotes} == {keys[0], keys[1]}
     ok_all(planner, plan)
     assert planner.lookup("c", keys, 0, len(a)) == 3 * CHUNK_TOKENS
+
+
+def test_two_requests_sharing_a_disk_only_prefix_wait_for_one_promotion():
+    # Found by the soak: the second lookup tried to allocate a key being promoted -> KeyError.
+    planner = make(host_slots=2, disk_slots=8)
+    a = list(range(CHUNK_TOKENS + 1))
+    store_prompt(planner, "a", a)
+    ok_all(planner, planner.take_plan())  # spill a
+    store_prompt(planner, "b", [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)])
+    ok_all(planner, planner.take_plan())
+    assert planner.lookup("c", keys_for(a), 0, len(a)) is None
+    assert planner.lookup("d", keys_for(a), 0, len(a)) is None  # waits, never a second promote
+    plan = planner.take_plan()
+    assert len(plan.promotes) == 1
+    ok_all(planner, plan)
+    assert planner.lookup("c", keys_for(a), 0, len(a)) == CHUNK_TOKENS
+    assert planner.lookup("d", keys_for(a), 0, len(a)) == CHUNK_TOKENS
+    planner.host.check_invariants()
+
+
+def test_a_chunk_being_written_to_host_ends_the_run_instead_of_being_promoted():
+    planner = make(host_slots=4, disk_slots=8)
+    a = list(range(2 * CHUNK_TOKENS + 1))
+    store_prompt(planner, "a", a)
+    ok_all(planner, planner.take_plan())  # spilled, still in host
+    keys = keys_for(a)
+    planner.host.remove(keys[0])  # host copy gone, disk copy stays
+    assert planner.host.allocate(keys[0]) is not None  # a write into host is in flight
+    assert planner.lookup("c", keys, 0, len(a)) == 0  # no KeyError, no second allocation
+    assert not planner.take_plan().promotes
+
+
+def test_a_stuck_promotion_times_out_into_a_plain_answer():
+    planner = make(host_slots=2, disk_slots=8, load_timeout_s=0.01)
+    a = list(range(CHUNK_TOKENS + 1))
+    store_prompt(planner, "a", a)
+    ok_all(planner, planner.take_plan())
+    store_prompt(planner, "b", [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)])
+    assert planner.lookup("c", keys_for(a), 0, len(a)) is None
+    time.sleep(0.05)
+    assert planner.lookup("c", keys_for(a), 0, len(a)) == 0  # never an endless "ask me later"

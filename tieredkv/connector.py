@@ -131,7 +131,11 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001 - a lookup bug must cost a miss, never the engine
+            logger.exception("tieredkv: lookup for %s failed; answering a miss", request.request_id)
+            return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None

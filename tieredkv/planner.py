@@ -131,6 +131,7 @@ class Planner:
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan()
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
+        self._promotions: dict[bytes, int] = {}  # key -> promote job in flight (any request)
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._seen_limit = max(1024, 4 * (num_host_slots + num_disk_slots))
         if catalog is not None and self.disk is not None:
@@ -197,27 +198,33 @@ class Planner:
         else:
             run = []
         i = first + len(run)
+        promotions = self._promotions
         while i < last:
             key = keys[i]
             if host_ready(key):
                 run.append(key)
-            elif state.promote_jobs and self._promoting(state, key):
+            elif key in promotions:
+                # Being promoted, for this request or another one sharing the prefix: wait.
                 pending = True
                 run.append(key)
+            elif key in self.host or self.host.is_doomed(key):
+                break  # being stored right now: not loadable yet, and not promotable
             elif disk_ready is not None and disk_ready(key):
                 disk_chunks.append(key)
                 run.append(key)
             else:
                 break
             i += 1
-        if state.promote_jobs and time.monotonic() > state.promote_deadline:
+        now = time.monotonic()
+        timed_out = bool(state.promote_deadline) and now > state.promote_deadline
+        if timed_out and (pending or disk_chunks):
             logger.warning("tieredkv: promotion for %s timed out; serving what is in memory", req_id)
-            pending = False
             state.promote_rounds = MAX_PROMOTE_ROUNDS
         if disk_chunks and state.promote_rounds < MAX_PROMOTE_ROUNDS:
             run = self._promote(state, run, disk_chunks)
-            pending = pending or bool(state.promote_jobs)
-        if pending and state.promote_jobs:
+        if not timed_out and any(key in promotions for key in run):
+            if not state.promote_deadline:
+                state.promote_deadline = now + self.config.load_timeout_s
             return None
         if not state.looked_up:
             # Counted once per request, when it gets its answer (not each "ask me later").
@@ -246,9 +253,6 @@ class Planner:
         )
         return hit
 
-    def _promoting(self, state: _Request, key: bytes) -> bool:
-        return any(key in self._jobs[j].keys for j in state.promote_jobs)
-
     def _promote(self, state: _Request, run: list[bytes], disk_chunks: list[bytes]) -> list[bytes]:
         """Queue disk -> host promotions for the disk chunks of a run; trims the run on a miss.
 
@@ -269,6 +273,8 @@ class Planner:
         for pos, key in enumerate(run):
             if key not in disk_chunks:
                 continue
+            if key in self.host or self.host.is_doomed(key) or key in self._promotions:
+                return run[:pos]  # never allocate a key twice; someone else holds it now
             allocation = self.host.allocate(key)
             if allocation is None:
                 self.counters["promote_no_host_slot"] += 1
@@ -282,6 +288,7 @@ class Planner:
             self.disk.pin(key)
             job_id = self._new_job("promote", (key,), state.req_id)
             self._plan.promotes.append(PromoteJob(job_id, key, disk_slot, host_slot))
+            self._promotions[key] = job_id
             state.promote_jobs.add(job_id)
             state.promoted_keys.add(key)
             issued = True
@@ -501,6 +508,8 @@ class Planner:
 
     def _complete_promote(self, job_id: int, job: _Job) -> None:
         (key,) = job.keys
+        if self._promotions.get(key) == job_id:
+            del self._promotions[key]
         assert self.disk is not None
         self.disk.unpin(key)
         if job.outcome.failed:
