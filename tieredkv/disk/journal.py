@@ -51,6 +51,11 @@ RECORD_BYTES = _BODY.size + _CRC.size
 _NO_KEY = bytes(KEY_BYTES)
 
 
+# A running journal is rewritten once it holds this many records past its live entries
+# (or 4x the live entries, whichever is more): bounded size, rare rewrites.
+COMPACT_MIN_RECORDS = 4096
+
+
 class Op(IntEnum):
     ADD = 1
     REMOVE = 2
@@ -134,6 +139,11 @@ class Journal:
         self._stopping = False
         self._closed = False
         self._next_seq = self.opened_replay.last_sequence + 1
+        # The live index as the records describe it, kept for runtime compactions.
+        self._live: dict[bytes, int] = dict(self.opened_replay.entries)
+        self._owners: dict[int, bytes] = {slot: key for key, slot in self._live.items()}
+        self._since_compaction = 0
+        self.runtime_compactions = 0
         self._size = 0
         self._file: Any = None
         self.records_written = 0
@@ -207,19 +217,31 @@ class Journal:
             self._pending.append(item)
             self._queued += 1
 
+    def _record(self, op: Op, key: bytes, slot: int) -> None:
+        """Queue a record; past a bound, queue a compaction too, so the file never grows
+        without limit on a long-running server (the caller never waits for it)."""
+        self._queue((op, key, slot))
+        _apply(self._live, self._owners, op, key, slot)
+        self._since_compaction += 1
+        if self._since_compaction >= max(COMPACT_MIN_RECORDS, 4 * len(self._live)):
+            self._since_compaction = 0
+            self.runtime_compactions += 1
+            self._queue(_Compaction(dict(self._live), cf.Future()))
+            self._kick()
+
     def record_add(self, key: bytes, slot: int) -> None:
         """Journal ``key`` at ``slot``; call only once every rank confirmed its write."""
         if len(key) != KEY_BYTES:
             raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-        self._queue((Op.ADD, key, slot))
+        self._record(Op.ADD, key, slot)
 
     def record_remove(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-        self._queue((Op.REMOVE, key, 0))
+        self._record(Op.REMOVE, key, 0)
 
     def record_clear(self) -> None:
-        self._queue((Op.CLEAR, _NO_KEY, 0))
+        self._record(Op.CLEAR, _NO_KEY, 0)
 
     def _kick(self) -> None:
         loop, wake = self._loop, self._wake
@@ -260,6 +282,9 @@ class Journal:
         a crash leaves either the old journal or the new one, never a mix.
         """
         done: cf.Future[None] = cf.Future()
+        self._live = dict(entries)
+        self._owners = {slot: key for key, slot in self._live.items()}
+        self._since_compaction = 0
         self._queue(_Compaction(dict(entries), done))
         self._kick()
         try:
