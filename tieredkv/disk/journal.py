@@ -51,9 +51,9 @@ RECORD_BYTES = _BODY.size + _CRC.size
 _NO_KEY = bytes(KEY_BYTES)
 
 
-# A running journal is rewritten once it holds this many records past its live entries
+# A running journal is rewritten once it holds this many records since its last rewrite
 # (or 4x the live entries, whichever is more): bounded size, rare rewrites.
-COMPACT_MIN_RECORDS = 4096
+COMPACT_MIN_RECORDS = 1024
 
 
 class Op(IntEnum):
