@@ -130,10 +130,7 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-        if num_external_tokens > 0:
-            self.planner.on_alloc(request.request_id, block_ids, num_external_tokens)
-        else:
-            self.planner.on_alloc(request.request_id, [], 0)
+        self.planner.on_alloc(request.request_id, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         tokens = self.planner.hit_tokens(request.request_id)

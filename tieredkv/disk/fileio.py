@@ -32,6 +32,18 @@ def _advance(bufs: list[memoryview], done: int) -> list[memoryview]:
     return rest
 
 
+def _until_done(syscall, fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Repeat a positional vector syscall until ``bufs`` are done or it moves 0 bytes."""
+    want = _total(bufs)
+    done = 0
+    while done < want:
+        moved = syscall(fd, bufs if done == 0 else _advance(bufs, done), offset + done)
+        if moved == 0:
+            break
+        done += moved
+    return done
+
+
 class FileIO:
     """Positional file I/O on raw descriptors (no Python-level buffering, O_DIRECT-friendly)."""
 
@@ -45,14 +57,7 @@ class FileIO:
         a read returns 0 separates the two, so a short count always means "the bytes are not
         there".
         """
-        want = _total(bufs)
-        done = 0
-        while done < want:
-            got = os.preadv(fd, bufs if done == 0 else _advance(bufs, done), offset + done)
-            if got == 0:
-                break
-            done += got
-        return done
+        return _until_done(os.preadv, fd, bufs, offset)
 
     def pwrite(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         """Write all of ``bufs`` at ``offset``, looping on partial writes; returns bytes written.
@@ -60,14 +65,7 @@ class FileIO:
         Returns less than asked only when the kernel accepted nothing more (a write returned 0);
         errors such as ENOSPC or EIO are raised as OSError.
         """
-        want = _total(bufs)
-        done = 0
-        while done < want:
-            put = os.pwritev(fd, bufs if done == 0 else _advance(bufs, done), offset + done)
-            if put == 0:
-                break
-            done += put
-        return done
+        return _until_done(os.pwritev, fd, bufs, offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

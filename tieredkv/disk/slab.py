@@ -310,19 +310,7 @@ class SlabFile:
             header, fingerprint=self.fingerprint, key=key, payload_len=self.payload_bytes,
             checksum=payload_checksum(data), sequence=next(self._sequence),
         )
-        want = HEADER_BYTES + len(body)
-        fd = self._acquire(slot)
-        try:
-            written = self._io.pwrite(fd, [header, body], self.slot_offset(slot))
-        except OSError as exc:
-            raise slab_error_from_oserror(exc, "write", slot=slot, path=self.path) from exc
-        finally:
-            self._release()
-        if written != want:
-            raise SlabError(
-                FailureKind.IO_ERROR, f"short write: {written} of {want} bytes",
-                slot=slot, path=self.path,
-            )
+        self._write_at(slot, [header, body], "write")
 
     def read_slot_into(self, slot: int, key: bytes, out: memoryview) -> SlotHeader:
         """Read ``slot`` into ``out`` with one ``preadv`` and prove it is ``key``'s payload.
@@ -415,16 +403,21 @@ class SlabFile:
         self._check(slot)
         if self.readonly:
             raise ValueError(f"{self.path} was opened read-only")
+        self._write_at(slot, [self._zero_header], "invalidate")
+
+    def _write_at(self, slot: int, bufs: list[memoryview], action: str) -> None:
+        """One positional write at the slot's start; an error or a short write is a SlabError."""
+        want = sum(len(buf) for buf in bufs)
         fd = self._acquire(slot)
         try:
-            written = self._io.pwrite(fd, [self._zero_header], self.slot_offset(slot))
+            written = self._io.pwrite(fd, bufs, self.slot_offset(slot))
         except OSError as exc:
-            raise slab_error_from_oserror(exc, "invalidate", slot=slot, path=self.path) from exc
+            raise slab_error_from_oserror(exc, action, slot=slot, path=self.path) from exc
         finally:
             self._release()
-        if written != HEADER_BYTES:
+        if written != want:
             raise SlabError(
-                FailureKind.IO_ERROR, f"short write: {written} of {HEADER_BYTES} bytes",
+                FailureKind.IO_ERROR, f"short write: {written} of {want} bytes",
                 slot=slot, path=self.path,
             )
 
