@@ -94,6 +94,10 @@ class SchedulerHalf:
             )
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, LazyChunkKeys] = {}
+        self._exporter = None
+        self._exporter_server = None
+        if config.metrics_port is not None:
+            self._start_exporter(config.metrics_port, str(vllm_config.model_config.model))
         logger.info(
             "tieredkv: scheduler ready: %d host slots, %d disk slots per rank, chunk %d tokens "
             "(%d bytes per rank), world size %d",
@@ -163,6 +167,9 @@ class SchedulerHalf:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, TieredKVWorkerMetadata) and meta.outcomes:
             self.planner.apply(meta.to_outcomes())
+        worker_stats = getattr(connector_output, "kv_connector_stats", None)
+        if self._exporter is not None and worker_stats is not None:
+            self._exporter.observe({"workers": worker_stats.data.get("workers") or {}})
 
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
@@ -174,8 +181,30 @@ class SchedulerHalf:
         self.planner.reset()
         return True
 
+    def _start_exporter(self, port: int, model_name: str) -> None:
+        """Serve the same metrics outside vLLM's /metrics, on 127.0.0.1:``metrics_port``."""
+        from prometheus_client import CollectorRegistry
+
+        from tieredkv.config import ConfigError
+        from tieredkv.exporter import build_exporter_metrics, start_exporter
+
+        registry = CollectorRegistry()
+        self._exporter = build_exporter_metrics(registry, model_name=model_name)
+        try:
+            self._exporter_server, _ = start_exporter(port, registry)
+        except OSError as exc:
+            raise ConfigError("metrics_port", port, f"cannot serve metrics there: {exc}") from exc
+        self.metrics_port = self._exporter_server.server_port
+        logger.info("tieredkv: metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
+
     def stats_snapshot(self) -> dict:
         """Scheduler-side counter deltas and gauges (plain data for vLLM's stats path)."""
+        snapshot = self._snapshot()
+        if self._exporter is not None:
+            self._exporter.observe(snapshot)
+        return snapshot
+
+    def _snapshot(self) -> dict:
         return {
             "scheduler": {
                 "counters": self.planner.take_counter_deltas(),
@@ -190,6 +219,9 @@ class SchedulerHalf:
         return self.planner.has_pending_work()
 
     def shutdown(self) -> None:
+        if self._exporter_server is not None:
+            self._exporter_server.shutdown()
+            self._exporter_server = None
         if self.catalog is not None:
             self.catalog.close()
             self.catalog = None
