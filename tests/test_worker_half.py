@@ -208,3 +208,54 @@ def test_registered_layout_that_disagrees_with_the_spec_is_refused():
     worker = WorkerHalf(vllm_config, kv_cache_config, TieredKVConfig.from_dict({"chunk_blocks": 2}))
     with pytest.raises(ValueError, match="bytes per chunk"):
         worker.register_kv_caches(kv_caches(0))
+
+
+def test_idle_step_loads_inline_and_reports_the_request_in_the_same_step(worker):
+    """A step that computes nothing: the host-tier load runs inline and get_finished of that
+    very step reports it, with no polling by vLLM's spinning engine loop."""
+    w, caches = worker
+    before = [block(caches, layer, b) for layer in range(LAYERS) for b in (6, 7)]
+    store = StoreJob(1, b"s" * 32, host_slot=2, block_ids=(6, 7))
+    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
+    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    load = LoadJob(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),))
+    _, recving = step(w, StepPlan(loads=[load], compute_idle=True))
+    assert recving == {"b"}
+    after = [block(caches, layer, b) for layer in range(LAYERS) for b in (30, 31)]
+    for x, y in zip(before, after, strict=True):
+        assert torch.equal(x, y)
+
+
+class _SlowLoads:
+    """Wraps the engine's copy backend: every h2d copy takes 50 ms more."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def d2h(self, *args) -> None:
+        self.inner.d2h(*args)
+
+    def h2d(self, *args) -> None:
+        time.sleep(0.05)
+        self.inner.h2d(*args)
+
+
+def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, monkeypatch):
+    """Outside an idle step collect never blocks; in one it sleeps until its load lands
+    (bounded), so vLLM's engine does not spin through empty steps holding the GIL."""
+    w, _ = worker
+    store = StoreJob(1, b"t" * 32, host_slot=1, block_ids=(8, 9))
+    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
+    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    w.engine.backend = _SlowLoads(w.engine.backend)
+    busy = LoadJob(2, "busy", (LoadChunk(b"t" * 32, 1, 0, (40, 41)),))
+    start = time.monotonic()
+    _, recving = step(w, StepPlan(loads=[busy], compute_idle=False))  # goes to the h2d lane
+    assert recving == set() and time.monotonic() - start < 0.04  # not waited for
+    monkeypatch.setattr("tieredkv.worker_half.IDLE_WAIT_S", 5.0)
+    _, recving = step(w, StepPlan(compute_idle=True))
+    assert recving == {"busy"}  # the idle step slept until it landed, far less than 5 s
+    assert time.monotonic() - start < 2.0
+    start = time.monotonic()
+    assert step(w, StepPlan(compute_idle=True)) == (set(), set())  # nothing awaited: no sleep
+    assert time.monotonic() - start < 0.5

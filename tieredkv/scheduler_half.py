@@ -161,7 +161,9 @@ class SchedulerHalf:
             else:
                 limit = request.num_prompt_tokens
             planner.plan_stores(req_id, self.keys_for(request), min(after, limit))
-        return TieredKVMetadata(plan=planner.take_plan())
+        plan = planner.take_plan()
+        plan.compute_idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        return TieredKVMetadata(plan=plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

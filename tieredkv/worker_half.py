@@ -20,6 +20,12 @@ from tieredkv.vllm_geometry import engine_geometry
 
 logger = logging.getLogger("tieredkv")
 
+# In a step that computes nothing, how long get_finished may sleep on the worker's own loads
+# and promotions before returning. vLLM would otherwise run empty steps back to back, holding
+# the GIL that every transfer thread needs for each hand-off (up to 5 ms per hand-off). New
+# requests wait at most this long to be scheduled; the sleep ends with the first result.
+IDLE_WAIT_S = 0.005
+
 
 def _worker_rank() -> int:
     try:
@@ -49,6 +55,8 @@ class WorkerHalf:
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self._outcomes: dict[int, OutcomeTuple] = {}
+        self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
+        self._compute_idle = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -113,11 +121,14 @@ class WorkerHalf:
         plan = metadata.plan
         if self.engine is None:
             return
+        self._compute_idle = plan.compute_idle
         for job in plan.loads:
             self._load_reqs[job.job_id] = job.req_id
+            self._awaited.add(job.job_id)
+        self._awaited.update(job.job_id for job in plan.promotes)
         jobs = [*plan.promotes, *plan.loads, *plan.spills]
         if jobs:
-            self.engine.submit(jobs)
+            self.engine.submit(jobs, inline_loads=plan.compute_idle)
         for req_id in plan.delayed_req_ids:
             self._delayed.add(req_id)
             if not self._pending_stores.get(req_id):
@@ -142,6 +153,9 @@ class WorkerHalf:
     def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Fold engine results in; return (finished_sending, finished_recving) for this step."""
         if self.engine is not None:
+            if self._compute_idle and self._awaited:
+                self.engine.wait_for_results(IDLE_WAIT_S)
+            self._compute_idle = False
             for result in self.engine.poll():
                 self._record(result)
         sending, self._finished_sending = self._finished_sending, set()
@@ -150,6 +164,7 @@ class WorkerHalf:
 
     def _record(self, result: Any) -> None:
         job_id = result.job_id
+        self._awaited.discard(job_id)
         self._outcomes[job_id] = (
             1 if result.ok else 0,
             0 if result.ok else 1,

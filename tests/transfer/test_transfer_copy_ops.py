@@ -218,8 +218,15 @@ def test_auto_falls_back_to_numpy_with_a_warning_when_native_is_not_built(
     kv = _views("LBHNC")
     host = HostPool(2, kv.slot_payload_bytes(C), pin=False)
     monkeypatch.setattr(copy_ops, "_import_rowcopy", lambda: (None, "not built (test)"))
-    with caplog.at_level("WARNING"):
-        assert isinstance(select_backend("auto", kv=kv, host=host), TorchCopyBackend)
+    # Listen on the module's logger itself: vLLM's logging set-up, run by other tests in this
+    # process, may have changed how records reach the root logger.
+    monkeypatch.setattr(copy_ops.logger, "disabled", False)
+    copy_ops.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger=copy_ops.logger.name):
+            assert isinstance(select_backend("auto", kv=kv, host=host), TorchCopyBackend)
+    finally:
+        copy_ops.logger.removeHandler(caplog.handler)
     assert "slower numpy path: not built (test)" in caplog.text
     with pytest.raises(ValueError, match="copy_backend='native' is not available here"):
         select_backend("native", kv=kv, host=host)

@@ -407,3 +407,78 @@ def test_promote_into_a_slot_being_loaded_is_refused(kv, host, fio, make_engine)
     for layer in range(kv.num_layers):
         for block in (30, 31, 32, 33):
             assert torch.equal(kv.rows[layer][block], before[layer][block])
+
+
+# ---------------------------------------------------------------------------- host-tier loads
+
+
+class _ThreadRecorder(SlowBackend):
+    """Records which thread ran each h2d copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h2d_threads: list[str] = []
+
+    def h2d(self, dev, host, pairs) -> None:  # type: ignore[override]
+        self.h2d_threads.append(threading.current_thread().name)
+        super().h2d(dev, host, pairs)
+
+
+def test_inline_host_load_is_done_when_submit_returns(kv, host, make_engine) -> None:
+    """An idle step's host-tier load runs in the caller's thread: no hand-off to wait for."""
+    backend = _ThreadRecorder()
+    engine = make_engine(backend)
+    want = _store_all(engine, kv, {2: (1, 2, 3, 4)})
+    engine.submit([LoadJob(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
+                  inline_loads=True)
+    assert engine.poll() == [JobResult(7, True)]  # no wait: it already happened
+    assert backend.h2d_threads == [threading.current_thread().name]
+    assert_slot_holds(kv, host, 2, (30, 31, 32, 33), snapshot=want[2])
+
+
+def test_host_load_outside_an_idle_step_runs_on_the_h2d_lane(kv, host, fio, make_engine) -> None:
+    backend = _ThreadRecorder()
+    engine = make_engine(backend)
+    _store_all(engine, kv, {2: (1, 2, 3, 4), 4: (5, 6, 7, 8)})
+    engine.submit([SpillJob(3, make_key(4), 4, 1)])
+    assert results_by_id(engine, 1)[3].ok
+    engine.submit([LoadJob(8, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))])
+    assert results_by_id(engine, 1)[8].ok
+    # a load with a disk chunk never runs inline (a disk read must not stall vLLM's thread)
+    engine.submit([LoadJob(9, "r", (LoadChunk(make_key(4), 6, 0, (34, 35, 36, 37), disk_slot=1),))],
+                  inline_loads=True)
+    assert results_by_id(engine, 1)[9].ok
+    assert backend.h2d_threads == ["tieredkv-h2d", "tieredkv-h2d"]
+
+
+def test_inline_load_from_a_slot_being_written_is_refused_untouched(kv, host, make_engine) -> None:
+    backend = SlowBackend()
+    gate = backend.gate("d2h")
+    engine = make_engine(backend)
+    engine.submit([StoreJob(1, make_key(1), 3, (1, 2, 3, 4))])
+    assert backend.started["d2h"].wait(5)
+    before = device_snapshot(kv)
+    engine.submit([LoadJob(2, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),))],
+                  inline_loads=True)
+    assert engine.poll() == [JobResult(2, False, "copy_error", (20, 21, 22, 23))]
+    for layer in range(kv.num_layers):
+        for block in (20, 21, 22, 23):
+            assert torch.equal(kv.rows[layer][block], before[layer][block])
+    gate.set()
+    assert results_by_id(engine, 1)[1].ok
+
+
+def test_wait_for_results_sleeps_until_a_result_or_the_timeout(kv, host, make_engine) -> None:
+    backend = SlowBackend()
+    gate = backend.gate("h2d")
+    engine = make_engine(backend)
+    _store_all(engine, kv, {2: (1, 2, 3, 4)})
+    assert engine.wait_for_results(0.0)  # nothing in flight: returns at once
+    engine.submit([LoadJob(5, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))])
+    assert backend.started["h2d"].wait(5)
+    start = time.monotonic()
+    assert not engine.wait_for_results(0.1)
+    assert time.monotonic() - start >= 0.09
+    threading.Timer(0.05, gate.set).start()
+    assert engine.wait_for_results(5.0)
+    assert engine.poll() == [JobResult(5, True)]

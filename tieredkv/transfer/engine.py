@@ -181,6 +181,7 @@ class TransferEngine:
         # Shared with the caller's threads, under _lock.
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
+        self._result_ready = threading.Condition(self._lock)
         self._start_lock = threading.Lock()
         self._seq = itertools.count(1)
         self._pending: dict[int, Job] = {}
@@ -202,8 +203,17 @@ class TransferEngine:
 
     # ================================================================== caller-side API
 
-    def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue jobs; returns at once. Thread-safe. Results arrive through :meth:`poll`."""
+    def submit(self, jobs: Sequence[Job], *, inline_loads: bool = False) -> None:
+        """Queue jobs; returns at once. Thread-safe. Results arrive through :meth:`poll`.
+
+        Loads whose chunks are all in host slots skip the event loop: they run start to end
+        on the h2d lane thread, or, with ``inline_loads`` on a CPU device, right here in the
+        caller's thread before this returns. Why: while vLLM waits for a load its engine
+        thread spins on empty steps holding the GIL, and every thread a job crosses waits up
+        to a switch interval (5 ms) for it; a host-tier hit had three or four such crossings.
+        The worker asks for ``inline_loads`` only in a step that computes nothing, where the
+        copy (a memcpy on CPU, GIL released) delays no one.
+        """
         jobs = list(jobs)
         if not jobs:
             return
@@ -231,10 +241,23 @@ class TransferEngine:
                 self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
             return
         loop = self._ensure_started()
+        inline = inline_loads and self.kv.device.type == "cpu"
+        queued = []
+        for entry in entries:
+            seq, job, _, t0, mark = entry
+            if not (isinstance(job, LoadJob) and all(c.disk_slot is None for c in job.chunks)):
+                queued.append(entry)
+            elif inline:
+                self._load_host(seq, job, t0, mark, on_lane=False)
+            else:
+                assert self._h2d is not None
+                self._h2d.call(self._load_host, seq, job, t0, mark, True)
+        if not queued:
+            return
         try:
-            loop.call_soon_threadsafe(self._dispatch, entries)
+            loop.call_soon_threadsafe(self._dispatch, queued)
         except RuntimeError:  # the loop stopped under us (shutdown raced this submit)
-            for seq, job, _, t0, _ in entries:
+            for seq, job, _, t0, _ in queued:
                 self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
 
     def poll(self) -> list[JobResult]:
@@ -242,6 +265,14 @@ class TransferEngine:
         with self._lock:
             results, self._results = self._results, []
         return results
+
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Sleep (GIL released) until a result is ready to poll or nothing is in flight;
+        False after ``timeout_s``. For a caller that has nothing else to do meanwhile."""
+        with self._result_ready:
+            return self._result_ready.wait_for(
+                lambda: bool(self._results) or not self._pending, max(0.0, timeout_s)
+            )
 
     def fence_blocks(self, block_ids: Iterable[int], timeout_s: float = 5.0) -> None:
         """Before vLLM reuses ``block_ids``: no store may still read them afterwards.
@@ -348,6 +379,7 @@ class TransferEngine:
             if job is None:
                 return
             self._results.append(result)
+            self._result_ready.notify_all()
             ticket = self._tickets.pop(seq, None)
             if ticket is not None:
                 self._unregister(ticket)
@@ -685,6 +717,58 @@ class TransferEngine:
         finally:
             for slot, write in held:
                 self._guard.release(slot, write)
+            if failure is None:
+                result = JobResult(job.job_id, True)
+            else:
+                failed = tuple(b for chunk in chunks[failed_from:] for b in chunk.block_ids)
+                result = _failed(job, failure, failed)
+            self._finish(seq, result, t0)
+
+    # ------------------------------------------------------------------ host-tier loads
+
+    def _load_host(self, seq: int, job: LoadJob, t0: float, mark: Any, on_lane: bool) -> None:
+        """A load whose chunks are all in host slots, start to end in one thread: the h2d
+        lane thread (``on_lane``: on its stream, after ``mark``) or an idle CPU caller."""
+        chunks = job.chunks
+        failure: str | None = None
+        failed_from = len(chunks)
+        held: list[int] = []
+        try:
+            if self._closed:
+                failure, failed_from = CANCELLED, 0
+                return
+            pairs: list[tuple[int, int, Sequence[int]]] = []
+            for i, chunk in enumerate(chunks):
+                pair = (chunk.host_slot, chunk.first_block, chunk.block_ids)
+                try:
+                    check_pairs(self.kv, self.host, self.chunk_blocks, [pair])
+                except ValueError as exc:
+                    logger.error("tieredkv: load %d chunk %d rejected: %s", job.job_id, i, exc)
+                    failure, failed_from = COPY_ERROR, i
+                    break
+                if not self._guard.try_read(chunk.host_slot):
+                    failure, failed_from = COPY_ERROR, i
+                    break
+                held.append(chunk.host_slot)
+                pairs.append(pair)
+            if not pairs:
+                return
+            try:
+                if on_lane:
+                    assert self._h2d is not None
+                    self._h2d.run(partial(self.backend.h2d, self.kv, self.host, pairs),
+                                  () if mark is None else (mark,))
+                else:
+                    self.backend.h2d(self.kv, self.host, pairs)
+            except Exception as exc:  # noqa: BLE001 - reported as the job's failure
+                logger.error("tieredkv: load %d h2d failed: %r", job.job_id, exc)
+                failure, failed_from = COPY_ERROR, 0
+            else:
+                moved = sum(len(ids) for _, _, ids in pairs) * self.kv.total_block_bytes
+                self.stats.moved("h2d", moved, ops=len(pairs))
+        finally:
+            for slot in held:
+                self._guard.release(slot, False)
             if failure is None:
                 result = JobResult(job.job_id, True)
             else:

@@ -148,6 +148,10 @@ class CopyLane:
     def queued(self) -> int:
         return len(self._pending)
 
+    def call(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
+        """Run ``fn(*args)`` on the lane thread, in order with its batches (any thread)."""
+        return self._thread.submit(fn, *args)
+
     # ------------------------------------------------------------------ lane thread
 
     def run(self, fn: Callable[[], T], after: Sequence[torch.cuda.Event] = ()) -> T:
