@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tieredkv import sleep_hook
 from tieredkv.config import TieredKVConfig
 from tieredkv.host_tier import HostPool
 from tieredkv.metadata import OutcomeTuple, TieredKVMetadata, TieredKVWorkerMetadata
@@ -57,6 +58,7 @@ class WorkerHalf:
         self._outcomes: dict[int, OutcomeTuple] = {}
         self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
         self._compute_idle = False
+        sleep_hook.install(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -190,6 +192,18 @@ class WorkerHalf:
                         self._finish_sending(store_req)
                     else:
                         self._pending_stores.pop(store_req, None)
+
+    def before_sleep(self) -> None:
+        """vLLM sleep mode is about to free the device memory: stop touching it first."""
+        if self.engine is not None:
+            quiet = self.engine.pause_device_jobs(timeout_s=10.0)
+            logger.info("tieredkv: worker rank %d paused device copies for sleep (%s)",
+                        self.rank, "quiet" if quiet else "some still running")
+
+    def after_wake_up(self) -> None:
+        if self.engine is not None:
+            self.engine.resume_device_jobs()
+            logger.info("tieredkv: worker rank %d resumed device copies", self.rank)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -190,6 +190,7 @@ class TransferEngine:
         self._block_tickets: dict[int, set[int]] = {}
         self._closed = False
         self._stopped = False
+        self._device_paused = False  # vLLM sleep mode: the device memory is going away
 
         # Event-loop side (only touched from the loop thread once it runs).
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -226,6 +227,7 @@ class TransferEngine:
         entries = []
         with self._lock:
             closed = self._closed
+            paused = self._device_paused
             for job in jobs:
                 seq = next(self._seq)
                 self._pending[seq] = job
@@ -240,6 +242,17 @@ class TransferEngine:
             for seq, job, _, t0, _ in entries:
                 self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
             return
+        if paused:
+            keep = []
+            for entry in entries:
+                seq, job, _, t0, _ = entry
+                if isinstance(job, StoreJob | LoadJob):
+                    self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+                else:
+                    keep.append(entry)
+            entries = keep
+            if not entries:
+                return
         loop = self._ensure_started()
         inline = inline_loads and self.kv.device.type == "cpu"
         queued = []
@@ -313,6 +326,33 @@ class TransferEngine:
                 "tieredkv: store %d still copying blocks after a %.1f s fence; it will be "
                 "reported failed", ticket.job.job_id, timeout_s,
             )
+
+    def pause_device_jobs(self, timeout_s: float = 10.0) -> bool:
+        """Before vLLM releases the device memory (sleep mode): from now on stores and loads
+        are cancelled at submit, queued stores are cancelled, and running device copies are
+        waited for, up to ``timeout_s``. Spills and promotions (host <-> disk) go on.
+        True when no job touches the device any more."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            self._device_paused = True
+        self.fence_blocks(range(self.kv.num_blocks), timeout_s)
+
+        def device_quiet() -> bool:
+            return not any(isinstance(j, StoreJob | LoadJob) for j in self._pending.values())
+
+        with self._result_ready:
+            quiet = self._result_ready.wait_for(
+                device_quiet, max(0.0, deadline - time.monotonic())
+            )
+        if not quiet:
+            logger.error("tieredkv: device copies still running %.1f s after sleep was "
+                         "requested", timeout_s)
+        return quiet
+
+    def resume_device_jobs(self) -> None:
+        """The device memory is back (wake up): accept stores and loads again."""
+        with self._lock:
+            self._device_paused = False
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted job has a result; False on timeout."""
@@ -449,12 +489,8 @@ class TransferEngine:
 
     def _setup(self) -> None:
         device = self.kv.device
-        self._d2h = CopyLane(
-            "d2h", device, partial(self.backend.d2h, self.kv, self.host), self._max_batch_pairs
-        )
-        self._h2d = CopyLane(
-            "h2d", device, partial(self.backend.h2d, self.kv, self.host), self._max_batch_pairs
-        )
+        self._d2h = CopyLane("d2h", device, self._copy_d2h, self._max_batch_pairs)
+        self._h2d = CopyLane("h2d", device, self._copy_h2d, self._max_batch_pairs)
         self._spill_queue = asyncio.Queue(maxsize=self.spill_queue_depth)
         if self.slab is not None:
             if self._slab_exec is None:
@@ -465,6 +501,12 @@ class TransferEngine:
             self._spill_tasks = [
                 loop.create_task(self._spill_worker()) for _ in range(self._spill_workers_n)
             ]
+
+    def _copy_d2h(self, pairs: list[tuple[int, int, Sequence[int]]]) -> None:
+        self.backend.d2h(self.kv, self.host, pairs)
+
+    def _copy_h2d(self, pairs: list[tuple[int, int, Sequence[int]]]) -> None:
+        self.backend.h2d(self.kv, self.host, pairs)
 
     def _dispatch(self, entries: list[tuple[int, Job, _StoreTicket | None, float, Any]]) -> None:
         loop = asyncio.get_running_loop()
