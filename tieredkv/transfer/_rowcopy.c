@@ -20,6 +20,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #define TIEREDKV_STREAMING 1
 #else
 #define TIEREDKV_STREAMING 0
@@ -28,6 +29,8 @@
 /* Below this a run is better copied through the cache: the fixed cost of the aligned head
  * and tail and of the final fence outweighs the saved reads. */
 #define STREAM_MIN_BYTES 4096
+/* How much of the next run to prefetch while the current one is copied. */
+#define PREFETCH_BYTES 2048
 
 #if TIEREDKV_STREAMING
 static void stream_copy(char *dst, const char *src, size_t n)
@@ -155,6 +158,14 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < count; i++) {
         segment s = segments[i];
 #if TIEREDKV_STREAMING
+        /* Runs start at random places: the hardware prefetcher only catches on a few lines
+         * into each one. Ask for the start of the next run while this one is copied. */
+        if (i + 1 < count) {
+            const char *next = segments[i + 1].src;
+            size_t ahead = segments[i + 1].n < PREFETCH_BYTES ? segments[i + 1].n : PREFETCH_BYTES;
+            for (size_t off = 0; off < ahead; off += 64)
+                _mm_prefetch(next + off, _MM_HINT_T0);
+        }
         if (nontemporal && s.n >= STREAM_MIN_BYTES) {
             stream_copy(s.dst, s.src, s.n);
             streamed = 1;
