@@ -53,11 +53,13 @@ def main() -> None:
         dtype=spec.get("dtype", "float32"),
     )
     for key in ("num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
-                "tensor_parallel_size", "enable_chunked_prefill"):
+                "tensor_parallel_size", "enable_chunked_prefill", "speculative_config"):
         if key in spec:
             kwargs[key] = spec[key]
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("speculative_config"):
+        kwargs["disable_log_stats"] = False  # the test reads the spec-decode counters
     result: dict = {"phases": []}
     try:
         llm = LLM(**kwargs)
@@ -66,12 +68,13 @@ def main() -> None:
         result["startup_traceback"] = traceback.format_exc()
         print("RESULT=" + json.dumps(result), flush=True)
         return
-    sampling = SamplingParams(
-        max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=1, ignore_eos=True
-    )
     for phase in spec["phases"]:
         kind = phase["kind"]
         record: dict = {"kind": kind, "names": phase.get("names")}
+        sampling = SamplingParams(
+            max_tokens=phase.get("max_tokens", spec.get("max_tokens", 8)), temperature=0.0,
+            logprobs=1, ignore_eos=True,
+        )
         if kind == "generate":
             prompts = []
             for item in phase["prompts"]:
@@ -106,6 +109,12 @@ def main() -> None:
             record["host_ready"] = half.planner.host.ready_count
             record["disk_ready"] = half.planner.disk.ready_count if half.planner.disk else 0
         result["phases"].append(record)
+    if spec.get("speculative_config"):
+        result["spec_decode"] = {
+            metric.name: getattr(metric, "value", None)
+            for metric in llm.get_metrics()
+            if metric.name.startswith("vllm:spec_decode_num_")
+        }
     if spec.get("shutdown", True):
         core = llm.llm_engine.engine_core
         core = getattr(core, "engine_core", core)

@@ -20,6 +20,7 @@ from tests.e2e.conftest import (
     PROMPTS,
     assert_same_as_reference,
     generate,
+    make_prompt,
     run_engine,
     tieredkv_config,
 )
@@ -237,3 +238,47 @@ def test_tensor_parallel_two_ranks(tiny_model, reference, tmp_path):
     assert (disk / "rank0.slab").exists() and (disk / "rank1.slab").exists()
     hits = warm["counters"].get("hit_tokens_host", 0) + warm["counters"].get("hit_tokens_disk", 0)
     assert hits > 0, warm["counters"]
+
+
+# n-gram drafts from 1-token matches: the random model's output keeps repeating single tokens
+# of its context, so drafts are proposed often and (the model being random) rejected.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+         "prompt_lookup_min": 1}
+
+
+def _prompt_phase(tokens: list[int], max_tokens: int) -> dict:
+    return {"kind": "generate", "names": ["x"], "prompts": [{"tokens": tokens}],
+            "max_tokens": max_tokens}
+
+
+def test_speculative_decoding_stores_only_verified_tokens(tiny_model):
+    """With store_generated, a multi-turn follow-up hits chunks that span generated text.
+    Rejected drafts wrote KV at those positions first; if tieredkv stored any of it, the
+    follow-up's tokens or logprobs would differ from a run without tieredkv."""
+    pattern = make_prompt(7, 40)
+    first_turn = (pattern * 30)[:1200]
+    long_out = 300
+    plain = {"model": tiny_model, "prefix_caching": False}
+    ref_first = run_engine({**plain, "phases": [_prompt_phase(first_turn, long_out)]})
+    answer = ref_first["phases"][0]["outputs"][0]
+    follow_up = first_turn + answer["token_ids"] + make_prompt(8, 40)
+    ref_follow = run_engine({**plain, "phases": [_prompt_phase(follow_up, MAX_TOKENS)]})
+
+    result = run_engine({
+        **spec(tiny_model, [_prompt_phase(first_turn, long_out), DRAIN, RESET,
+                            _prompt_phase(follow_up, MAX_TOKENS)],
+               host_bytes="256MiB", store_generated=True),
+        "speculative_config": NGRAM,
+    })
+    first, _, _, second = result["phases"]
+    drafts = result["spec_decode"]
+    assert drafts["vllm:spec_decode_num_draft_tokens"] > drafts["vllm:spec_decode_num_accepted_tokens"], drafts
+    out = first["outputs"][0]
+    assert out["token_ids"] == answer["token_ids"]
+    assert out["logprobs"] == pytest.approx(answer["logprobs"], abs=2e-3)
+    out, ref = second["outputs"][0], ref_follow["phases"][0]["outputs"][0]
+    assert out["token_ids"] == ref["token_ids"]
+    assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=2e-3)
+    # the hit reaches past the first turn's prompt into the stored answer
+    assert out["num_cached_tokens"] >= len(first_turn) + CHUNK_TOKENS, out["num_cached_tokens"]
+    assert second["counters"]["hit_tokens_host"] > 0
