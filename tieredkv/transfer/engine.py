@@ -759,12 +759,7 @@ class TransferEngine:
         finally:
             for slot, write in held:
                 self._guard.release(slot, write)
-            if failure is None:
-                result = JobResult(job.job_id, True)
-            else:
-                failed = tuple(b for chunk in chunks[failed_from:] for b in chunk.block_ids)
-                result = _failed(job, failure, failed)
-            self._finish(seq, result, t0)
+            self._finish(seq, _load_result(job, failure, failed_from), t0)
 
     # ------------------------------------------------------------------ host-tier loads
 
@@ -811,12 +806,7 @@ class TransferEngine:
         finally:
             for slot in held:
                 self._guard.release(slot, False)
-            if failure is None:
-                result = JobResult(job.job_id, True)
-            else:
-                failed = tuple(b for chunk in chunks[failed_from:] for b in chunk.block_ids)
-                result = _failed(job, failure, failed)
-            self._finish(seq, result, t0)
+            self._finish(seq, _load_result(job, failure, failed_from), t0)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -837,6 +827,15 @@ class TransferEngine:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=1.0)
+
+
+def _load_result(job: LoadJob, failure: str | None, failed_from: int) -> JobResult:
+    """A load's result: on failure, every device block of chunk ``failed_from`` onwards
+    (the chunks before it are on the device; vLLM recomputes the rest)."""
+    if failure is None:
+        return JobResult(job.job_id, True)
+    failed = tuple(b for chunk in job.chunks[failed_from:] for b in chunk.block_ids)
+    return _failed(job, failure, failed)
 
 
 def _device_ids(job: Job) -> tuple[int, ...]:
