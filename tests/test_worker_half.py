@@ -72,10 +72,12 @@ def step(worker: WorkerHalf, plan: StepPlan, finished: set[str] | None = None, t
     return worker.collect(finished or set())
 
 
-def collect_until(worker: WorkerHalf, predicate, timeout: float = 10.0):
+def collect_until(worker: WorkerHalf, predicate, timeout: float = 10.0, after=None):
+    """Collect (as later vLLM steps would) until ``predicate`` holds; ``after`` is what the
+    step that started the jobs already reported (an inline load is reported right there)."""
     deadline = time.monotonic() + timeout
-    sending: set[str] = set()
-    recving: set[str] = set()
+    sending: set[str] = set(after[0]) if after else set()
+    recving: set[str] = set(after[1]) if after else set()
     metas: list[TieredKVWorkerMetadata] = []
     while time.monotonic() < deadline:
         s, r = worker.collect(set())
@@ -110,8 +112,8 @@ def test_store_then_load_moves_exact_bytes_and_reports_each_job(worker):
     _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
     assert metas[-1].outcomes[1][:2] == (1, 0)
     load = LoadJob(2, "b", (LoadChunk(b"k" * 32, host_slot=3, first_block=0, block_ids=(20, 21)),))
-    step(w, StepPlan(loads=[load]))
-    _, recving, _ = collect_until(w, lambda s, r, m: "b" in r)
+    reported = step(w, StepPlan(loads=[load]))
+    _, recving, _ = collect_until(w, lambda s, r, m: "b" in r, after=reported)
     after = [block(caches, layer, b) for layer in range(LAYERS) for b in (20, 21)]
     for x, y in zip(before, after, strict=True):
         assert torch.equal(x, y)
@@ -162,8 +164,8 @@ def _failed_load_flow(w: WorkerHalf, caches) -> None:
     collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
     untouched = block(caches, 0, 30)
     load = LoadJob(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
-    step(w, StepPlan(loads=[load]))
-    _, recving, metas = collect_until(w, lambda s, r, m: "b" in r)
+    reported = step(w, StepPlan(loads=[load]))
+    _, recving, metas = collect_until(w, lambda s, r, m: "b" in r, after=reported)
     assert w.take_load_errors() == {30, 31}
     assert w.take_load_errors() == set()  # reported once
     outcome = next(x.outcomes[2] for x in metas if 2 in x.outcomes)
@@ -210,16 +212,18 @@ def test_registered_layout_that_disagrees_with_the_spec_is_refused():
         worker.register_kv_caches(kv_caches(0))
 
 
-def test_idle_step_loads_inline_and_reports_the_request_in_the_same_step(worker):
-    """A step that computes nothing: the host-tier load runs inline and get_finished of that
-    very step reports it, with no polling by vLLM's spinning engine loop."""
+@pytest.mark.parametrize("compute_idle", [True, False])
+def test_cpu_host_load_runs_inline_and_is_reported_in_the_same_step(worker, compute_idle):
+    """On CPU vLLM starts async loads after the forward: the host-tier load runs inline and
+    get_finished of that very step reports it, busy step or not."""
     w, caches = worker
     before = [block(caches, layer, b) for layer in range(LAYERS) for b in (6, 7)]
     store = StoreJob(1, b"s" * 32, host_slot=2, block_ids=(6, 7))
     step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
     collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
     load = LoadJob(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),))
-    _, recving = step(w, StepPlan(loads=[load], compute_idle=True))
+    assert w.inline_host_loads
+    _, recving = step(w, StepPlan(loads=[load], compute_idle=compute_idle))
     assert recving == {"b"}
     after = [block(caches, layer, b) for layer in range(LAYERS) for b in (30, 31)]
     for x, y in zip(before, after, strict=True):
@@ -248,6 +252,7 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
     step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
     collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
     w.engine.backend = _SlowLoads(w.engine.backend)
+    w.inline_host_loads = False  # as on CUDA: host loads go to the h2d lane
     busy = LoadJob(2, "busy", (LoadChunk(b"t" * 32, 1, 0, (40, 41)),))
     start = time.monotonic()
     _, recving = step(w, StepPlan(loads=[busy], compute_idle=False))  # goes to the h2d lane

@@ -98,8 +98,8 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     fence_block_ids: list[int] = field(default_factory=list)
     delayed_req_ids: list[str] = field(default_factory=list)
-    # The step computes no tokens (requests only wait for loads): the worker may run host
-    # loads inline and sleep on its own in-flight jobs instead of letting vLLM spin.
+    # The step computes no tokens (requests only wait for loads): the worker may sleep on
+    # its own in-flight jobs instead of letting vLLM spin through empty steps.
     compute_idle: bool = False
 
 

@@ -58,6 +58,8 @@ class WorkerHalf:
         self._outcomes: dict[int, OutcomeTuple] = {}
         self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
         self._compute_idle = False
+        # Host-tier loads copied inline in start_load_kv (CPU caches; set at registration).
+        self.inline_host_loads = False
         sleep_hook.install(self)
 
     # ------------------------------------------------------------------ set-up
@@ -106,6 +108,7 @@ class WorkerHalf:
             spill_queue_depth=self.config.spill_queue_depth,
             load_timeout_s=self.config.load_timeout_s,
         )
+        self.inline_host_loads = views.device.type == "cpu"
         logger.info(
             "tieredkv: worker rank %d ready: %d host slots (%s), %d disk slots, copy backend %s",
             self.rank, host_slots, "pinned" if self.host.pinned else "pageable", disk_slots,
@@ -130,7 +133,7 @@ class WorkerHalf:
         self._awaited.update(job.job_id for job in plan.promotes)
         jobs = [*plan.promotes, *plan.loads, *plan.spills]
         if jobs:
-            self.engine.submit(jobs, inline_loads=plan.compute_idle)
+            self.engine.submit(jobs, inline_loads=self.inline_host_loads)
         for req_id in plan.delayed_req_ids:
             self._delayed.add(req_id)
             if not self._pending_stores.get(req_id):

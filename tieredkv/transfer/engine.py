@@ -212,8 +212,10 @@ class TransferEngine:
         caller's thread before this returns. Why: while vLLM waits for a load its engine
         thread spins on empty steps holding the GIL, and every thread a job crosses waits up
         to a switch interval (5 ms) for it; a host-tier hit had three or four such crossings.
-        The worker asks for ``inline_loads`` only in a step that computes nothing, where the
-        copy (a memcpy on CPU, GIL released) delays no one.
+        On CPU vLLM calls ``start_load_kv`` for asynchronous loads *after* the step's
+        forward, so an inline copy (a memcpy, GIL released) delays no computation, and the
+        load is reported by the same step's ``get_finished``: the request runs one whole step
+        earlier than if the copy were still on a lane when the step ended.
         """
         jobs = list(jobs)
         if not jobs:
