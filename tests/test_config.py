@@ -85,3 +85,8 @@ def test_admission_forms():
     assert TieredKVConfig.from_dict({"disk_admission": "all"}).disk_admission == 1
     assert TieredKVConfig.from_dict({"disk_admission": "seen:3"}).disk_admission == 3
     assert TieredKVConfig.from_dict({"disk_admission": 2}).disk_admission == 2
+
+
+@pytest.mark.parametrize("name", ["auto", "native", "torch", "cupy", "vllm", "NATIVE"])
+def test_every_copy_backend_name_is_accepted(name):
+    assert TieredKVConfig.from_dict({"copy_backend": name}).copy_backend == name.lower()
