@@ -224,7 +224,7 @@ def test_cpu_host_load_runs_inline_and_is_reported_in_the_same_step(worker, comp
     load = LoadJob(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),))
     assert w.inline_host_loads
     _, recving = step(w, StepPlan(loads=[load], compute_idle=compute_idle))
-    assert recving == {"b"}
+    assert recving == {"b"}  # a small load: inline in a busy step too
     after = [block(caches, layer, b) for layer in range(LAYERS) for b in (30, 31)]
     for x, y in zip(before, after, strict=True):
         assert torch.equal(x, y)
@@ -264,3 +264,18 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
     start = time.monotonic()
     assert step(w, StepPlan(compute_idle=True)) == (set(), set())  # nothing awaited: no sleep
     assert time.monotonic() - start < 0.5
+
+
+def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monkeypatch):
+    w, _ = worker
+    store = StoreJob(1, b"u" * 32, host_slot=4, block_ids=(10, 11))
+    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
+    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    monkeypatch.setattr("tieredkv.worker_half.BUSY_INLINE_MAX_BYTES", 1)
+    w.engine.backend = _SlowLoads(w.engine.backend)
+    load = LoadJob(2, "big", (LoadChunk(b"u" * 32, 4, 0, (50, 51)),))
+    reported = step(w, StepPlan(loads=[load], compute_idle=False))
+    assert "big" not in reported[1]  # on the lane, still copying
+    collect_until(w, lambda s, r, m: "big" in r, after=reported)
+    load = LoadJob(3, "idle", (LoadChunk(b"u" * 32, 4, 0, (52, 53)),))
+    assert step(w, StepPlan(loads=[load], compute_idle=True))[1] == {"idle"}  # idle: inline

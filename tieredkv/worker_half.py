@@ -8,6 +8,7 @@ forward, and turns engine results into vLLM's completion sets and per-rank job o
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -26,6 +27,12 @@ logger = logging.getLogger("tieredkv")
 # the GIL that every transfer thread needs for each hand-off (up to 5 ms per hand-off). New
 # requests wait at most this long to be scheduled; the sleep ends with the first result.
 IDLE_WAIT_S = 0.005
+
+# On CPU, a host-tier load up to this size is copied inline even in a step that computed
+# something (~3 ms at memory speed): it is reported a whole step earlier. A bigger one goes to
+# the h2d lane, so a long context's load does not stall every other request's next step. In
+# a step that computes nothing, any size is copied inline: nobody else is waiting.
+BUSY_INLINE_MAX_BYTES = 32 * 1024 * 1024
 
 
 def _worker_rank() -> int:
@@ -133,7 +140,13 @@ class WorkerHalf:
         self._awaited.update(job.job_id for job in plan.promotes)
         jobs = [*plan.promotes, *plan.loads, *plan.spills]
         if jobs:
-            self.engine.submit(jobs, inline_loads=self.inline_host_loads)
+            if not self.inline_host_loads:
+                inline_max = 0
+            elif plan.compute_idle:
+                inline_max = sys.maxsize
+            else:
+                inline_max = BUSY_INLINE_MAX_BYTES
+            self.engine.submit(jobs, inline_max_bytes=inline_max)
         for req_id in plan.delayed_req_ids:
             self._delayed.add(req_id)
             if not self._pending_stores.get(req_id):

@@ -430,7 +430,7 @@ def test_inline_host_load_is_done_when_submit_returns(kv, host, make_engine) -> 
     engine = make_engine(backend)
     want = _store_all(engine, kv, {2: (1, 2, 3, 4)})
     engine.submit([LoadJob(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
-                  inline_loads=True)
+                  inline_max_bytes=1 << 40)
     assert engine.poll() == [JobResult(7, True)]  # no wait: it already happened
     assert backend.h2d_threads == [threading.current_thread().name]
     assert_slot_holds(kv, host, 2, (30, 31, 32, 33), snapshot=want[2])
@@ -446,7 +446,7 @@ def test_host_load_outside_an_idle_step_runs_on_the_h2d_lane(kv, host, fio, make
     assert results_by_id(engine, 1)[8].ok
     # a load with a disk chunk never runs inline (a disk read must not stall vLLM's thread)
     engine.submit([LoadJob(9, "r", (LoadChunk(make_key(4), 6, 0, (34, 35, 36, 37), disk_slot=1),))],
-                  inline_loads=True)
+                  inline_max_bytes=1 << 40)
     assert results_by_id(engine, 1)[9].ok
     assert backend.h2d_threads == ["tieredkv-h2d", "tieredkv-h2d"]
 
@@ -459,7 +459,7 @@ def test_inline_load_from_a_slot_being_written_is_refused_untouched(kv, host, ma
     assert backend.started["d2h"].wait(5)
     before = device_snapshot(kv)
     engine.submit([LoadJob(2, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),))],
-                  inline_loads=True)
+                  inline_max_bytes=1 << 40)
     assert engine.poll() == [JobResult(2, False, "copy_error", (20, 21, 22, 23))]
     for layer in range(kv.num_layers):
         for block in (20, 21, 22, 23):
@@ -482,3 +482,18 @@ def test_wait_for_results_sleeps_until_a_result_or_the_timeout(kv, host, make_en
     threading.Timer(0.05, gate.set).start()
     assert engine.wait_for_results(5.0)
     assert engine.poll() == [JobResult(5, True)]
+
+
+def test_a_load_bigger_than_the_inline_budget_goes_to_the_lane(kv, host, make_engine) -> None:
+    """A long context's load must not hold the caller (vLLM's engine thread) in a busy step."""
+    backend = _ThreadRecorder()
+    engine = make_engine(backend)
+    _store_all(engine, kv, {2: (1, 2, 3, 4)})
+    one_chunk = C * kv.total_block_bytes
+    engine.submit([LoadJob(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
+                  inline_max_bytes=one_chunk - 1)
+    assert results_by_id(engine, 1)[7].ok
+    engine.submit([LoadJob(8, "r", (LoadChunk(make_key(2), 2, 0, (34, 35, 36, 37)),))],
+                  inline_max_bytes=one_chunk)
+    assert engine.poll() == [JobResult(8, True)]
+    assert backend.h2d_threads == ["tieredkv-h2d", threading.current_thread().name]

@@ -204,18 +204,19 @@ class TransferEngine:
 
     # ================================================================== caller-side API
 
-    def submit(self, jobs: Sequence[Job], *, inline_loads: bool = False) -> None:
+    def submit(self, jobs: Sequence[Job], *, inline_max_bytes: int = 0) -> None:
         """Queue jobs; returns at once. Thread-safe. Results arrive through :meth:`poll`.
 
         Loads whose chunks are all in host slots skip the event loop: they run start to end
-        on the h2d lane thread, or, with ``inline_loads`` on a CPU device, right here in the
-        caller's thread before this returns. Why: while vLLM waits for a load its engine
+        on the h2d lane thread, or, on a CPU device when they move at most
+        ``inline_max_bytes``, right here in the caller's thread before this returns. Why: while vLLM waits for a load its engine
         thread spins on empty steps holding the GIL, and every thread a job crosses waits up
         to a switch interval (5 ms) for it; a host-tier hit had three or four such crossings.
         On CPU vLLM calls ``start_load_kv`` for asynchronous loads *after* the step's
         forward, so an inline copy (a memcpy, GIL released) delays no computation, and the
         load is reported by the same step's ``get_finished``: the request runs one whole step
-        earlier than if the copy were still on a lane when the step ended.
+        earlier than if the copy were still on a lane when the step ended. A big load
+        (a long context) would hold the whole engine meanwhile; the caller bounds it.
         """
         jobs = list(jobs)
         if not jobs:
@@ -256,13 +257,13 @@ class TransferEngine:
             if not entries:
                 return
         loop = self._ensure_started()
-        inline = inline_loads and self.kv.device.type == "cpu"
+        inline_budget = inline_max_bytes if self.kv.device.type == "cpu" else 0
         queued = []
         for entry in entries:
             seq, job, _, t0, mark = entry
             if not (isinstance(job, LoadJob) and all(c.disk_slot is None for c in job.chunks)):
                 queued.append(entry)
-            elif inline:
+            elif self._load_bytes(job) <= inline_budget:
                 self._load_host(seq, job, t0, mark, on_lane=False)
             else:
                 assert self._h2d is not None
@@ -274,6 +275,9 @@ class TransferEngine:
         except RuntimeError:  # the loop stopped under us (shutdown raced this submit)
             for seq, job, _, t0, _ in queued:
                 self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+
+    def _load_bytes(self, job: LoadJob) -> int:
+        return sum(len(chunk.block_ids) for chunk in job.chunks) * self.kv.total_block_bytes
 
     def poll(self) -> list[JobResult]:
         """Results completed since the last poll (non-blocking)."""
