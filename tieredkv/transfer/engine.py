@@ -209,9 +209,10 @@ class TransferEngine:
 
         Loads whose chunks are all in host slots skip the event loop: they run start to end
         on the h2d lane thread, or, on a CPU device when they move at most
-        ``inline_max_bytes``, right here in the caller's thread before this returns. Why: while vLLM waits for a load its engine
-        thread spins on empty steps holding the GIL, and every thread a job crosses waits up
-        to a switch interval (5 ms) for it; a host-tier hit had three or four such crossings.
+        ``inline_max_bytes``, right here in the caller's thread before this returns. Why:
+        while vLLM waits for a load its engine thread spins on empty steps holding the GIL,
+        and every thread a job crosses waits up to a switch interval (5 ms) for it; a
+        host-tier hit had three or four such crossings.
         On CPU vLLM calls ``start_load_kv`` for asynchronous loads *after* the step's
         forward, so an inline copy (a memcpy, GIL released) delays no computation, and the
         load is reported by the same step's ``get_finished``: the request runs one whole step
@@ -241,29 +242,24 @@ class TransferEngine:
                     for block in job.block_ids:
                         self._block_tickets.setdefault(block, set()).add(seq)
                 entries.append((seq, job, ticket, now, mark))
-        if closed:
-            for seq, job, _, t0, _ in entries:
+        # Shut down: nothing runs. Paused for sleep mode: nothing touches the device.
+        accepted = []
+        for entry in entries:
+            seq, job, _, t0, _ = entry
+            if closed or (paused and isinstance(job, StoreJob | LoadJob)):
                 self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+            else:
+                accepted.append(entry)
+        if not accepted:
             return
-        if paused:
-            keep = []
-            for entry in entries:
-                seq, job, _, t0, _ = entry
-                if isinstance(job, StoreJob | LoadJob):
-                    self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
-                else:
-                    keep.append(entry)
-            entries = keep
-            if not entries:
-                return
         loop = self._ensure_started()
         inline_budget = inline_max_bytes if self.kv.device.type == "cpu" else 0
         queued = []
-        for entry in entries:
+        for entry in accepted:
             seq, job, _, t0, mark = entry
             if not (isinstance(job, LoadJob) and all(c.disk_slot is None for c in job.chunks)):
                 queued.append(entry)
-            elif self._load_bytes(job) <= inline_budget:
+            elif inline_budget > 0 and self._load_bytes(job) <= inline_budget:
                 self._load_host(seq, job, t0, mark, on_lane=False)
             else:
                 assert self._h2d is not None
@@ -771,7 +767,7 @@ class TransferEngine:
 
     def _load_host(self, seq: int, job: LoadJob, t0: float, mark: Any, on_lane: bool) -> None:
         """A load whose chunks are all in host slots, start to end in one thread: the h2d
-        lane thread (``on_lane``: on its stream, after ``mark``) or an idle CPU caller."""
+        lane thread (``on_lane``: on its stream, after ``mark``) or the CPU caller itself."""
         chunks = job.chunks
         failure: str | None = None
         failed_from = len(chunks)
