@@ -74,11 +74,29 @@ def run_engine(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
             log.write(proc.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT="):
-            return json.loads(line[len("RESULT="):])
+            result = json.loads(line[len("RESULT="):])
+            _assert_resets_took_effect(result)
+            return result
     raise AssertionError(
         f"engine run failed (exit {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\n"
         f"stderr:\n{proc.stderr[-6000:]}"
     )
+
+
+def expected_hit_tokens(prompt_len: int) -> int:
+    """Tokens tieredkv serves for a repeated prompt of ``prompt_len`` once vLLM's cache is reset.
+
+    Whole chunks only; and vLLM computes at least the last token, so a prompt that ends on a
+    chunk boundary loses its last block.
+    """
+    return min(prompt_len // CHUNK_TOKENS * CHUNK_TOKENS, (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE)
+
+
+def _assert_resets_took_effect(result: dict) -> None:
+    """A refused reset would let the next phase hit vLLM's own cache and pass for tieredkv's hit."""
+    for index, phase in enumerate(result.get("phases", [])):
+        if phase["kind"] in ("reset_prefix", "reset_all"):
+            assert phase.get("ok") is True, f"phase {index} ({phase['kind']}): vLLM refused the reset"
 
 
 def generate(*names: str, salt: str | None = None) -> dict:

@@ -98,8 +98,12 @@ def main() -> None:
                 for out in outputs
             ]
         elif kind == "reset_prefix":
+            # Stores still in flight hold device blocks (delayed frees) and make vLLM refuse
+            # the reset; the next phase would then hit vLLM's own cache, not tieredkv.
+            drain(llm, phase.get("timeout_s", 30.0))
             record["ok"] = llm.reset_prefix_cache()
         elif kind == "reset_all":
+            drain(llm, phase.get("timeout_s", 30.0))
             record["ok"] = llm.reset_prefix_cache(reset_connector=True)
         elif kind == "drain":
             drain(llm, phase.get("timeout_s", 30.0))
