@@ -52,3 +52,42 @@ def test_lazy_keys_match_eager_keys_and_grow_with_the_request():
     assert len(lazy) == 11 and lazy[10] == chunk_key(fp, hashes[43])
     short = chunk_key(fp, b"\x01" * 8)  # non-crypto hashes may be short
     assert len(short) == 32
+
+
+def test_keys_follow_block_hashes_truncated_in_place():
+    """A streaming session truncates ``request.block_hashes`` in place and appends the next
+    input's hashes: keys cached before must not survive for the replaced blocks."""
+    fp = NS.fingerprint()
+    first = sha256_block_hashes(list(range(640)), 16)  # 40 blocks = 10 chunks of 4
+    hashes = list(first)
+    keys = LazyChunkKeys(fp, hashes, 4)
+    assert keys.materialize(10) == chunk_keys(fp, first, 4)
+    # Keep 26 blocks (6 full chunks and a part), then append other tokens' blocks.
+    other = sha256_block_hashes(list(range(416)) + [9] * 224, 16)
+    del hashes[26:]
+    hashes.extend(other[26:])
+    assert keys.refresh() == 4  # chunks 6..9 named the old tokens
+    assert keys.materialize(10) == chunk_keys(fp, other, 4)
+    assert [keys[i] for i in range(10)] == chunk_keys(fp, other, 4)
+    assert keys.refresh() == 0  # nothing changed since
+
+
+def test_keys_are_dropped_when_the_list_shrinks_below_them():
+    fp = NS.fingerprint()
+    hashes = sha256_block_hashes(list(range(320)), 16)  # 5 chunks
+    keys = LazyChunkKeys(fp, hashes, 4)
+    keys.materialize(5)
+    del hashes[9:]
+    assert keys.refresh() == 3 and len(keys) == 2
+    assert keys.materialize(5) == chunk_keys(fp, hashes, 4)
+
+
+def test_lora_digest_separates_keys_and_plain_keys_stay_plain():
+    fp = NS.fingerprint()
+    hashes = sha256_block_hashes(list(range(256)), 16)
+    plain = chunk_keys(fp, hashes, 4)
+    a = LazyChunkKeys(fp, hashes, 4, extra=b"adapter-a").materialize(4)
+    b = LazyChunkKeys(fp, hashes, 4, extra=b"adapter-b").materialize(4)
+    assert set(plain).isdisjoint(a) and set(a).isdisjoint(b)
+    assert all(key[-8:] == fp[:8] for key in a)  # still in the namespace
+    assert plain == [h[:24] + fp[:8] for h in hashes[3::4]]

@@ -1,9 +1,11 @@
 """Chunk keys: vLLM's chained block hash combined with a namespace fingerprint.
 
-vLLM already hashes every full block of a request (chained, covering LoRA, multimodal inputs
-and ``cache_salt``). A chunk is keyed by the hash of its *last* block, which therefore covers
-the whole prefix up to the chunk's end. The namespace fingerprint keeps caches of different
-models, dtypes, layouts or TP layouts apart, even when they share one ``disk_path``.
+vLLM already hashes every full block of a request (chained, covering the LoRA adapter's *name
+and path*, multimodal inputs and ``cache_salt``). A chunk is keyed by the hash of its *last*
+block, which therefore covers the whole prefix up to the chunk's end. The namespace
+fingerprint keeps caches of different models, weights, engine settings, dtypes, layouts or TP
+layouts apart, even when they share one ``disk_path``. A LoRA request's keys also mix in a
+digest of the adapter's files, which vLLM's hashes do not cover.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-FORMAT_VERSION = 2  # 2: keys are hash prefix + namespace prefix
+# 2: keys are hash prefix + namespace prefix. 3: the namespace covers vLLM's engine settings
+# (model config hash, KV-cache dtype, load format, context parallelism) and the weights'
+# content identity; LoRA keys mix in the adapter's files.
+FORMAT_VERSION = 3
 KEY_BYTES = 32
 FINGERPRINT_BYTES = 32
 _NS_PART = 8
@@ -33,8 +38,9 @@ class Namespace:
     num_kv_heads: int
     head_size: int
     tp_size: int = 1
-    weights_version: str = ""
+    weights_version: str = ""  # content identity of the weights (or "process-..." without one)
     cache_shape: str = ""
+    engine_config: str = ""  # digest of the vLLM settings that change K/V (see vllm_geometry)
     format_version: int = FORMAT_VERSION
 
     def fingerprint(self) -> bytes:
@@ -43,13 +49,17 @@ class Namespace:
         return hashlib.sha256(canonical.encode()).digest()
 
 
-def chunk_key(fingerprint: bytes, block_hash: bytes) -> bytes:
+def chunk_key(fingerprint: bytes, block_hash: bytes, extra: bytes = b"") -> bytes:
     """Key of one chunk: the chunk's last block hash (24 bytes) + the namespace (8 bytes).
 
     vLLM's sha256 block hashes are already uniform and cover the whole prefix and its
     ``cache_salt``; concatenating costs ~0.15 us per key where a keyed hash cost ~1 us, which
     matters for 128k-token prompts. Slot headers carry the full fingerprint as well.
+    ``extra`` (a LoRA adapter's content digest) is hashed into the first part: those requests
+    pay the ~1 us, every other request keeps the plain concatenation.
     """
+    if extra:
+        return hashlib.sha256(extra + bytes(block_hash)).digest()[:_HASH_PART] + fingerprint[:_NS_PART]
     if len(block_hash) >= _HASH_PART:
         return block_hash[:_HASH_PART] + fingerprint[:_NS_PART]
     return bytes(block_hash).ljust(_HASH_PART, b"\0") + fingerprint[:_NS_PART]
@@ -59,16 +69,60 @@ class LazyChunkKeys:
     """Chunk keys of a growing request, derived only as far as someone reads them.
 
     A lookup that misses at chunk 0 derives one key instead of all of them; keys once made
-    are kept, so repeated lookups and store planning never derive a key twice.
+    are kept, so repeated lookups and store planning never derive a key twice. vLLM may also
+    *truncate* the list in place (a streaming session drops the blocks past its computed
+    tokens, then appends the next input's): call :meth:`refresh` before each use so keys of
+    replaced blocks are derived again rather than served stale.
     """
 
-    __slots__ = ("_fingerprint", "_hashes", "_per_chunk", "_keys")
+    __slots__ = ("_fingerprint", "_hashes", "_per_chunk", "_keys", "_extra", "_tail")
 
-    def __init__(self, fingerprint: bytes, block_hashes: Sequence[bytes], hashes_per_chunk: int) -> None:
+    def __init__(
+        self, fingerprint: bytes, block_hashes: Sequence[bytes], hashes_per_chunk: int,
+        extra: bytes = b"",
+    ) -> None:
         self._fingerprint = fingerprint
         self._hashes = block_hashes  # vLLM's list, which grows as the request does
         self._per_chunk = hashes_per_chunk
+        self._extra = extra  # e.g. the LoRA adapter's content digest (see chunk_key)
         self._keys: list[bytes] = []
+        self._tail: object = None  # the block hash the last cached key was derived from
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        """The list the keys are derived from (vLLM's ``request.block_hashes``)."""
+        return self._hashes
+
+    @property
+    def extra(self) -> bytes:
+        return self._extra
+
+    def refresh(self) -> int:
+        """Drop cached keys whose block hash is gone or changed; return how many were dropped.
+
+        O(1) when nothing changed: the block hash behind the last cached key is still the same
+        object. Otherwise walk back to the last key that still matches; block hashes are
+        chained, so every key before a matching one matches too.
+        """
+        keys, hashes, per = self._keys, self._hashes, self._per_chunk
+        cached = len(keys)
+        if not cached:
+            return 0
+        last = cached * per - 1
+        if last < len(hashes) and hashes[last] is self._tail:
+            return 0
+        keep = cached
+        while keep:
+            index = keep * per - 1
+            if index < len(hashes) and self._derive(hashes[index]) == keys[keep - 1]:
+                break
+            keep -= 1
+        del keys[keep:]
+        self._tail = hashes[keep * per - 1] if keep else None
+        return cached - keep
+
+    def _derive(self, block_hash: bytes) -> bytes:
+        return chunk_key(self._fingerprint, block_hash, self._extra)
 
     def __len__(self) -> int:
         return len(self._hashes) // self._per_chunk
@@ -83,18 +137,24 @@ class LazyChunkKeys:
 
     def materialize(self, stop: int) -> list[bytes]:
         """The key list with at least the first ``min(stop, len(self))`` keys derived."""
+        self.refresh()
         keys = self._keys
         stop = min(stop, len(self))
         if stop <= len(keys):
             return keys
         namespace, hashes, per = self._fingerprint[:_NS_PART], self._hashes, self._per_chunk
         append = keys.append
-        for i in range(len(keys), stop):
-            block_hash = hashes[(i + 1) * per - 1]
-            if len(block_hash) >= _HASH_PART:  # sha256: 32 bytes, the common case
-                append(block_hash[:_HASH_PART] + namespace)
-            else:
-                append(chunk_key(self._fingerprint, block_hash))
+        if self._extra:
+            for i in range(len(keys), stop):
+                append(self._derive(hashes[(i + 1) * per - 1]))
+        else:
+            for i in range(len(keys), stop):
+                block_hash = hashes[(i + 1) * per - 1]
+                if len(block_hash) >= _HASH_PART:  # sha256: 32 bytes, the common case
+                    append(block_hash[:_HASH_PART] + namespace)
+                else:
+                    append(chunk_key(self._fingerprint, block_hash))
+        self._tail = hashes[stop * per - 1]
         return keys
 
 

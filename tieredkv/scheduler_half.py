@@ -15,7 +15,7 @@ from tieredkv.host_tier import align_up
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 from tieredkv.planner import Planner
-from tieredkv.vllm_geometry import engine_geometry
+from tieredkv.vllm_geometry import AdapterDigests, engine_geometry
 
 logger = logging.getLogger("tieredkv")
 
@@ -94,6 +94,7 @@ class SchedulerHalf:
             )
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, LazyChunkKeys] = {}
+        self._adapters = AdapterDigests()
         self._exporter = None
         self._exporter_server = None
         if config.metrics_port is not None:
@@ -108,12 +109,21 @@ class SchedulerHalf:
     # ------------------------------------------------------------------ keys
 
     def keys_for(self, request: Any) -> LazyChunkKeys:
-        """Chunk keys of every full chunk of ``request``, derived lazily and cached."""
+        """Chunk keys of every full chunk of ``request``, derived lazily and cached.
+
+        Cached keys are re-checked against vLLM's list on every call: a streaming session
+        truncates ``request.block_hashes`` in place and appends the next input's hashes, and
+        a key derived before that would name the old tokens. A LoRA request's keys mix in
+        the adapter files' digest, which vLLM's block hashes (name and path only) lack.
+        """
         keys = self._keys.get(request.request_id)
-        if keys is None:
+        if keys is None or keys.block_hashes is not request.block_hashes:
+            extra = self._adapters.digest(getattr(request, "lora_request", None))
             keys = self._keys[request.request_id] = LazyChunkKeys(
-                self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk
+                self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk, extra
             )
+        elif keys.refresh():
+            logger.debug("tieredkv: request %s: block hashes replaced, keys re-derived", request.request_id)
         return keys
 
     # ------------------------------------------------------------------ vLLM calls

@@ -127,5 +127,34 @@ def main() -> None:
     os._exit(0)  # skip the slow interpreter teardown of the engine
 
 
+def main_with_engine_options() -> None:
+    """:func:`main` with two more spec keys, for settings it does not forward itself.
+
+    ``engine_kwargs`` go to ``vllm.LLM`` as they are and win over main's own (``hf_overrides``,
+    ``kv_cache_dtype``, ``enable_lora``...); ``lora`` (``{"name", "id", "path"}``) sends every
+    prompt with that LoRA adapter. Started by ``conftest.run_engine_with_options``.
+    """
+    import vllm
+
+    with open(sys.argv[1]) as handle:
+        spec = json.load(handle)
+    extra = dict(spec.get("engine_kwargs") or {})
+    lora = spec.get("lora")
+    base = vllm.LLM
+
+    def make_llm(**kwargs):
+        llm = base(**{**kwargs, **extra})
+        if lora:
+            from vllm.lora.request import LoRARequest
+
+            request = LoRARequest(lora["name"], int(lora["id"]), lora["path"])
+            plain_generate = llm.generate
+            llm.generate = lambda *args, **kw: plain_generate(*args, lora_request=request, **kw)
+        return llm
+
+    vllm.LLM = make_llm
+    main()
+
+
 if __name__ == "__main__":
     main()
