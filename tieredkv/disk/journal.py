@@ -4,12 +4,31 @@ The scheduler half owns the index (key -> disk slot). It records an ``ADD`` only
 TP rank has confirmed its slot write (that decision is the caller's: the journal cannot know
 how many ranks exist), a ``REMOVE`` when it evicts or drops an entry, and a ``CLEAR`` when
 the cache is reset. Recording is a non-blocking append to an in-memory queue; a dedicated
-thread running its own asyncio loop appends the queued records with aiofiles and fsyncs them
-in batches every ``flush_interval_s`` (about 50 ms), so the engine's step never waits on disk.
+thread running its own asyncio loop writes the queued records and fsyncs them in batches
+every ``flush_interval_s`` (about 50 ms), so the engine's step never waits on disk. A record
+that arrives after :meth:`Journal.close` (vLLM shutting down) is logged and dropped, never
+raised into the caller.
 
 Losing the last few records in a crash is harmless: an entry that is not journaled is simply
 not recovered, and an entry that is journaled is verified against its slot header at start-up
 and its payload checksum on every read, so a stale record can cost a miss, never wrong bytes.
+What must not happen is losing records that :meth:`Journal.flush` reported durable, so:
+
+* Appends go through one unbuffered ``O_APPEND`` descriptor, not an aiofiles file object:
+  aiofiles' files are buffered, and after a failed write the buffer still held the failed
+  batch, so the retry wrote it twice; the duplicate sequence numbers end replay, which then
+  dropped everything after them. A raw descriptor holds nothing between calls. After any
+  failure the file is cut back to its last durable size before the next append (no append
+  happens while that cut fails). The blocking write+fsync of a batch runs as one call on the
+  flusher loop's executor, which is all aiofiles would do for it.
+* A compaction writes a temporary file, fsyncs it, renames it over the journal and fsyncs
+  the directory. Once the rename happened the old descriptor is closed whatever fails next:
+  the journal reopens the new file, and until the directory fsync succeeds no further record
+  is reported durable (each append retries it first).
+* Every file is opened through :mod:`tieredkv.disk.private_files` (no symlink followed, only
+  our own single-link regular file; the temporary file is created ``O_EXCL`` after unlinking
+  whatever had its name), so a planted link makes the journal refuse with
+  :class:`~tieredkv.disk.private_files.UntrustedPathError` instead of writing elsewhere.
 
 File format (little-endian): a 16-byte file header (magic ``TKVJRNL1``, version, reserved),
 then fixed 56-byte records ``op:u8, pad:3, key:32s, slot:u64, sequence:u64, crc32:u32``, the
@@ -22,21 +41,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import errno
 import logging
 import os
 import struct
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
-
-import aiofiles
-import aiofiles.os
+from typing import Any, TypeVar
 
 from tieredkv.disk.errors import FailureKind, SlabError, slab_error_from_oserror
+from tieredkv.disk.private_files import create_private_exclusive, ensure_private_dir, open_private
 from tieredkv.keys import KEY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -49,6 +67,11 @@ _CRC = struct.Struct("<I")
 FILE_HEADER_BYTES = _FILE_HEADER.size
 RECORD_BYTES = _BODY.size + _CRC.size
 _NO_KEY = bytes(KEY_BYTES)
+_T = TypeVar("_T")
+_AFTER_FAILURE = {
+    "append": "its records stay queued and are retried",
+    "compaction": "not retried; appends go on into the file the journal path names",
+}
 
 
 # A running journal is rewritten once it holds this many records since its last rewrite
@@ -71,16 +94,63 @@ def encode_record(op: Op, key: bytes, slot: int, sequence: int) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def _opener(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_CLOEXEC, 0o600)
-
-
 def fsync_dir(directory: Path) -> None:
     """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
+        os.close(fd)
+
+
+class JournalFiles:
+    """Every system call the journal makes on its files, one method per step.
+
+    Opens go through :mod:`tieredkv.disk.private_files`; ``O_NONBLOCK`` makes a FIFO planted
+    at the path fail at once instead of blocking the open (it means nothing for a regular
+    file). Tests subclass this to fail one step (write, fsync, rename, directory fsync,
+    reopen) with a real errno against real files.
+    """
+
+    def open_log(self, path: Path) -> int:
+        """The journal itself, for appending (created 0600 if missing)."""
+        return open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
+
+    def open_read(self, path: Path) -> int:
+        return open_private(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def create_temp(self, path: Path) -> int:
+        """A fresh compaction file; whatever had the name (a planted link) is replaced."""
+        return create_private_exclusive(path, os.O_WRONLY | os.O_NONBLOCK)
+
+    def write(self, fd: int, data: bytes) -> None:
+        """Write all of ``data`` (a short write is continued; its error, if any, is raised)."""
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            if written <= 0:
+                raise OSError(errno.EIO, "write accepted no bytes")
+            view = view[written:]
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)  # renames a link at dst itself, never its target
+
+    def fsync_dir(self, directory: Path) -> None:
+        fsync_dir(directory)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def close(self, fd: int) -> None:
         os.close(fd)
 
 
@@ -116,19 +186,34 @@ def _apply(entries: dict[bytes, int], owners: dict[int, bytes], op: int, key: by
         owners.clear()
 
 
+def _read_journal(path: Path) -> bytes:
+    """The journal's bytes, read without following a link (b"" if there is none)."""
+    try:
+        fd = JournalFiles().open_read(path)
+    except FileNotFoundError:
+        return b""
+    with open(fd, "rb", closefd=True) as file:
+        return file.read()
+
+
 class Journal:
     """Append-only journal with a background flusher; see the module docstring."""
 
     def __init__(
-        self, path: Path, flush_interval_s: float = 0.05, replay: JournalReplay | None = None
+        self, path: Path, flush_interval_s: float = 0.05, replay: JournalReplay | None = None,
+        files: JournalFiles | None = None,
     ) -> None:
         """Open (or create, 0600) the journal for appending, cutting off a torn tail.
 
         ``replay``: the result of :meth:`replay` on this file, if the caller already has it.
+        ``files``: the system calls to use (tests pass one that injects faults).
+        Raises :class:`~tieredkv.disk.private_files.UntrustedPathError` when the journal's
+        directory is not private or its path is a link or not our own regular file.
         """
         self.path = Path(path)
         self.flush_interval_s = flush_interval_s
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._files = files if files is not None else JournalFiles()
+        ensure_private_dir(self.path.parent)
         self.opened_replay = replay if replay is not None else Journal.replay(self.path)
         self._cond = threading.Condition()
         self._pending: list[Any] = []
@@ -136,7 +221,9 @@ class Journal:
         self._durable = 0  # items ever made durable (or superseded by a compaction)
         self._error: BaseException | None = None
         self._error_gen = 0
+        self._failing = 0  # failed attempts since the last success (logs once per streak)
         self._stopping = False
+        self._finished = False  # the flusher has exited: nothing queued becomes durable now
         self._closed = False
         self._next_seq = self.opened_replay.last_sequence + 1
         # The live index as the records describe it, kept for runtime compactions.
@@ -144,10 +231,16 @@ class Journal:
         self._owners: dict[int, bytes] = {slot: key for key, slot in self._live.items()}
         self._since_compaction = 0
         self.runtime_compactions = 0
+        # The file: a descriptor (None between a compaction's rename and the reopen), the
+        # bytes known durable in it, whether bytes past those may be there (a failed append,
+        # a reopen) and whether the last rename still needs its directory fsync.
+        self._fd: int | None = None
         self._size = 0
-        self._file: Any = None
+        self._dirty = False
+        self._dir_unsynced = False
         self.records_written = 0
         self.write_errors = 0
+        self.dropped_after_close = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         started: cf.Future[None] = cf.Future()
@@ -161,13 +254,13 @@ class Journal:
 
     @staticmethod
     def replay(path: Path) -> JournalReplay:
-        """Replay a journal file into ``key -> slot`` and report how much of it was valid."""
+        """Replay a journal file into ``key -> slot`` and report how much of it was valid.
+
+        Raises UntrustedPathError if ``path`` is a link or not our own regular file.
+        """
         path = Path(path)
         result = JournalReplay()
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return result
+        data = _read_journal(path)
         if not data:
             return result
         header = data[:FILE_HEADER_BYTES]
@@ -210,24 +303,35 @@ class Journal:
 
     # -- recording (any thread, never blocks on disk) ------------------------------------
 
-    def _queue(self, item: Any) -> None:
+    def _queue(self, item: Any) -> bool:
+        """Queue ``item`` for the flusher; False (and nothing queued) once closed."""
         with self._cond:
-            if self._stopping:
-                raise RuntimeError(f"journal {self.path} is closed")
-            self._pending.append(item)
-            self._queued += 1
+            if not self._stopping:
+                self._pending.append(item)
+                self._queued += 1
+                return True
+            self.dropped_after_close += 1
+            dropped = self.dropped_after_close
+        if dropped == 1:
+            logger.warning(
+                "tieredkv journal %s: a record arrived after close and was dropped (that entry "
+                "is not recovered after a restart; later ones count in dropped_after_close)",
+                self.path,
+            )
+        return False
 
     def _record(self, op: Op, key: bytes, slot: int) -> None:
         """Queue a record; past a bound, queue a compaction too, so the file never grows
         without limit on a long-running server (the caller never waits for it)."""
-        self._queue((op, key, slot))
+        if not self._queue((op, key, slot)):
+            return
         _apply(self._live, self._owners, op, key, slot)
         self._since_compaction += 1
         if self._since_compaction >= max(COMPACT_MIN_RECORDS, 4 * len(self._live)):
             self._since_compaction = 0
-            self.runtime_compactions += 1
-            self._queue(_Compaction(dict(self._live), cf.Future()))
-            self._kick()
+            if self._queue(_Compaction(dict(self._live), cf.Future())):
+                self.runtime_compactions += 1
+                self._kick()
 
     def record_add(self, key: bytes, slot: int) -> None:
         """Journal ``key`` at ``slot``; call only once every rank confirmed its write."""
@@ -262,30 +366,36 @@ class Journal:
         self._kick()
         with self._cond:
             self._cond.wait_for(
-                lambda: self._durable >= target or self._error_gen != generation, timeout
+                lambda: self._durable >= target or self._error_gen != generation or self._finished,
+                timeout,
             )
             if self._durable >= target:
                 return
             error = self._error
-        if error is None:
-            raise SlabError(FailureKind.TIMEOUT, f"journal flush took over {timeout} s", path=self.path)
+            finished = self._finished
         if isinstance(error, OSError):
             raise slab_error_from_oserror(error, "journal append", path=self.path) from error
-        raise SlabError(FailureKind.IO_ERROR, f"journal append failed: {error}", path=self.path)
+        if error is not None:
+            raise SlabError(FailureKind.IO_ERROR, f"journal append failed: {error}", path=self.path)
+        if finished:
+            raise SlabError(FailureKind.IO_ERROR, "journal flusher has stopped", path=self.path)
+        raise SlabError(FailureKind.TIMEOUT, f"journal flush took over {timeout} s", path=self.path)
 
     def compact(self, entries: Mapping[bytes, int], timeout: float | None = 60.0) -> None:
         """Atomically rewrite the journal as exactly ``entries`` (one ADD each).
 
         ``entries`` must be the complete index as of this call: records queued before it are
-        superseded, records queued after it are appended after the rewrite. Writes a
-        temporary file, fsyncs it, renames it over the journal and fsyncs the directory, so
-        a crash leaves either the old journal or the new one, never a mix.
+        superseded, records queued after it are appended after the rewrite. A crash leaves
+        either the old journal or the new one, never a mix. Raises SlabError when the rewrite
+        is not known durable; the journal then goes on appending to whichever file the path
+        names.
         """
         done: cf.Future[None] = cf.Future()
         self._live = dict(entries)
         self._owners = {slot: key for key, slot in self._live.items()}
         self._since_compaction = 0
-        self._queue(_Compaction(dict(entries), done))
+        if not self._queue(_Compaction(dict(entries), done)):
+            raise RuntimeError(f"journal {self.path} is closed")
         self._kick()
         try:
             done.result(timeout)
@@ -332,7 +442,7 @@ class Journal:
     async def _main(self, started: cf.Future[None]) -> None:
         self._wake = asyncio.Event()
         try:
-            await self._open()
+            await self._blocking(self._open)
         except BaseException as exc:
             started.set_exception(exc)
             return
@@ -349,31 +459,48 @@ class Journal:
                     if self._stopping and (not self._pending or self._error is not None):
                         break
         finally:
-            await self._file.close()
+            self._close_fd()
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
 
-    async def _open(self) -> None:
+    async def _blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a blocking file step on the loop's executor (one call per batch or rewrite)."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                self._files.close(fd)
+            except OSError as exc:
+                logger.warning("tieredkv journal %s: close failed: %s", self.path, exc)
+
+    def _open(self) -> None:
+        """Open the journal, writing a header into a new or unusable file, cutting a torn tail."""
         replay = self.opened_replay
-        self._file = await aiofiles.open(self.path, "ab", opener=_opener)
-        if not replay.header_ok or replay.valid_bytes == 0:
-            await self._file.truncate(0)
-            await self._file.write(_file_header())
-            self._size = FILE_HEADER_BYTES
-            await self._sync()
-        elif replay.bad_tail_bytes:
-            await self._file.truncate(replay.valid_bytes)
-            self._size = replay.valid_bytes
-            await self._sync()
-            logger.warning(
-                "tieredkv journal %s: cut off %d bytes of torn tail", self.path, replay.bad_tail_bytes
-            )
-        else:
-            self._size = replay.valid_bytes
-        os.chmod(self.path, 0o600)
-
-    async def _sync(self) -> None:
-        await self._file.flush()
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, os.fsync, self._file.fileno())
+        fd = self._files.open_log(self.path)
+        try:
+            os.fchmod(fd, 0o600)
+            if not replay.header_ok or replay.valid_bytes == 0:
+                self._files.truncate(fd, 0)
+                self._files.write(fd, _file_header())
+                self._files.fsync(fd)
+                self._size = FILE_HEADER_BYTES
+            else:
+                if replay.bad_tail_bytes:
+                    self._files.truncate(fd, replay.valid_bytes)
+                    self._files.fsync(fd)
+                    logger.warning(
+                        "tieredkv journal %s: cut off %d bytes of torn tail",
+                        self.path, replay.bad_tail_bytes,
+                    )
+                self._size = replay.valid_bytes
+        except BaseException:
+            self._files.close(fd)
+            raise
+        self._fd = fd
+        self._dirty = True  # a ``replay`` handed in may be older than the file: check first
 
     async def _drain(self) -> None:
         """Write out everything queued, in order; on failure requeue the rest for a retry."""
@@ -384,12 +511,12 @@ class Journal:
             item = items[i]
             if isinstance(item, _Compaction):
                 try:
-                    await self._compact(item.entries)
+                    await self._blocking(self._compact, item.entries)
                 except Exception as exc:
                     # Not retried: the caller waits on it and hears the error.
                     item.done.set_exception(exc)
                     self._resolved(1)
-                    self._failed(exc, items[i + 1 :])
+                    self._failed(exc, items[i + 1 :], "compaction")
                     return
                 item.done.set_result(None)
                 self._resolved(1)
@@ -399,65 +526,110 @@ class Journal:
             while j < len(items) and not isinstance(items[j], _Compaction):
                 j += 1
             try:
-                await self._append(items[i:j])
+                await self._blocking(self._append, items[i:j])
             except Exception as exc:
-                self._failed(exc, items[i:])
+                self._failed(exc, items[i:], "append")
                 return
             self._resolved(j - i)
             i = j
         with self._cond:
             self._error = None
+        if self._failing:
+            logger.warning(
+                "tieredkv journal %s: writing again after %d failed attempts", self.path, self._failing
+            )
+            self._failing = 0
 
     def _resolved(self, count: int) -> None:
         with self._cond:
             self._durable += count
             self._cond.notify_all()
 
-    def _failed(self, exc: BaseException, rest: list[Any]) -> None:
+    def _failed(self, exc: BaseException, rest: list[Any], what: str) -> None:
         self.write_errors += 1
-        logger.warning("tieredkv journal %s: append failed, will retry: %s", self.path, exc)
+        self._failing += 1
+        log = logger.warning if self._failing == 1 else logger.debug
+        log("tieredkv journal %s: %s failed (%s): %s", self.path, what, _AFTER_FAILURE[what], exc)
         with self._cond:
             self._pending[:0] = rest
             self._error = exc
             self._error_gen += 1
             self._cond.notify_all()
 
-    async def _append(self, batch: list[tuple[Op, bytes, int]]) -> None:
+    def _ready(self) -> int:
+        """The descriptor to append to, once the file is safe to append to after a failure.
+
+        Reopens the path after a compaction, makes its rename durable, and cuts off whatever a
+        failed append left past the durable size; raises (appending nothing) if any step fails.
+        """
+        if self._fd is None:
+            self._fd = self._files.open_log(self.path)
+            self._dirty = True
+        if self._dir_unsynced:
+            self._files.fsync_dir(self.path.parent)
+            self._dir_unsynced = False
+        if self._dirty:
+            size = self._files.size(self._fd)
+            if size < self._size:
+                raise OSError(
+                    errno.EIO, f"journal shrank to {size} bytes; {self._size} were made durable"
+                )
+            if size > self._size:
+                self._files.truncate(self._fd, self._size)
+            self._dirty = False
+        return self._fd
+
+    def _append(self, batch: list[tuple[Op, bytes, int]]) -> None:
+        fd = self._ready()
         first_seq = self._next_seq
         data = b"".join(
             encode_record(op, key, slot, first_seq + i) for i, (op, key, slot) in enumerate(batch)
         )
-        try:
-            await self._file.write(data)
-            await self._sync()
-        except BaseException:
-            # Cut a partly written batch off so later appends do not follow a torn record.
-            try:
-                await self._file.truncate(self._size)
-            except Exception:
-                pass
-            raise
+        self._dirty = True  # part of the batch may reach the file even if this fails
+        self._files.write(fd, data)
+        self._files.fsync(fd)
+        self._dirty = False
         self._next_seq += len(batch)
         self._size += len(data)
         self.records_written += len(batch)
 
-    async def _compact(self, entries: dict[bytes, int]) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
+    def _compact(self, entries: dict[bytes, int]) -> None:
         data = bytearray(_file_header())
         for sequence, (key, slot) in enumerate(sorted(entries.items(), key=lambda kv: kv[1]), 1):
             data += encode_record(Op.ADD, key, slot, sequence)
-        loop = asyncio.get_running_loop()
-        async with aiofiles.open(tmp, "wb", opener=_opener) as out:
-            await out.write(bytes(data))
-            await out.flush()
-            await loop.run_in_executor(None, os.fsync, out.fileno())
-        await aiofiles.os.replace(tmp, self.path)
-        await loop.run_in_executor(None, fsync_dir, self.path.parent)
-        await self._file.close()
-        self._file = await aiofiles.open(self.path, "ab", opener=_opener)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self._write_temp(tmp, bytes(data))
+        try:
+            self._files.replace(tmp, self.path)
+        except BaseException:
+            self._discard(tmp)
+            raise
+        # The path names the new file now: never write the old one again, whatever fails next.
+        self._close_fd()
         self._size = len(data)
         self._next_seq = len(entries) + 1
+        self._dir_unsynced = True
         self.records_written += len(entries)
+        self._ready()
+
+    def _write_temp(self, tmp: Path, data: bytes) -> None:
+        """Write ``data`` durably into a new file at ``tmp`` (removed again on failure)."""
+        fd = self._files.create_temp(tmp)
+        try:
+            try:
+                self._files.write(fd, data)
+                self._files.fsync(fd)
+            finally:
+                self._files.close(fd)
+        except BaseException:
+            self._discard(tmp)
+            raise
+
+    def _discard(self, tmp: Path) -> None:
+        try:
+            self._files.unlink(tmp)
+        except OSError:
+            pass  # a leftover temporary file is replaced by the next compaction
 
 
 @dataclass
