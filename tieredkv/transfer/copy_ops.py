@@ -295,6 +295,9 @@ class TorchCopyBackend(CopyBackend):
 # ---------------------------------------------------------------------- native (CPU)
 
 
+_ROWCOPY_API = 2  # copy_blocks takes counts=(num_blocks, num_slots, chunk_blocks)
+
+
 def _import_rowcopy() -> tuple[Any, str]:
     try:
         from tieredkv.transfer import _rowcopy
@@ -302,6 +305,13 @@ def _import_rowcopy() -> tuple[Any, str]:
         return None, (
             f"the C extension tieredkv.transfer._rowcopy is not built ({exc}); reinstall "
             "tieredkv where a C compiler is available"
+        )
+    if getattr(_rowcopy, "API_VERSION", 1) < _ROWCOPY_API:
+        # A build left over from older source takes other arguments: say so here rather than
+        # fail on the first copy.
+        return None, (
+            "the C extension tieredkv.transfer._rowcopy was built from older source; rebuild "
+            "it (python setup.py build_ext --inplace, or reinstall tieredkv)"
         )
     return _rowcopy, ""
 
@@ -313,8 +323,9 @@ class NativeCopyBackend(CopyBackend):
     is read before it is written; that caps it at 0.65-0.8 of one large memcpy. The C loop
     writes with streaming stores (no read of the destination) and merges adjacent runs, and
     it releases the GIL, so the model's thread is not held up while a copy lane copies. It
-    computes every address itself and refuses, before copying, any run outside the device
-    cache or the host pool.
+    computes every address itself and refuses, before copying, any id out of range of the
+    counts passed with it and any run outside the device cache, the host pool or its slot;
+    :func:`check_pairs` still runs first, for errors phrased in the caller's own terms.
     """
 
     name = "native"
@@ -365,7 +376,7 @@ class NativeCopyBackend(CopyBackend):
             for j, block in enumerate(ids):
                 items.extend((slot, first + j, block))
         self._copy(layers, host.buffer.data_ptr(), host.slot_bytes, items, to_host,
-                   self.nontemporal, bounds)
+                   self.nontemporal, bounds, (dev.num_blocks, host.num_slots, chunk_blocks))
 
     def d2h(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         self._run(dev, host, pairs, to_host=True)
@@ -621,7 +632,11 @@ def select_backend(
     vllm_copy_op: CopyBlocksOp | None = None,
     device: torch.device | None = None,
 ) -> CopyBackend:
-    """The backend named by ``copy_backend``; ``auto`` picks the fastest that works here."""
+    """The backend named by ``copy_backend``.
+
+    ``auto``: on CUDA the GPU-verified default (torch); on CPU the native C copier, or torch's
+    numpy-backed path (with a warning) when the extension is missing.
+    """
     choice = str(name).lower()
     if choice not in BACKENDS:
         raise ValueError(f"copy_backend={name!r}: expected one of {', '.join(BACKENDS)}")
@@ -639,14 +654,16 @@ def select_backend(
         if not ok:
             raise ValueError(f"copy_backend='vllm' is not available here: {why}")
         return VllmCopyBackend(vllm_copy_op)  # type: ignore[arg-type]
-    ok, why = CupyCopyBackend.available(device, host)
     if choice == "cupy":
+        ok, why = CupyCopyBackend.available(device, host)
         if not ok:
             raise ValueError(f"copy_backend='cupy' is not available here: {why}")
         return CupyCopyBackend(device)
-    if ok:
-        return CupyCopyBackend(device)
-    logger.debug("tieredkv: cupy copy backend not used: %s", why)
+    if device.type == "cuda":
+        # Only a backend whose bytes and stream ordering have been verified on a GPU may be
+        # the default. Until scripts/gpu_check.sh has passed for CuPy, that is torch's batched
+        # copies on the lane's stream; CuPy stays available by name (copy_backend: cupy).
+        return TorchCopyBackend()
     ok, why = NativeCopyBackend.available(device)
     if ok:
         return NativeCopyBackend()
