@@ -6,9 +6,11 @@ key and the value, so a bad deployment fails before it serves a single request.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 TiB = 1024 * GiB
+PiB = 1024 * TiB
 
 _UNITS = {
     "": 1, "b": 1,
@@ -24,7 +27,19 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "gib": GiB, "gi": GiB,
     "t": 1000**4, "tb": 1000**4, "tib": TiB, "ti": TiB,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# No size anywhere in this config can exceed 1 PiB; host_bytes is further bounded by the
+# machine's physical memory and disk_bytes by the capacity of disk_path's filesystem.
+MAX_SIZE_BYTES = PiB
+_MAX_SIZE_TEXT = 64  # longer size strings are rejected before they are parsed
+
+# Ranges of the numeric keys (inclusive unless noted); the error messages quote them.
+LOAD_TIMEOUT_MAX_S = 3600.0  # load_timeout_s in (0, 3600]
+CHUNK_BLOCKS_MAX = 1024  # chunk_blocks in [1, 1024]
+IO_THREADS_MAX = 64  # io_threads in [1, 64]
+SPILL_QUEUE_DEPTH_MAX = 65536  # spill_queue_depth in [1, 65536]
+DISK_ADMISSION_MAX = 1000  # disk_admission in [1, 1000]
+METRICS_PORT_MAX = 65535  # metrics_port in [0, 65535]
 
 EVICTION_POLICIES = ("lru", "arc")
 COPY_BACKENDS = ("auto", "native", "torch", "cupy", "vllm")
@@ -42,37 +57,129 @@ class ConfigError(ValueError):
         self.value = value
 
 
+def format_size(size: int) -> str:
+    """``size`` bytes in the largest binary unit that keeps it >= 1, e.g. ``'23.5GiB'``."""
+    for unit, name in ((PiB, "PiB"), (TiB, "TiB"), (GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if size >= unit:
+            return f"{size / unit:.1f}".removesuffix(".0") + name
+    return f"{size}B"
+
+
 def parse_size(key: str, value: Any) -> int:
-    """Parse a byte size given as an int or a string such as ``"512MiB"`` or ``"8GiB"``."""
+    """Parse a byte size given as an int or a string such as ``"512MiB"`` or ``"8GiB"``.
+
+    The result is in [0, 1 PiB]; NaN, infinities, non-integral floats, exponents (``"1e30"``)
+    and anything larger raise :class:`ConfigError` naming ``key``, never ``OverflowError``.
+    """
+    bounds = f"expected a size from 0 to {format_size(MAX_SIZE_BYTES)} ({MAX_SIZE_BYTES} bytes)"
     if isinstance(value, bool):
         raise ConfigError(key, value, "expected a size in bytes or a string like '8GiB'")
     if isinstance(value, int):
         size = value
-    elif isinstance(value, float) and value.is_integer():
+    elif isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ConfigError(key, value, f"{bounds}, in whole bytes or a string like '8GiB'")
         size = int(value)
     elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
+        match = _SIZE_RE.match(value) if len(value) <= _MAX_SIZE_TEXT else None
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ConfigError(key, value, "expected a size like 1073741824, '512MiB' or '8GiB'")
-        size = int(float(match.group(1)) * _UNITS[unit])
+            raise ConfigError(key, value, f"expected a size like 1073741824, '512MiB' or '8GiB' ({bounds})")
+        # Exact arithmetic: no float rounding, no overflow to inf for long digit strings.
+        size = int(Fraction(match.group(1)) * _UNITS[unit])
     else:
         raise ConfigError(key, value, "expected a size in bytes or a string like '8GiB'")
     if size < 0:
-        raise ConfigError(key, value, "a size cannot be negative")
+        raise ConfigError(key, value, f"a size cannot be negative ({bounds})")
+    if size > MAX_SIZE_BYTES:
+        raise ConfigError(key, value, f"too large: {bounds}")
     return size
 
 
-def _parse_int(key: str, value: Any, minimum: int) -> int:
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES")
+        page_size = os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    if pages <= 0 or page_size <= 0:
+        return None
+    return pages * page_size
+
+
+def filesystem_capacity_bytes(path: Path) -> int | None:
+    """Total size of the filesystem that holds ``path`` (or would, once created), or None."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        stat = os.statvfs(probe)
+    except (AttributeError, OSError):
+        return None
+    capacity = stat.f_blocks * (stat.f_frsize or stat.f_bsize)
+    return capacity if capacity > 0 else None
+
+
+def _check_host_bytes(key: str, value: Any) -> int:
+    """host_bytes in [1, physical memory]: the host tier is required and must fit in RAM."""
+    size = parse_size(key, value)
+    if size == 0:
+        raise ConfigError(
+            key, value,
+            "the host tier cannot be empty (disk hits pass through it); expected 1 byte up to "
+            "the machine's physical memory, e.g. '4GiB'",
+        )
+    physical = physical_memory_bytes()
+    if physical is not None and size > physical:
+        raise ConfigError(
+            key, value,
+            f"more than this machine's physical memory: it has {format_size(physical)} "
+            f"({physical} bytes); expected 1 byte up to that",
+        )
+    return size
+
+
+def _check_disk_bytes(key: str, value: Any, disk_path: Path) -> int:
+    """disk_bytes in [0, capacity of disk_path's filesystem] (and never above 1 PiB); 0: no disk tier."""
+    size = parse_size(key, value)
+    capacity = filesystem_capacity_bytes(disk_path)
+    if capacity is not None and size > capacity:
+        raise ConfigError(
+            key, value,
+            f"more than the filesystem holding {disk_path} can store: it has "
+            f"{format_size(capacity)} ({capacity} bytes) in all; expected 0 up to that",
+        )
+    return size
+
+
+def _parse_int(key: str, value: Any, minimum: int, maximum: int) -> int:
+    """An int (or a string of one) in [minimum, maximum]; floats, NaN and bools are refused."""
+    expected = f"expected an integer from {minimum} to {maximum}"
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(key, value, f"expected an integer >= {minimum}")
+        raise ConfigError(key, value, expected)
+    if isinstance(value, str) and len(value) > _MAX_SIZE_TEXT:
+        raise ConfigError(key, value, expected)
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(key, value, f"expected an integer >= {minimum}") from None
-    if number < minimum:
-        raise ConfigError(key, value, f"expected an integer >= {minimum}")
+        raise ConfigError(key, value, expected) from None
+    if not minimum <= number <= maximum:
+        raise ConfigError(key, value, expected)
     return number
+
+
+def _parse_seconds(key: str, value: Any, maximum: float) -> float:
+    """A finite number of seconds in (0, maximum]; NaN and infinities are refused."""
+    expected = f"expected a finite number of seconds in (0, {maximum:g}]"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, expected)
+    # Compare before converting: float() of a huge int raises OverflowError.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, value, expected)
+    if not 0 < value <= maximum:
+        raise ConfigError(key, value, expected)
+    return float(value)
 
 
 def _parse_bool(key: str, value: Any) -> bool:
@@ -89,7 +196,7 @@ def _parse_admission(key: str, value: Any) -> int:
         return 1
     if isinstance(value, str) and value.strip().lower().startswith("seen:"):
         value = value.split(":", 1)[1].strip()
-    return _parse_int(key, value, minimum=1)
+    return _parse_int(key, value, minimum=1, maximum=DISK_ADMISSION_MAX)
 
 
 def _check_disk_path(key: str, value: Any) -> Path:
@@ -111,19 +218,31 @@ def _check_disk_path(key: str, value: Any) -> Path:
 
 @dataclass(frozen=True)
 class TieredKVConfig:
-    """Engine-wide settings; capacities are per engine and split across TP ranks."""
+    """Engine-wide settings; capacities are per engine and split across TP ranks.
 
+    Every numeric key is finite and range-checked by :meth:`from_dict` (ranges inclusive
+    unless noted); values outside a range raise :class:`ConfigError` naming the key.
+    """
+
+    # [1 byte, physical memory of the machine] (and <= 1 PiB); bytes or "8GiB".
     host_bytes: int = 4 * GiB
     disk_path: Path | None = None
+    # [0, total size of disk_path's filesystem] (and <= 1 PiB); 0: no disk tier.
     disk_bytes: int = 0
     eviction: str = "lru"
+    # [1, 1000] sightings before a chunk is written to disk ("all" = 1).
     disk_admission: int = 1
-    chunk_blocks: int = 0  # 0: resolved to ~256-token chunks from the engine's block size
+    # 0 (auto: resolved to ~256-token chunks from the engine's block size) or [1, 1024].
+    chunk_blocks: int = 0
+    # [1, 64]
     io_threads: int = 2
     copy_backend: str = "auto"
     store_generated: bool = False
+    # (0, 3600] seconds, finite: NaN would fail every read, inf would wait forever.
     load_timeout_s: float = 30.0
+    # [1, 65536]
     spill_queue_depth: int = 64
+    # None (off) or [0, 65535]; 0 picks a free port.
     metrics_port: int | None = None
 
     @classmethod
@@ -139,13 +258,14 @@ class TieredKVConfig:
             )
         values: dict[str, Any] = {}
         if "host_bytes" in extra:
-            values["host_bytes"] = parse_size("host_bytes", extra["host_bytes"])
+            values["host_bytes"] = _check_host_bytes("host_bytes", extra["host_bytes"])
         if extra.get("disk_path") is not None:
             values["disk_path"] = _check_disk_path("disk_path", extra["disk_path"])
         if "disk_bytes" in extra:
-            values["disk_bytes"] = parse_size("disk_bytes", extra["disk_bytes"])
             if "disk_path" not in values:
+                parse_size("disk_bytes", extra["disk_bytes"])  # a bad value is named first
                 raise ConfigError("disk_bytes", extra["disk_bytes"], "set disk_path too: no disk tier without it")
+            values["disk_bytes"] = _check_disk_bytes("disk_bytes", extra["disk_bytes"], values["disk_path"])
         elif "disk_path" in values:
             values["disk_bytes"] = 16 * GiB
         if "eviction" in extra:
@@ -156,11 +276,11 @@ class TieredKVConfig:
         if "disk_admission" in extra:
             values["disk_admission"] = _parse_admission("disk_admission", extra["disk_admission"])
         if "chunk_blocks" in extra:
-            values["chunk_blocks"] = _parse_int("chunk_blocks", extra["chunk_blocks"], minimum=1)
+            values["chunk_blocks"] = _parse_int(
+                "chunk_blocks", extra["chunk_blocks"], minimum=1, maximum=CHUNK_BLOCKS_MAX
+            )
         if "io_threads" in extra:
-            values["io_threads"] = _parse_int("io_threads", extra["io_threads"], minimum=1)
-            if values["io_threads"] > 64:
-                raise ConfigError("io_threads", extra["io_threads"], "at most 64")
+            values["io_threads"] = _parse_int("io_threads", extra["io_threads"], minimum=1, maximum=IO_THREADS_MAX)
         if "copy_backend" in extra:
             backend = extra["copy_backend"]
             if not isinstance(backend, str) or backend.lower() not in COPY_BACKENDS:
@@ -169,17 +289,17 @@ class TieredKVConfig:
         if "store_generated" in extra:
             values["store_generated"] = _parse_bool("store_generated", extra["store_generated"])
         if "load_timeout_s" in extra:
-            raw = extra["load_timeout_s"]
-            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw <= 0:
-                raise ConfigError("load_timeout_s", raw, "expected a positive number of seconds")
-            values["load_timeout_s"] = float(raw)
+            values["load_timeout_s"] = _parse_seconds(
+                "load_timeout_s", extra["load_timeout_s"], maximum=LOAD_TIMEOUT_MAX_S
+            )
         if "spill_queue_depth" in extra:
-            values["spill_queue_depth"] = _parse_int("spill_queue_depth", extra["spill_queue_depth"], minimum=1)
+            values["spill_queue_depth"] = _parse_int(
+                "spill_queue_depth", extra["spill_queue_depth"], minimum=1, maximum=SPILL_QUEUE_DEPTH_MAX
+            )
         if extra.get("metrics_port") is not None:
-            port = _parse_int("metrics_port", extra["metrics_port"], minimum=0)
-            if port > 65535:
-                raise ConfigError("metrics_port", extra["metrics_port"], "expected a TCP port number")
-            values["metrics_port"] = port
+            values["metrics_port"] = _parse_int(
+                "metrics_port", extra["metrics_port"], minimum=0, maximum=METRICS_PORT_MAX
+            )
         return cls(**values)
 
     def resolved(self, block_size: int) -> TieredKVConfig:

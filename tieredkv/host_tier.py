@@ -9,10 +9,14 @@ scheduler-side index, never here.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import mmap
 
 import torch
+
+from tieredkv.config import ConfigError, format_size
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +25,18 @@ PAGE_BYTES = 4096
 
 def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the memory could not be had (as opposed to any other fault)."""
+    if isinstance(exc, OverflowError | MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 class HostPool:
@@ -39,14 +55,29 @@ class HostPool:
         self._mmap: mmap.mmap | None = None
         self.pinned = False
         size = max(self.total_bytes, PAGE_BYTES)
-        if want_pin:
-            # cudaHostAlloc returns page-aligned, page-locked memory registered with the driver.
-            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.pinned = True
-        else:
-            # An anonymous mapping is page-aligned (O_DIRECT-safe) and lazily committed.
-            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        try:
+            if want_pin:
+                # cudaHostAlloc returns page-aligned, page-locked memory registered with the driver.
+                self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                self.pinned = True
+            else:
+                # An anonymous mapping is page-aligned (O_DIRECT-safe) and lazily committed.
+                self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        except Exception as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            if self._mmap is not None:
+                with contextlib.suppress(BufferError):
+                    self._mmap.close()
+                self._mmap = None
+            raise ConfigError(
+                "host_bytes", size,
+                f"this rank's share of the host tier ({format_size(size)} of "
+                f"{'pinned' if want_pin else 'pageable'} memory, {num_slots} slots x "
+                f"{self.slot_bytes} bytes) cannot be allocated: {exc}; lower host_bytes "
+                "(it is per engine, split across TP ranks)",
+            ) from exc
         logger.info(
             "tieredkv host tier: %d slots x %d bytes (%s)",
             num_slots, self.slot_bytes, "pinned" if self.pinned else "pageable",
