@@ -513,10 +513,12 @@ class Journal:
                 try:
                     await self._blocking(self._compact, item.entries)
                 except Exception as exc:
-                    # Not retried: the caller waits on it and hears the error.
-                    item.done.set_exception(exc)
+                    # Not retried: the caller waits on it and hears the error. The journal's
+                    # own error state is set first, so a flush() the caller starts next sees
+                    # this failure as already known rather than as a new one.
                     self._resolved(1)
                     self._failed(exc, items[i + 1 :], "compaction")
+                    item.done.set_exception(exc)
                     return
                 item.done.set_result(None)
                 self._resolved(1)
