@@ -2,7 +2,10 @@
 
 ``tieredkv inspect PATH`` says what a disk tier holds; ``tieredkv verify PATH [--drop]`` reads
 every journaled slot on every rank and checks it byte for byte. Exit codes: 0 all good,
-1 bad slots found, 2 usage errors (with a message naming the problem).
+1 bad slots found, 2 usage errors (with a message naming the problem). The directory must be
+one an engine would accept (owned by this user, not writable by group or others) and no file
+in it is opened through a symlink; otherwise the command stops with exit code 2. Neither
+command takes the engine's lock to look at it: ``inspect`` can run beside a starting engine.
 
 Subcommands register themselves with :func:`subcommand`; adding one is three lines::
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections import Counter
@@ -30,6 +34,7 @@ from tieredkv.disk.errors import FailureKind, SlabError
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest
+from tieredkv.disk.private_files import UntrustedPathError, ensure_private_dir
 from tieredkv.disk.slab import SlabFile
 
 EXIT_OK = 0
@@ -81,6 +86,7 @@ def _disk_dir(path: str) -> Path:
         raise UsageError(f"{disk}: no such directory")
     if not disk.is_dir():
         raise UsageError(f"{disk}: not a directory")
+    ensure_private_dir(disk)  # exists, so only checked: a symlink or a shared directory is refused
     return disk
 
 
@@ -93,7 +99,7 @@ def _rank_files(disk: Path) -> list[Path]:
 
 
 def _require_manifest(disk: Path) -> Manifest:
-    manifest = load_manifest(disk) if (disk / MANIFEST_NAME).exists() else None
+    manifest = load_manifest(disk) if os.path.lexists(disk / MANIFEST_NAME) else None
     if manifest is None:
         raise UsageError(
             f"{disk}: no readable {MANIFEST_NAME}; not a tieredkv disk tier, or its manifest is "
@@ -118,16 +124,16 @@ def _inspect_args(parser: argparse.ArgumentParser) -> None:
 @subcommand("inspect", "show what a disk tier holds", configure=_inspect_args)
 def inspect_cmd(args: argparse.Namespace) -> int:
     disk = _disk_dir(args.path)
-    has_manifest = (disk / MANIFEST_NAME).exists()
+    has_manifest = os.path.lexists(disk / MANIFEST_NAME)
     manifest = load_manifest(disk) if has_manifest else None
     files = _rank_files(disk)
-    if manifest is None and not files and not (disk / JOURNAL_NAME).exists():
+    if manifest is None and not files and not os.path.lexists(disk / JOURNAL_NAME):
         raise UsageError(f"{disk}: not a tieredkv disk tier (no manifest, journal or slab files)")
     replay = Journal.replay(disk / JOURNAL_NAME)
     holder = DiskLock.holder(disk)
     slabs = []
     for file in files:
-        st = file.stat()
+        st = file.lstat()  # a link is not followed even to size it (SlabFile.open refuses one)
         slabs.append({"file": file.name, "bytes": st.st_size, "allocated": st.st_blocks * 512})
     info: dict[str, Any] = {
         "path": str(disk),
@@ -335,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args))
     except UsageError as exc:
         parser.exit(EXIT_USAGE, f"tieredkv: error: {exc}\n")
+    except UntrustedPathError as exc:
+        message = str(exc).removeprefix("tieredkv: ")
+        parser.exit(EXIT_USAGE, f"tieredkv: error: {message}\n")
     except BrokenPipeError:
         return EXIT_OK
     return EXIT_OK  # pragma: no cover - parser.exit raised

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from tieredkv import cli
+from tieredkv.disk import lock as lock_module
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.format import HEADER_BYTES, align_up
+from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.slab import SlabFile
 
 PAYLOAD = 40_000
@@ -29,6 +34,18 @@ def tier(tmp_path: Path, fp: bytes, key, payload) -> Path:
         for i in range(5):
             catalog.record_written(key(i), i)
     return disk
+
+
+class SlowProbeFcntl:
+    """``fcntl`` for the lock module, where a shared lock is held 50 ms after it is taken."""
+
+    def __getattr__(self, name: str):
+        return getattr(fcntl, name)
+
+    def flock(self, fd: int, operation: int) -> None:
+        fcntl.flock(fd, operation)
+        if operation & fcntl.LOCK_SH:
+            time.sleep(0.05)
 
 
 def tkv(run_py, *args: str):
@@ -133,3 +150,55 @@ def test_adding_a_subcommand_is_three_lines(capsys: pytest.CaptureFixture[str]) 
         assert capsys.readouterr().out == "hello disk\n"
     finally:
         cli.SUBCOMMANDS.pop("hello", None)
+
+
+def test_inspect_beside_an_engine_starting_never_makes_it_fail(
+    tier: Path, fp: bytes, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 10 (6c): inspect used to hold a shared lock briefly, and an engine starting in
+    that moment failed with "already in use (pid unknown)". Any lock a query takes is held
+    50 ms here (a descheduled inspect), so the old probe collides every time."""
+    monkeypatch.setattr(lock_module, "fcntl", SlowProbeFcntl())
+    stop = threading.Event()
+    runs: list[int] = []
+
+    def inspect_loop() -> None:
+        while not stop.is_set():
+            runs.append(cli.main(["inspect", "--json", str(tier)]))
+
+    thread = threading.Thread(target=inspect_loop)
+    thread.start()
+    try:
+        for _ in range(40):
+            DiskCatalog.open(tier, fp, PAYLOAD, SLOTS, WORLD).close()
+            DiskLock(tier, name="rank0.lock").close()
+    finally:
+        stop.set()
+        thread.join(30)
+    capsys.readouterr()
+    assert runs and set(runs) == {0}
+
+
+@pytest.mark.parametrize("name", ["journal.bin", "manifest.json", "lock"])
+def test_commands_refuse_a_symlinked_file_and_leave_its_target_alone(
+    tier: Path, tmp_path: Path, run_py, name: str
+) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours\n")
+    (tier / name).unlink()
+    (tier / name).symlink_to(victim)
+    for args in (["inspect", str(tier)], ["verify", str(tier)], ["verify", "--drop", str(tier)]):
+        result = tkv(run_py, *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert "tieredkv: error:" in result.stderr and name in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert victim.read_text() == "not yours\n"
+    assert (tier / name).is_symlink()
+
+
+def test_commands_refuse_a_shared_directory(tier: Path, run_py) -> None:
+    os.chmod(tier, 0o777)
+    for args in (["inspect", str(tier)], ["verify", str(tier)]):
+        result = tkv(run_py, *args)
+        assert result.returncode == 2
+        assert f"disk_path '{tier}'" in result.stderr and "writable by group or others" in result.stderr

@@ -12,6 +12,12 @@ the journal is emptied and slab files of ranks that no longer exist are removed,
 current ranks' files are left for their workers to resize and overwrite. Their old slots can
 never be served: nothing indexes them, and a slot is only read for a key after being written
 whole for that key, header and checksum included.
+
+``disk_path`` must be a real directory owned by the engine's user and not writable by group
+or others (created 0700 if missing), and no file in it is opened through a symlink: see
+:mod:`tieredkv.disk.private_files`. The scheduler checks it here; each worker, which vLLM
+starts first, checks it in :class:`~tieredkv.disk.lock.DiskLock` (its ``rank{r}.lock``)
+before opening anything, and again in :meth:`SlabFile.open`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from tieredkv.disk.format import slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest, write_manifest
+from tieredkv.disk.private_files import ensure_private_dir, restrict_dir
 from tieredkv.disk.slab import SlabFile
 
 logger = logging.getLogger(__name__)
@@ -70,7 +77,7 @@ def verify_headers(
             break
         with slab:
             try:
-                size = os.stat(path).st_size
+                size = os.lstat(path).st_size  # the file SlabFile.open just checked
             except OSError:
                 size = 0
             for key, slot in sorted(good.items(), key=lambda kv: kv[1]):
@@ -131,14 +138,19 @@ class DiskCatalog:
     ) -> DiskCatalog:
         """Lock ``disk_path`` and recover the last run's verified index (see module docstring).
 
-        Raises ``ConfigError`` if another engine holds the directory, and ``SlabError`` or
-        ``OSError`` if it cannot be written at all (the caller then runs without a disk tier).
+        Raises ``ConfigError`` if another engine holds the directory, ``UntrustedPathError``
+        (a ValueError naming ``disk_path`` or the file) if the directory is not private to this
+        user or a file in it is a symlink or not ours, and ``SlabError`` or ``OSError`` if it
+        cannot be written at all.
         """
         disk_path = Path(disk_path).expanduser()
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        disk_path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(disk_path, 0o700)
+        # Before the first open under it: a missing directory is created 0700; one that is a
+        # symlink, not ours, or writable by group or others is refused (UntrustedPathError,
+        # naming disk_path) rather than fixed, since someone else may already have been in it.
+        ensure_private_dir(disk_path)
+        restrict_dir(disk_path)
         lock = DiskLock(disk_path)
         try:
             return cls._open_locked(disk_path, fingerprint, payload_bytes, num_slots, world_size, io, lock)
@@ -153,11 +165,11 @@ class DiskCatalog:
     ) -> DiskCatalog:
         stride = slot_stride(payload_bytes)
         journal_path = disk_path / JOURNAL_NAME
-        old = load_manifest(disk_path) if (disk_path / MANIFEST_NAME).exists() else None
+        # lexists: a dangling link at manifest.json is refused by load_manifest, not ignored.
+        has_manifest = os.path.lexists(disk_path / MANIFEST_NAME)
+        old = load_manifest(disk_path) if has_manifest else None
         if old is None:
-            reason: str | None = (
-                "unreadable manifest" if (disk_path / MANIFEST_NAME).exists() else "new disk tier"
-            )
+            reason: str | None = "unreadable manifest" if has_manifest else "new disk tier"
         else:
             reason = old.mismatch(fingerprint, payload_bytes, stride, world_size)
         recovered: dict[bytes, int] = {}

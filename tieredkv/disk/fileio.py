@@ -3,6 +3,10 @@
 Keeping every syscall of the slab path here means a test can swap in :class:`FaultyFileIO`
 and produce ENOSPC, EIO, short reads and writes, bit flips, latency and hangs exactly where it
 wants them, against real files, without patching ``os``.
+
+:meth:`FileIO.open` goes through :mod:`tieredkv.disk.private_files`, so every slab-path open
+(the slab files, the O_DIRECT probe file) refuses symlinks and anything that is not our own
+regular file, with or without injected faults.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from tieredkv.disk.private_files import open_private
 
 
 def _total(bufs: list[memoryview]) -> int:
@@ -48,7 +54,14 @@ class FileIO:
     """Positional file I/O on raw descriptors (no Python-level buffering, O_DIRECT-friendly)."""
 
     def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
-        return os.open(path, flags | os.O_CLOEXEC, mode)
+        """``os.open`` without following a symlink, returning only our own regular file.
+
+        A link at ``path`` raises :class:`~tieredkv.disk.private_files.UntrustedPathError` (a
+        ValueError, so it is not mistaken for an I/O failure); nothing is created, truncated or
+        opened through it. ``O_NONBLOCK`` makes a FIFO planted there fail the check instead of
+        blocking the open; on a regular file it changes nothing.
+        """
+        return open_private(path, flags | os.O_NONBLOCK, mode)
 
     def pread_into(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         """Fill ``bufs`` from ``offset``; returns bytes read (less than asked only at EOF).

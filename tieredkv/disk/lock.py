@@ -1,9 +1,18 @@
-"""One engine per ``disk_path``: an advisory ``flock`` on ``<disk_path>/lock``.
+"""One engine per ``disk_path``: an open-file-description lock on ``<disk_path>/lock``.
 
-Two engines sharing slab files would overwrite each other's slots and journals. ``flock`` is
-released by the kernel when the holder dies (even on SIGKILL), so a crashed engine never
-leaves a stale lock behind, and the pid written into the file lets the second engine say who
-holds it. The file itself is never deleted: unlinking a lock file races with its next taker.
+Two engines sharing slab files would overwrite each other's slots and journals. The lock is a
+Linux OFD lock (``F_OFD_SETLK``, a write lock on the whole file): like ``flock`` it belongs to
+the open file, conflicts even within one process, and is released by the kernel when the
+holder dies (even on SIGKILL), so a crashed engine never leaves a stale lock behind. Unlike
+``flock`` it can be *queried* without being taken (``F_OFD_GETLK``): :meth:`DiskLock.holder`
+(``tieredkv inspect``/``verify``) never holds a lock, so a tool looking at a tier can never
+make an engine starting at that moment fail. The pid written into the file lets the second
+engine say who holds it. The file itself is never deleted: unlinking a lock file races with
+its next taker. It is opened through :mod:`tieredkv.disk.private_files` (no symlink followed,
+only our own regular file), after ``disk_path`` itself was checked.
+
+Earlier builds locked with ``flock``, which does not see this lock nor it them: stop an old
+engine before starting a new one on the same directory.
 """
 
 from __future__ import annotations
@@ -11,11 +20,44 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import struct
+import time
 from pathlib import Path
 
 from tieredkv.config import ConfigError
+from tieredkv.disk.private_files import ensure_private_dir, open_private
 
 LOCK_NAME = "lock"
+
+# struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid; the kernel's
+# struct is padded to 32 bytes, so the argument buffer is passed that long.
+_FLOCK = struct.Struct("@hhqqi")
+_FLOCK_BYTES = 32
+# A lock held by someone whose pid is not (yet) in the file: an engine between taking the lock
+# and writing its pid. Waiting this long for it to appear costs nothing when the lock is free.
+_UNKNOWN_HOLDER_WAIT_S = 2.0
+_UNKNOWN_HOLDER_POLL_S = 0.02
+
+
+def _flock_arg(lock_type: int) -> bytes:
+    return _FLOCK.pack(lock_type, os.SEEK_SET, 0, 0, 0).ljust(_FLOCK_BYTES, b"\0")
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the whole-file OFD write lock without waiting; False if someone holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_arg(fcntl.F_WRLCK))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _is_locked(fd: int) -> bool:
+    """Whether anyone holds a lock on the file that would conflict with ours (takes none)."""
+    out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock_arg(fcntl.F_WRLCK))
+    return _FLOCK.unpack_from(out)[0] != fcntl.F_UNLCK
 
 
 def _read_pid(fd: int) -> int | None:
@@ -27,28 +69,42 @@ def _read_pid(fd: int) -> int | None:
 
 
 class DiskLock:
-    """An exclusive lock on a disk tier, held until :meth:`close` (or process exit)."""
+    """An exclusive lock on a disk tier, held until :meth:`close` (or process exit).
+
+    Raises :class:`~tieredkv.config.ConfigError` (naming ``disk_path`` and the holder's pid)
+    when another engine holds it, and
+    :class:`~tieredkv.disk.private_files.UntrustedPathError` when ``disk_path`` is not a
+    private directory of this user or the lock file is a link or not our own regular file.
+    """
 
     def __init__(self, disk_path: Path, name: str = LOCK_NAME) -> None:
         # Workers lock ``rank{r}.lock`` before opening their slab, so a second engine's
         # workers (started before its scheduler) fail before they touch a live slab file.
-        self.disk_path = Path(disk_path)
+        # This is also each process's first open under disk_path: check the directory here.
+        self.disk_path = ensure_private_dir(Path(disk_path))
         self.path = self.disk_path / name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            pid = _read_pid(fd)
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                who = f"pid {pid}" if pid is not None else "pid unknown"
-                raise ConfigError(
-                    "disk_path", str(self.disk_path), f"already in use by another engine ({who})"
-                ) from None
+            self._acquire(fd)
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # drops the lock too, if it was taken
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
+
+    def _acquire(self, fd: int) -> None:
+        deadline = time.monotonic() + _UNKNOWN_HOLDER_WAIT_S
+        while not _try_lock(fd):
+            pid = _read_pid(fd)
+            if pid is None and time.monotonic() < deadline:
+                time.sleep(_UNKNOWN_HOLDER_POLL_S)  # the holder has not written its pid yet
+                continue
+            who = f"pid {pid}" if pid is not None else "pid unknown"
+            raise ConfigError(
+                "disk_path", str(self.disk_path), f"already in use by another engine ({who})"
+            )
 
     @property
     def held(self) -> bool:
@@ -61,7 +117,7 @@ class DiskLock:
             return
         try:
             os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_arg(fcntl.F_UNLCK))
         finally:
             os.close(fd)
 
@@ -75,25 +131,22 @@ class DiskLock:
 
     @staticmethod
     def holder(disk_path: Path) -> int | None:
-        """The pid holding ``disk_path``'s lock, or None if it is free; never takes it away.
+        """The pid holding ``disk_path``'s lock, or None if it is free.
 
-        Probes with a shared, non-blocking lock that is dropped at once. Returns -1 when the
-        lock is held but the holder's pid is unreadable.
+        Only queries the lock (``F_OFD_GETLK``); it takes none, not even briefly, so it never
+        gets in the way of an engine taking the lock. Returns -1 when the lock is held but the
+        holder's pid is unreadable. Raises UntrustedPathError if the lock file is a link or not
+        our own regular file.
         """
         path = Path(disk_path) / LOCK_NAME
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                pid = _read_pid(fd)
-                return pid if pid is not None else -1
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
+            if not _is_locked(fd):
+                return None
+            pid = _read_pid(fd)
+            return pid if pid is not None else -1
         finally:
             os.close(fd)

@@ -5,7 +5,10 @@ namespace and the same slot geometry. The manifest records those, so that a rest
 different model, dtype, chunk size or TP size starts empty instead of trusting slots laid out
 for another engine. Plain JSON (readable by people and by ``tieredkv inspect``), written
 atomically, never pickled. Written once at start-up from synchronous code, so plain ``os``
-calls rather than aiofiles (which would need an event loop just for this).
+calls rather than aiofiles (which would need an event loop just for this). Every open goes
+through :mod:`tieredkv.disk.private_files`: a link planted at ``manifest.json`` is refused
+(:class:`~tieredkv.disk.private_files.UntrustedPathError`), one planted at the temporary
+file is removed, never followed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tieredkv.disk.format import FORMAT_VERSION
+from tieredkv.disk.private_files import UntrustedPathError, create_private_exclusive, open_private
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +77,13 @@ def load_manifest(path: Path) -> Manifest | None:
     """Read the manifest of a disk tier (``path``: the directory or the file itself).
 
     Returns None, with a warning, when it is missing, unparseable or incomplete: the caller
-    then treats the disk tier as empty, which is always safe.
+    then treats the disk tier as empty, which is always safe. Raises
+    :class:`~tieredkv.disk.private_files.UntrustedPathError` (never read as "unreadable")
+    when the file is a symlink or not our own regular file.
     """
     file = _file(path)
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
+        raw = json.loads(_read(file).decode("utf-8"))
         manifest = Manifest(
             format_version=int(raw["format_version"]),
             fingerprint=str(raw["fingerprint"]),
@@ -90,28 +96,47 @@ def load_manifest(path: Path) -> Manifest | None:
     except FileNotFoundError:
         logger.warning("tieredkv disk tier: no manifest at %s", file)
         return None
+    except UntrustedPathError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("tieredkv disk tier: unreadable manifest %s: %s", file, exc)
         return None
     return manifest
 
 
+def _read(file: Path) -> bytes:
+    """The file's bytes, read without following a link; ``O_NONBLOCK``: a FIFO never blocks."""
+    fd = open_private(file, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb", closefd=True) as stream:
+        return stream.read()
+
+
 def write_manifest(path: Path, manifest: Manifest) -> None:
-    """Write the manifest atomically (temp file, fsync, rename, fsync of the directory), 0600."""
+    """Write the manifest atomically (temp file, fsync, rename, fsync of the directory), 0600.
+
+    The temporary file is created ``O_EXCL`` after unlinking whatever had its name, and the
+    rename replaces a link at ``manifest.json`` itself, so no write follows a planted link.
+    """
     file = _file(path)
     tmp = file.with_name(file.name + ".tmp")
     data = (json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = create_private_exclusive(tmp, os.O_WRONLY | os.O_NONBLOCK, 0o600)
     try:
-        os.fchmod(fd, 0o600)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, file)
-    dir_fd = os.open(file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, file)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dir_fd = os.open(file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)
     finally:

@@ -67,6 +67,32 @@ def ensure_private_dir(path: Path | str, *, key: str = "disk_path") -> Path:
     return path
 
 
+def restrict_dir(path: Path | str, *, key: str = "disk_path") -> None:
+    """Drop group and other access from a directory :func:`ensure_private_dir` accepted.
+
+    Goes through a descriptor opened without following a link, so a directory swapped for a
+    symlink meanwhile is refused, never chmodded through; the mode becomes 0700.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UntrustedPathError(
+                f"tieredkv: {key} {str(path)!r} is not a real directory (a symlink?)"
+            ) from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise UntrustedPathError(
+                f"tieredkv: {key} {str(path)!r} is owned by {_owner_name(info.st_uid)}"
+            )
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 def check_private_fd(fd: int, path: Path | str) -> os.stat_result:
     """Refuse an open descriptor that is not a regular file owned by this user."""
     info = os.fstat(fd)

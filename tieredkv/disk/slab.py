@@ -14,6 +14,7 @@ are page-aligned and 4 KiB-padded, so no bounce copy is needed on the hot path.
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import logging
 import mmap
@@ -34,6 +35,7 @@ from tieredkv.disk.format import (
     slot_stride,
     unpack_header,
 )
+from tieredkv.disk.private_files import ensure_private_dir
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -80,13 +82,20 @@ def probe_direct(directory: Path, io: FileIO) -> tuple[bool, str]:
 
     Some filesystems refuse O_DIRECT at open (EINVAL), others only at the first I/O; one real
     round trip answers both without touching slot data. Returns ``(ok, reason_if_not)``.
+    The scratch file's name is predictable, so whatever has it (a stale probe, a planted
+    symlink) is unlinked first and the file is created ``O_EXCL`` through ``io.open``, which
+    never follows a link: nothing outside ``directory`` is written.
     """
     if not _O_DIRECT:
         return False, "this platform has no O_DIRECT"
     probe = directory / f".odirect-probe-{os.getpid()}-{threading.get_ident()}"
+    _unlink_quietly(io, probe)
     try:
-        fd = io.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+        fd = io.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
     except OSError as exc:
+        # Some filesystems create the file and only then refuse O_DIRECT: do not leave it.
+        if exc.errno != errno.EEXIST:
+            _unlink_quietly(io, probe)
         return False, f"open with O_DIRECT failed: {os.strerror(exc.errno or 0)}"
     buf = _aligned_buffer(PAGE_BYTES)
     try:
@@ -106,10 +115,14 @@ def probe_direct(directory: Path, io: FileIO) -> tuple[bool, str]:
         try:
             io.close(fd)
         finally:
-            try:
-                io.unlink(probe)
-            except OSError:
-                pass
+            _unlink_quietly(io, probe)
+
+
+def _unlink_quietly(io: FileIO, path: Path) -> None:
+    try:
+        io.unlink(path)
+    except OSError:
+        pass
 
 
 class _ThreadBuffers(threading.local):
@@ -173,6 +186,12 @@ class SlabFile:
         ``create=False`` (catalog, tools): the file must exist (else ``missing``) and is used
         as it is; slots past its end read as ``short_read``. ``direct=None`` probes O_DIRECT
         once in the file's directory and falls back to buffered I/O with one warning.
+
+        With ``create=True`` the directory is first checked (created 0700 if missing) with
+        :func:`~tieredkv.disk.private_files.ensure_private_dir`; the file is never opened
+        through a symlink. Both refusals raise
+        :class:`~tieredkv.disk.private_files.UntrustedPathError` (a ValueError, not a
+        SlabError: an unsafe directory is a start-up error, not a slot failure).
         """
         path = Path(path)
         if num_slots < 0:
@@ -184,8 +203,8 @@ class SlabFile:
         io = io or FileIO()
         readonly = readonly and not create
         if create:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        elif not path.exists():
+            ensure_private_dir(path.parent)
+        elif not os.path.lexists(path):
             raise SlabError(FailureKind.MISSING, "slab file does not exist", path=path)
         if direct is None:
             directory = path.parent
@@ -203,6 +222,7 @@ class SlabFile:
             raise slab_error_from_oserror(exc, "open", path=path) from exc
         try:
             if create:
+                os.fchmod(fd, 0o600)  # an existing file of ours keeps no wider mode
                 target = num_slots * slot_stride(payload_bytes)
                 size = io.size(fd)
                 if size < target:
