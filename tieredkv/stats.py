@@ -6,7 +6,12 @@ Data shape (msgpack-safe: dicts of str -> numbers / lists of numbers)::
                    "chunk_bytes": int, "chunk_tokens": int, "world_size": int},
      "workers": {"<rank>": {"bytes": {dir: n}, "ops": {dir: n}, "spills_dropped": n,
                              "failures": {kind: n}, "latency_s": {job_kind: [s, ...]},
+                             "reads_retried": {kind: n}, "reads_recovered": n,
                              "queue_depths": {name: n}}}}
+
+``reads_retried`` counts disk reads read a second time after a transient failure (by the
+first read's failure kind); ``reads_recovered`` those whose second read succeeded. A read
+that still fails is also counted in ``failures``, once, as its job's failure.
 
 Counters are per-step deltas; ``aggregate`` adds them up, gauges keep the latest value.
 """
@@ -58,6 +63,8 @@ class TieredKVStats(KVConnectorStats):
                 return False
             if snap.get("failures") or snap.get("spills_dropped"):
                 return False
+            if snap.get("reads_retried") or snap.get("reads_recovered"):
+                return False
             if any(snap.get("latency_s", {}).values()):
                 return False
         return True
@@ -82,13 +89,16 @@ class TieredKVStats(KVConnectorStats):
         counters = sched.get("counters", {})
         moved: dict[str, int] = {}
         failures = 0
+        reads_retried = 0
         for snap in (self.data.get("workers") or {}).values():
             for direction, nbytes in snap.get("bytes", {}).items():
                 moved[direction] = moved.get(direction, 0) + nbytes
             failures += sum(snap.get("failures", {}).values())
+            reads_retried += sum(snap.get("reads_retried", {}).values())
         return {
             "hit_tokens_host": counters.get("hit_tokens_host", 0),
             "hit_tokens_disk": counters.get("hit_tokens_disk", 0),
             **{f"{d}_MiB": round(n / 2**20, 2) for d, n in sorted(moved.items())},
             "failures": failures,
+            "reads_retried": reads_retried,
         }

@@ -14,6 +14,14 @@ on that loop, and a job's bytes move through three kinds of lanes:
 A load overlaps its stages: disk reads for the next chunks run while earlier chunks go h2d,
 and nothing downstream of a failed read is ever copied to the device. Every submitted job
 gets exactly one :class:`JobResult`, also when it is cancelled, fenced or shut down.
+
+A transient disk read failure (I/O error, short read, timeout) is retried once before the
+job fails; a wrong byte (checksum, key, namespace) or a missing file is not.
+
+If a thread of the engine dies (the loop, at start-up or later; a copy lane; a slab I/O
+thread), the engine is dead: every pending job fails at once (``cancelled``; a load names all
+of its device blocks), every later job fails inside ``submit``, and :attr:`TransferEngine.error`
+says why (its ``__cause__`` is what killed the thread, logged once with its traceback).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -58,6 +66,14 @@ _JOB_KINDS = ("store", "spill", "promote", "load")
 # Store ticket states (guarded by the engine lock).
 _QUEUED, _RUNNING, _DONE, _CANCELLED = "queued", "running", "done", "cancelled"
 
+# Disk read failures worth a second read: the bytes may well be there. A checksum, key or
+# namespace mismatch says they are not; so does a missing file.
+_TRANSIENT_READ_FAILURES = frozenset({"io_error", "short_read", "timeout"})
+
+
+class EngineDeadError(RuntimeError):
+    """The transfer engine can no longer run jobs; ``__cause__`` is what killed it."""
+
 
 def failure_kind(exc: BaseException) -> str:
     """The failure name of an exception: a SlabError's kind, else a best-effort kind."""
@@ -85,6 +101,16 @@ def _failed(job: Job, failure: str, failed_block_ids: Sequence[int] = ()) -> Job
     return JobResult(job.job_id, False, failure, tuple(failed_block_ids))
 
 
+def _transient(exc: BaseException) -> bool:
+    """A disk read failure that a second read may not hit again (a SlabError's kind says)."""
+    kind = getattr(exc, "kind", None)
+    return kind is not None and str(getattr(kind, "value", kind)) in _TRANSIENT_READ_FAILURES
+
+
+def _noop() -> None:
+    pass
+
+
 @dataclass(eq=False)
 class _StoreTicket:
     """What ``fence_blocks`` needs to know about a store, from submit to result."""
@@ -109,12 +135,22 @@ class TransferStats:
         self.ops = dict.fromkeys(_DIRECTIONS, 0)
         self.spills_dropped = 0
         self.failures: Counter[str] = Counter()
+        self.reads_retried: Counter[str] = Counter()  # by the first read's failure
+        self.reads_recovered = 0  # retried reads that then succeeded
         self.latency: dict[str, list[float]] = {kind: [] for kind in _JOB_KINDS}
 
     def moved(self, direction: str, nbytes: int, ops: int = 1) -> None:
         with self._lock:
             self.bytes[direction] += nbytes
             self.ops[direction] += ops
+
+    def read_retried(self, failure: str) -> None:
+        with self._lock:
+            self.reads_retried[failure] += 1
+
+    def read_recovered(self) -> None:
+        with self._lock:
+            self.reads_recovered += 1
 
     def finished(self, kind: str, result: JobResult, seconds: float | None) -> None:
         with self._lock:
@@ -133,6 +169,8 @@ class TransferStats:
                 "ops": dict(self.ops),
                 "spills_dropped": self.spills_dropped,
                 "failures": dict(self.failures),
+                "reads_retried": dict(self.reads_retried),
+                "reads_recovered": self.reads_recovered,
                 "latency_s": {kind: list(v) for kind, v in self.latency.items()},
                 "queue_depths": dict(gauges),
             }
@@ -190,6 +228,7 @@ class TransferEngine:
         self._block_tickets: dict[int, set[int]] = {}
         self._closed = False
         self._stopped = False
+        self._error: EngineDeadError | None = None  # set once, when an engine thread died
         self._device_paused = False  # vLLM sleep mode: the device memory is going away
 
         # Event-loop side (only touched from the loop thread once it runs).
@@ -253,6 +292,10 @@ class TransferEngine:
         if not accepted:
             return
         loop = self._ensure_started()
+        if self._closed:  # it died (perhaps just now, starting) or shut down: nothing runs
+            for seq, job, _, t0, _ in accepted:
+                self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+            return
         inline_budget = inline_max_bytes if self.kv.device.type == "cpu" else 0
         queued = []
         for entry in accepted:
@@ -263,7 +306,8 @@ class TransferEngine:
                 self._load_host(seq, job, t0, mark, on_lane=False)
             else:
                 assert self._h2d is not None
-                self._h2d.call(self._load_host, seq, job, t0, mark, True)
+                call = self._h2d.call(self._load_host, seq, job, t0, mark, True)
+                call.add_done_callback(partial(self._lane_call_done, seq, job, t0))
         if not queued:
             return
         try:
@@ -271,6 +315,11 @@ class TransferEngine:
         except RuntimeError:  # the loop stopped under us (shutdown raced this submit)
             for seq, job, _, t0, _ in queued:
                 self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+
+    def _lane_call_done(self, seq: int, job: LoadJob, t0: float, call: cf.Future[Any]) -> None:
+        """A host-tier load the h2d lane never ran (it died) still gets its result."""
+        if call.cancelled() or call.exception() is not None:
+            self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
 
     def _load_bytes(self, job: LoadJob) -> int:
         return sum(len(chunk.block_ids) for chunk in job.chunks) * self.kv.total_block_bytes
@@ -361,6 +410,11 @@ class TransferEngine:
         with self._drained:
             return self._drained.wait_for(lambda: not self._pending, timeout_s)
 
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine is dead (``__cause__``: what killed its thread); None while it works."""
+        return self._error
+
     def take_stats(self) -> dict[str, Any]:
         """Counters and latency samples since the last call, plus current queue depths."""
         queue = self._spill_queue
@@ -391,8 +445,9 @@ class TransferEngine:
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None:
             try:
-                future = asyncio.run_coroutine_threadsafe(self._shutdown_async(deadline), loop)
-                future.result(max(0.0, deadline - time.monotonic()) + 1.0)
+                if self._error is None:  # a dead engine has nothing left to finish
+                    future = asyncio.run_coroutine_threadsafe(self._shutdown_async(deadline), loop)
+                    future.result(max(0.0, deadline - time.monotonic()) + 1.0)
             except (RuntimeError, cf.TimeoutError, cf.CancelledError) as exc:
                 logger.warning("tieredkv: transfer engine shutdown was not clean: %r", exc)
             try:
@@ -454,6 +509,55 @@ class TransferEngine:
             self._unregister(ticket)
             ticket.copied.set()
 
+    # ================================================================== death
+
+    def _die(self, where: str, cause: BaseException) -> None:
+        """A thread of the engine died (any thread may call this): fail everything, once."""
+        if self._mark_dead(where, cause):
+            self._fail_pending()
+
+    def _mark_dead(self, where: str, cause: BaseException) -> bool:
+        """Refuse every job from now on and log the cause; False if already dead or stopping."""
+        with self._lock:
+            if self._error is not None or self._stopped:
+                return False
+            error = EngineDeadError(f"tieredkv transfer engine: {where} died: {cause!r}")
+            error.__cause__ = cause
+            self._error = error
+            self._closed = True
+            for ticket in self._tickets.values():
+                if ticket.state == _QUEUED:
+                    ticket.state = _CANCELLED
+                    self._unregister(ticket)
+                    ticket.copied.set()
+        logger.error(
+            "tieredkv: the transfer engine is dead: %s died. Every pending and later job "
+            "fails (loads are recomputed, stores are reported finished); KV offloading is off "
+            "until the worker restarts", where, exc_info=cause,
+        )
+        return True
+
+    def _fail_pending(self) -> None:
+        """Report every pending job failed; first let a running h2d copy end (bounded), so
+        that no copy lands on blocks vLLM recomputes once their load is reported failed.
+        (Copies queued behind it do not run: ``_copy_h2d`` refuses them now.)"""
+        lane = self._h2d
+        if lane is not None and lane.alive and not lane.on_lane_thread():
+            try:
+                lane.call(_noop).result(timeout=self.load_timeout_s)
+            except cf.TimeoutError:
+                logger.error("tieredkv: an h2d copy is still running %.1f s after the transfer "
+                             "engine died; its load is reported failed anyway", self.load_timeout_s)
+            except Exception:  # noqa: BLE001 - the lane died as well: nothing runs on it
+                pass
+        with self._lock:
+            leftovers = list(self._pending.items())
+        for seq, job in leftovers:
+            self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), None)
+
+    def _lane_died(self, name: str, cause: BaseException) -> None:
+        self._die(f"the {name} copy lane thread", cause)
+
     # ================================================================== event loop
 
     def _ensure_started(self) -> asyncio.AbstractEventLoop:
@@ -477,38 +581,64 @@ class TransferEngine:
         asyncio.set_event_loop(loop)
         try:
             self._setup()
-        finally:
-            ready.set()
+        except BaseException as exc:  # noqa: BLE001 - reported: every job fails, none waits
+            self._mark_dead("the transfer loop (starting)", exc)
+            ready.set()  # submit() sees the error once this is set
+            self._fail_pending()
+            for lane in (self._d2h, self._h2d):
+                if lane is not None:
+                    lane.stop(0.0)
+            loop.close()
+            return
+        ready.set()
+        cause: BaseException | None = None
         try:
             loop.run_forever()
+        except BaseException as exc:  # noqa: BLE001 - reported below, never silent
+            cause = exc
         finally:
+            with self._lock:
+                stopping = self._stopped
+            if not stopping:  # only shutdown() stops the loop
+                self._die("the transfer loop thread",
+                          cause or RuntimeError("the transfer loop stopped without a shutdown"))
             leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]
             for task in leftovers:
                 task.cancel()
-            if leftovers:
-                loop.run_until_complete(asyncio.wait(leftovers, timeout=1.0))
+            try:
+                if leftovers:
+                    loop.run_until_complete(asyncio.wait(leftovers, timeout=1.0))
+            except BaseException as exc:  # noqa: BLE001 - every job has its result already
+                logger.debug("tieredkv: cancelling the transfer loop's tasks: %r", exc)
             loop.close()
 
     def _setup(self) -> None:
         device = self.kv.device
-        self._d2h = CopyLane("d2h", device, self._copy_d2h, self._max_batch_pairs)
-        self._h2d = CopyLane("h2d", device, self._copy_h2d, self._max_batch_pairs)
+        self._d2h = CopyLane("d2h", device, self._copy_d2h, self._max_batch_pairs,
+                             on_death=partial(self._lane_died, "d2h"))
+        self._h2d = CopyLane("h2d", device, self._copy_h2d, self._max_batch_pairs,
+                             on_death=partial(self._lane_died, "h2d"))
         self._spill_queue = asyncio.Queue(maxsize=self.spill_queue_depth)
         if self.slab is not None:
             if self._slab_exec is None:
-                from tieredkv.disk.async_io import SlabExecutor
-
-                self._slab_exec = SlabExecutor(self.io_threads)
+                self._slab_exec = _watched_slab_executor(self.io_threads, self._die)
             loop = asyncio.get_event_loop()
             self._spill_tasks = [
                 loop.create_task(self._spill_worker()) for _ in range(self._spill_workers_n)
             ]
 
     def _copy_d2h(self, pairs: list[tuple[int, int, Sequence[int]]]) -> None:
+        self._refuse_if_dead()
         self.backend.d2h(self.kv, self.host, pairs)
 
     def _copy_h2d(self, pairs: list[tuple[int, int, Sequence[int]]]) -> None:
+        self._refuse_if_dead()  # its load is reported failed: vLLM recomputes those blocks
         self.backend.h2d(self.kv, self.host, pairs)
+
+    def _refuse_if_dead(self) -> None:
+        error = self._error
+        if error is not None:
+            raise EngineDeadError(str(error)) from error.__cause__
 
     def _dispatch(self, entries: list[tuple[int, Job, _StoreTicket | None, float, Any]]) -> None:
         loop = asyncio.get_running_loop()
@@ -639,29 +769,82 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ disk reads
 
-    async def _read_slot(self, key: bytes, disk_slot: int, host_slot: int, timeout: float) -> str | None:
-        """Read and verify a disk slot into a host slot the caller holds for writing.
+    async def _read_slot(self, key: bytes, disk_slot: int, host_slot: int, deadline: float,
+                         retry_s: float | None = None) -> str | None:
+        """Read and verify a disk slot into a host slot the caller holds for writing, by
+        ``deadline`` (loop time).
+
+        A transient failure (I/O error, short read, timeout) gets one more read, by
+        ``deadline`` or, with ``retry_s``, within that long after the failure. A timed-out
+        read is read again only once its stuck call has returned (two reads never share a
+        slot): this waits for it within the same budget. Retries are counted
+        (``reads_retried``, ``reads_recovered``); a failure after them is the job's result.
 
         Returns None on success or the failure name. On failure the guard is released (or
         kept until a timed-out read really returns); on success the caller still holds it.
         """
-        pending = None
+        loop = asyncio.get_running_loop()
+        pending: Any = None
+        try:
+            failure, again, pending = await self._read_once(key, disk_slot, host_slot,
+                                                            deadline - loop.time())
+            if again:
+                end = deadline if retry_s is None else loop.time() + retry_s
+                if await self._call_returned(pending, end - loop.time()) and loop.time() < end:
+                    assert failure is not None
+                    self.stats.read_retried(failure)
+                    logger.debug("tieredkv: reading disk slot %d again after %s", disk_slot, failure)
+                    failure, _, pending = await self._read_once(key, disk_slot, host_slot,
+                                                                end - loop.time())
+                    if failure is None:
+                        self.stats.read_recovered()
+        except asyncio.CancelledError:
+            self._release_after(host_slot, True, pending)
+            raise
+        if failure is not None:
+            self._release_after(host_slot, True, pending)
+            return failure
+        self.stats.moved("restore", self.host.payload_bytes)
+        return None
+
+    async def _read_once(self, key: bytes, disk_slot: int, host_slot: int,
+                         timeout: float) -> tuple[str | None, bool, Any]:
+        """One verified read: (failure or None, worth another read, the timed-out call that
+        may still write into the slot or None)."""
         try:
             await self._slab_exec.read_into(
                 self.slab, disk_slot, key, self.host.slot_memoryview(host_slot),
                 timeout=max(0.0, timeout),
             )
-        except asyncio.CancelledError:
-            self._guard.release(host_slot, True)
-            raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a result
-            pending = getattr(exc, "pending", None)
-            self._release_after(host_slot, True, pending)
             logger.debug("tieredkv: disk slot %d -> host slot %d failed: %s", disk_slot,
                          host_slot, exc)
-            return failure_kind(exc)
-        self.stats.moved("restore", self.host.payload_bytes)
-        return None
+            return failure_kind(exc), _transient(exc), getattr(exc, "pending", None)
+        return None, False, None
+
+    @staticmethod
+    async def _call_returned(call: Any, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a timed-out disk call to return; True once it has
+        (or when there is none)."""
+        if not isinstance(call, cf.Future) or call.done():
+            return True
+        if timeout <= 0:
+            return False
+        loop = asyncio.get_running_loop()
+        returned = asyncio.Event()
+
+        def _wake(_: cf.Future[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(returned.set)
+            except RuntimeError:
+                pass  # the loop is gone
+
+        call.add_done_callback(_wake)
+        try:
+            await asyncio.wait_for(returned.wait(), timeout)
+        except TimeoutError:
+            pass
+        return call.done()
 
     async def _promote(self, seq: int, job: PromoteJob, t0: float) -> None:
         result = _failed(job, CANCELLED)
@@ -675,7 +858,12 @@ class TransferEngine:
             if not self._guard.try_write(job.host_slot):
                 result = _failed(job, COPY_ERROR)
                 return
-            failure = await self._read_slot(job.key, job.disk_slot, job.host_slot, self.load_timeout_s)
+            # Nobody waits on a promotion past the scheduler's own deadline (it then serves
+            # what is in memory), so a retry gets a budget of its own: a timed-out read can
+            # be read again once its stuck call returned.
+            deadline = asyncio.get_running_loop().time() + self.load_timeout_s
+            failure = await self._read_slot(job.key, job.disk_slot, job.host_slot, deadline,
+                                            retry_s=self.load_timeout_s)
             if failure is None:
                 self._guard.release(job.host_slot, True)
                 result = JobResult(job.job_id, True)
@@ -689,9 +877,9 @@ class TransferEngine:
             return "missing"
         if not self._guard.try_write(chunk.host_slot):
             return COPY_ERROR
-        loop = asyncio.get_running_loop()
+        # A load was promised: its retry must fit in the load's own deadline.
         return await self._read_slot(chunk.key, chunk.disk_slot, chunk.host_slot,  # type: ignore[arg-type]
-                                     deadline - loop.time())
+                                     deadline)
 
     # ------------------------------------------------------------------ loads
 
@@ -843,3 +1031,18 @@ def _load_result(job: LoadJob, failure: str | None, failed_from: int) -> JobResu
 def _device_ids(job: Job) -> tuple[int, ...]:
     """Device blocks a cancelled job leaves unloaded (loads only report these)."""
     return job.block_ids if isinstance(job, LoadJob) else ()
+
+
+def _watched_slab_executor(io_threads: int, on_death: Callable[[str, BaseException], None]) -> Any:
+    """The slab I/O pool, telling ``on_death`` when one of its threads dies: the call it was
+    running is lost (its caller would wait for its timeout), and the pool is a thread short."""
+    from tieredkv.disk.async_io import SlabExecutor  # disk-tier imports stay out of GPU-only runs
+
+    class WatchedSlabExecutor(SlabExecutor):
+        def _work(self) -> None:
+            try:
+                super()._work()
+            except BaseException as exc:  # noqa: BLE001 - reported to the engine, never silent
+                on_death(f"the slab I/O thread {threading.current_thread().name}", exc)
+
+    return WatchedSlabExecutor(io_threads)

@@ -69,18 +69,43 @@ def _single_threaded_ops() -> None:
         pass
 
 
+class LaneDeadError(RuntimeError):
+    """A call was handed to a lane thread that has died; ``__cause__`` is why it died."""
+
+
 class LaneThread:
     """One daemon thread running submitted calls in order.
 
     Not ``ThreadPoolExecutor``: that one joins its threads at interpreter exit, so one copy
     stuck on a wedged device would hang the whole engine's shutdown.
+
+    If the thread dies (anything but :meth:`stop` ending it), every call still queued and
+    every later one fails at once with :class:`LaneDeadError`, and ``on_death(exc)`` runs in
+    the dying thread. The call it was running when it died is lost: its owner must not wait
+    for that future alone.
     """
 
-    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._initializer = initializer
+        self._on_death = on_death
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.death: LaneDeadError | None = None
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def name(self) -> str:
+        return self._thread.name
+
+    @property
+    def alive(self) -> bool:
+        return self.death is None and self._thread.is_alive()
+
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def _work(self) -> None:
         if self._initializer is not None:
@@ -88,16 +113,55 @@ class LaneThread:
                 self._initializer()
             except Exception:  # noqa: BLE001 - a lane without its tuning still copies correctly
                 logger.exception("tieredkv: copy lane initialiser failed")
-        serve_calls(self._queue)
+        cause: BaseException
+        try:
+            serve_calls(self._queue)
+        except BaseException as exc:  # noqa: BLE001 - a dead lane is reported, never silent
+            cause = exc
+        else:
+            with self._lock:
+                if self._stopping:
+                    return
+            cause = RuntimeError(f"{self.name} ended without being stopped")
+        self._died(cause)
+
+    def _died(self, cause: BaseException) -> None:
+        error = LaneDeadError(f"tieredkv copy lane thread {self.name} died: {cause!r}")
+        error.__cause__ = cause
+        with self._lock:
+            self.death = error
+        # Nothing will run what is queued: fail it now (submit() fails later calls itself).
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not STOP and item[0].set_running_or_notify_cancel():
+                item[0].set_exception(error)
+        if self._on_death is not None:
+            try:
+                self._on_death(cause)
+            except Exception:  # noqa: BLE001 - the owner's handler must not hide the death
+                logger.exception("tieredkv: handling the death of %s failed", self.name)
+        else:
+            logger.error("tieredkv: copy lane thread %s died", self.name, exc_info=cause)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
         future: cf.Future[T] = cf.Future()
-        self._queue.put((future, fn, args))
+        with self._lock:
+            dead = self.death
+            if dead is None:
+                self._queue.put((future, fn, args))
+                return future
+        future.set_running_or_notify_cancel()
+        future.set_exception(dead)
         return future
 
     def stop(self, wait_s: float = 0.0) -> bool:
         """Stop after the calls already queued; True if the thread ended within ``wait_s``."""
-        self._queue.put(STOP)
+        with self._lock:
+            self._stopping = True
+            self._queue.put(STOP)
         self._thread.join(max(0.0, wait_s))
         return not self._thread.is_alive()
 
@@ -129,6 +193,7 @@ class CopyLane:
         device: torch.device,
         copy_fn: Callable[[list[Pair]], None],
         max_batch_pairs: int = 512,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.name = name
         self.device = device
@@ -136,7 +201,7 @@ class CopyLane:
         self.max_batch_pairs = max(1, max_batch_pairs)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         init = self._init_cuda if device.type == "cuda" else _single_threaded_ops
-        self._thread = LaneThread(f"tieredkv-{name}", init)
+        self._thread = LaneThread(f"tieredkv-{name}", init, on_death)
         self._pending: list[tuple[CopyRequest, asyncio.Future[object]]] = []
         self._draining = False
         self.batches = 0
@@ -147,6 +212,15 @@ class CopyLane:
     @property
     def queued(self) -> int:
         return len(self._pending)
+
+    @property
+    def alive(self) -> bool:
+        """False once the lane thread has died (see :class:`LaneThread`)."""
+        return self._thread.alive
+
+    def on_lane_thread(self) -> bool:
+        """True when called from this lane's own thread."""
+        return self._thread.is_current()
 
     def call(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
         """Run ``fn(*args)`` on the lane thread, in order with its batches (any thread)."""

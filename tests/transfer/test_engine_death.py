@@ -1,0 +1,314 @@
+"""A dead engine thread fails every job at once; nothing waits on a result that cannot come.
+
+The transfer engine's work runs on threads of its own: the event loop, one copy lane per
+direction, the slab I/O pool. When one of them dies (at start-up or mid-serving), every job
+still pending must get a failed result within a bounded time, later submits must fail at
+once, and the cause must be logged once with its traceback. The worker half then reports
+failed loads through ``get_block_ids_with_load_errors`` and failed stores as finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transfer_helpers import (
+    CHUNK_BLOCKS,
+    SlowBackend,
+    device_snapshot,
+    expected_slot,
+    make_key,
+    results_by_id,
+)
+
+from tieredkv.daemon_calls import STOP
+from tieredkv.transfer import streams
+from tieredkv.transfer.engine import EngineDeadError, TransferEngine
+from tieredkv.transfer.jobs import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+
+pytestmark = pytest.mark.timeout(60)  # on a regression these tests fail, they never hang
+
+C = CHUNK_BLOCKS
+BOUND_S = 5.0  # every failed result arrives within this (the engine's load timeout is 30 s)
+ENGINE_LOGGER = "tieredkv.transfer.engine"
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _store_ok(engine, kv, slots: dict[int, tuple[int, ...]], first_id: int) -> None:
+    jobs = [StoreJob(first_id + i, make_key(slot), slot, ids) for i, (slot, ids) in enumerate(slots.items())]
+    engine.submit(jobs)
+    assert all(r.ok for r in results_by_id(engine, len(jobs)).values())
+
+
+def _death_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records
+            if r.name == ENGINE_LOGGER and r.levelno >= logging.ERROR and r.exc_info]
+
+
+def _assert_failed(results: dict, jobs) -> None:
+    """Every job failed; a failed load names all of its device blocks (vLLM recomputes them)."""
+    for job in jobs:
+        result = results[job.job_id]
+        assert not result.ok, result
+        assert result.failure == "cancelled", result
+        if isinstance(job, LoadJob):
+            assert set(result.failed_block_ids) == set(job.block_ids), result
+        else:
+            assert result.failed_block_ids == ()
+
+
+def _assert_later_submits_fail_at_once(engine, kv, cause: BaseException) -> None:
+    before = device_snapshot(kv)
+    jobs = [
+        StoreJob(900, make_key(900), 7, (32, 33, 34, 35)),
+        LoadJob(901, "later-host", (LoadChunk(make_key(0), 0, 0, (36, 37, 38, 39)),)),
+        LoadJob(902, "later-disk", (LoadChunk(make_key(1), 8, 0, (20, 21), disk_slot=4),)),
+        PromoteJob(903, make_key(1), 4, 9),
+        SpillJob(904, make_key(0), 0, 5),
+    ]
+    engine.submit(jobs, inline_max_bytes=1 << 30)
+    results = {r.job_id: r for r in engine.poll()}  # no waiting: they are there already
+    assert set(results) == {job.job_id for job in jobs}
+    _assert_failed(results, jobs)
+    after = device_snapshot(kv)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # nothing ran
+    assert isinstance(engine.error, EngineDeadError)
+    assert engine.error.__cause__ is cause
+    assert engine.drain(0.0)
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+@pytest.mark.parametrize("where", ["setup", "h2d_lane"])
+def test_a_loop_that_cannot_start_fails_every_job_and_every_later_submit(
+    kv, host, slab, make_engine, monkeypatch, caplog, where
+) -> None:
+    boom = Boom(f"injected start-up failure in {where}")
+    if where == "setup":
+        def broken_setup(self) -> None:
+            raise boom
+
+        monkeypatch.setattr(TransferEngine, "_setup", broken_setup)
+    else:
+        real_lane = streams.CopyLane
+
+        def lane(name, *args, **kwargs):
+            if name == "h2d":
+                raise boom
+            return real_lane(name, *args, **kwargs)
+
+        monkeypatch.setattr("tieredkv.transfer.engine.CopyLane", lane)
+    caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
+    engine = make_engine()
+    jobs = [
+        StoreJob(1, make_key(1), 1, (1, 2, 3, 4)),
+        SpillJob(2, make_key(2), 2, 3),
+        PromoteJob(3, make_key(3), 3, 4),
+        LoadJob(4, "disk-load", (LoadChunk(make_key(5), 5, 0, (8, 9, 10, 11), disk_slot=5),)),
+        LoadJob(5, "host-load", (LoadChunk(make_key(6), 6, 0, (12, 13, 14, 15)),)),
+    ]
+    t0 = time.monotonic()
+    engine.submit(jobs[:4])
+    results = results_by_id(engine, 4, timeout_s=BOUND_S)
+    assert time.monotonic() - t0 < BOUND_S
+    engine.submit(jobs[4:])  # a host-tier load, which skips the event loop
+    results.update(results_by_id(engine, 1, timeout_s=BOUND_S))
+    _assert_failed(results, jobs)
+    _assert_later_submits_fail_at_once(engine, kv, boom)
+    (record,) = _death_records(caplog)  # logged once, with the traceback
+    assert record.exc_info[1] is boom
+    t0 = time.monotonic()
+    engine.shutdown(timeout_s=2.0)
+    assert time.monotonic() - t0 < 4.0
+
+
+# ---------------------------------------------------------------------------- mid-serving
+
+
+def test_the_loop_thread_dying_mid_serving_fails_every_pending_job(
+    kv, host, slab, fio, make_engine, monkeypatch, caplog
+) -> None:
+    caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
+    backend = SlowBackend()
+    engine = make_engine(backend)
+    _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
+    engine.submit([SpillJob(3, make_key(1), 1, 4)])
+    assert results_by_id(engine, 1)[3].ok
+
+    # Jobs in flight: a store stuck in its d2h copy, a promotion and a load stuck on disk.
+    gate = backend.gate("d2h")
+    hung = fio.hang("read")
+    backend.started["d2h"].clear()
+    in_flight = [
+        StoreJob(10, make_key(2), 2, (9, 10, 11, 12)),
+        PromoteJob(11, make_key(1), 4, 5),
+        LoadJob(12, "r-disk", (LoadChunk(make_key(0), 0, 0, (13, 14, 15, 16)),
+                               LoadChunk(make_key(1), 6, 0, (17, 18, 19, 20), disk_slot=4))),
+    ]
+    engine.submit(in_flight)
+    assert backend.started["d2h"].wait(5)
+    deadline = time.monotonic() + 5
+    while fio.faults["read:hang"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert fio.faults["read:hang"] >= 2
+
+    # The loop thread dies while handing out the next jobs.
+    death = SystemExit("injected: the transfer loop thread dies")
+
+    def dying_dispatch(entries) -> None:
+        raise death
+
+    monkeypatch.setattr(engine, "_dispatch", dying_dispatch)
+    lost = [StoreJob(13, make_key(3), 3, (21, 22, 23, 24)), SpillJob(14, make_key(0), 0, 6)]
+    t0 = time.monotonic()
+    engine.submit(lost)
+    results = results_by_id(engine, len(in_flight) + len(lost), timeout_s=BOUND_S)
+    assert time.monotonic() - t0 < BOUND_S
+    _assert_failed(results, in_flight + lost)
+
+    gate.set()
+    hung.set()
+    _assert_later_submits_fail_at_once(engine, kv, death)
+    (record,) = _death_records(caplog)
+    assert record.exc_info[1] is death
+
+
+def _crashing_serve_calls(thread_prefix: str, crash: threading.Event):
+    """``serve_calls`` that dies (raises out of the thread) on the first call after ``crash``,
+    in threads whose name starts with ``thread_prefix``: that call is lost, as in a real crash."""
+
+    def serve(calls) -> None:
+        mine = threading.current_thread().name.startswith(thread_prefix)
+        while True:
+            item = calls.get()
+            if item is STOP:
+                return
+            if mine and crash.is_set():
+                raise Boom(f"injected crash of {threading.current_thread().name}")
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001
+                future.set_exception(exc)
+
+    return serve
+
+
+def test_a_copy_lane_thread_crash_fails_every_pending_job(kv, host, slab, make_engine, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
+    crash = threading.Event()
+    monkeypatch.setattr(streams, "serve_calls", _crashing_serve_calls("tieredkv-d2h", crash))
+    engine = make_engine()
+    _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
+    want = expected_slot(kv, C, (1, 2, 3, 4))
+    engine.submit([LoadJob(3, "ok", (LoadChunk(make_key(0), 0, 0, (30, 31, 32, 33)),))])
+    assert results_by_id(engine, 1)[3].ok  # served normally up to here
+    assert torch.equal(kv.rows[0][30], want[(0, 0)])
+
+    crash.set()
+    jobs = [StoreJob(10, make_key(2), 2, (9, 10, 11, 12)), StoreJob(11, make_key(3), 3, (13, 14, 15, 16))]
+    t0 = time.monotonic()
+    engine.submit(jobs)
+    results = results_by_id(engine, len(jobs), timeout_s=BOUND_S)
+    assert time.monotonic() - t0 < BOUND_S
+    _assert_failed(results, jobs)
+    (record,) = _death_records(caplog)
+    cause = record.exc_info[1]
+    assert isinstance(cause, Boom) and "tieredkv-d2h" in str(cause)
+    _assert_later_submits_fail_at_once(engine, kv, cause)
+    assert len(_death_records(caplog)) == 1
+
+
+def test_a_slab_io_thread_crash_fails_every_pending_job(kv, host, slab, make_engine, monkeypatch, caplog) -> None:
+    caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
+    crash = threading.Event()
+    monkeypatch.setattr("tieredkv.disk.async_io.serve_calls", _crashing_serve_calls("tieredkv-io", crash))
+    engine = make_engine()  # load timeout 30 s: a lost read must not wait for it
+    _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
+    engine.submit([SpillJob(3, make_key(1), 1, 4)])
+    assert results_by_id(engine, 1)[3].ok
+
+    crash.set()
+    jobs = [PromoteJob(10, make_key(1), 4, 5),
+            LoadJob(11, "r", (LoadChunk(make_key(1), 6, 0, (20, 21, 22, 23), disk_slot=4),))]
+    t0 = time.monotonic()
+    engine.submit(jobs)
+    results = results_by_id(engine, len(jobs), timeout_s=BOUND_S)
+    assert time.monotonic() - t0 < BOUND_S
+    _assert_failed(results, jobs)
+    (record,) = _death_records(caplog)
+    cause = record.exc_info[1]
+    assert isinstance(cause, Boom) and "tieredkv-io" in str(cause)
+    _assert_later_submits_fail_at_once(engine, kv, cause)
+
+
+# ---------------------------------------------------------------------------- worker half
+
+
+def _fake_configs():
+    layers, blocks, heads, block, content = 2, 64, 2, 32, 128
+    spec = SimpleNamespace(block_size=block, num_kv_heads=heads, head_size=content // 2,
+                           page_size_bytes=heads * block * content * 4)
+    kv_cache_config = SimpleNamespace(
+        num_blocks=blocks, kv_cache_layout="LBHNC", hash_block_size=block,
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])],
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype="auto"),
+        model_config=SimpleNamespace(model="unit-test-model", dtype="float32", revision=None),
+    )
+    caches = {f"l{i}": torch.zeros(blocks, heads, block, content) for i in range(layers)}
+    return vllm_config, kv_cache_config, caches
+
+
+def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypatch, caplog) -> None:
+    from tieredkv.config import TieredKVConfig
+    from tieredkv.metadata import TieredKVMetadata
+    from tieredkv.planner import StepPlan
+    from tieredkv.worker_half import WorkerHalf
+
+    def broken_setup(self) -> None:
+        raise Boom("injected start-up failure")
+
+    monkeypatch.setattr(TransferEngine, "_setup", broken_setup)
+    vllm_config, kv_cache_config, caches = _fake_configs()
+    config = TieredKVConfig.from_dict({"host_bytes": "8MiB", "chunk_blocks": 2})
+    worker = WorkerHalf(vllm_config, kv_cache_config, config)
+    worker.register_kv_caches(caches)
+    try:
+        plan = StepPlan(
+            stores=[StoreJob(1, b"s" * 32, 0, (1, 2))], store_req_ids={1: "stored"},
+            loads=[LoadJob(2, "loaded", (LoadChunk(b"x" * 32, 3, 0, (10, 11)),))],
+        )
+        metadata = TieredKVMetadata(plan=plan)
+        worker.handle_preemptions(metadata)
+        worker.start_jobs(metadata)
+        worker.submit_stores(metadata)
+        sending, recving = worker.collect(set())
+        assert recving == {"loaded"}  # no later step needed: the failure is known now
+        assert worker.take_load_errors() == {10, 11}
+        # the request whose blocks the store read is freed as soon as vLLM asks
+        sending, _ = worker.collect(set())
+        worker.start_jobs(TieredKVMetadata(plan=StepPlan(delayed_req_ids=["stored"])))
+        sending, _ = worker.collect({"stored"})
+        assert sending == {"stored"}
+        meta = worker.build_worker_meta()
+        assert meta is not None
+        assert {job: outcome[:3] for job, outcome in meta.outcomes.items()} == {
+            1: (0, 1, "cancelled"), 2: (0, 1, "cancelled"),
+        }
+    finally:
+        t0 = time.monotonic()
+        worker.shutdown()
+        assert time.monotonic() - t0 < 15
