@@ -19,6 +19,7 @@ The payload (see ``tieredkv/stats.py``) carries counter *deltas* and latest gaug
     {"scheduler": {"counters": {name: delta}, "gauges": {name: value},
                    "chunk_bytes": int, "chunk_tokens": int, "world_size": int},
      "workers": {"<rank>": {"bytes": {dir: n}, "ops": {dir: n}, "spills_dropped": n,
+                             "reads_retried": {cause: n}, "reads_recovered": n,
                              "failures": {kind: n}, "latency_s": {job_kind: [s, ...]},
                              "queue_depths": {name: n}}}}
 
@@ -168,6 +169,14 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         FAILURE_CAUSES),
     "spill_failures": _spec(
         "spill_failures", COUNTER, "Failed host->disk spills by cause.", "cause", FAILURE_CAUSES),
+    "disk_reads_retried": _spec(
+        "disk_reads_retried", COUNTER,
+        "Disk reads read a second time after a transient failure (timeout, I/O error, short "
+        "read), by the first failure's cause; a retry that fails again is also a load failure.",
+        "cause", FAILURE_CAUSES),
+    "disk_reads_recovered": _spec(
+        "disk_reads_recovered", COUNTER,
+        "Disk reads whose second read succeeded after a transient failure."),
     "recovery_dropped": _spec(
         "recovery_dropped", COUNTER,
         "Disk entries dropped while recovering the index at start-up (bad or missing slot "
@@ -328,6 +337,10 @@ class TieredKVMetrics:
             for direction, ops in (snap.get("ops") or {}).items():
                 self._inc(engine, "operations", direction, ops)
             self._inc(engine, "spills_dropped", None, snap.get("spills_dropped") or 0)
+            for cause, count in (snap.get("reads_retried") or {}).items():
+                if cause in FAILURE_CAUSES:
+                    self._inc(engine, "disk_reads_retried", cause, count)
+            self._inc(engine, "disk_reads_recovered", None, snap.get("reads_recovered") or 0)
             for job, samples in (snap.get("latency_s") or {}).items():
                 if not samples:
                     continue

@@ -95,7 +95,7 @@ class WorkerHalf:
             from tieredkv.disk.slab import SlabFile
 
             assert self.config.disk_path is not None
-            self.config.disk_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # DiskLock checks (and creates 0700) disk_path before this worker opens any file.
             self._slab_lock = DiskLock(self.config.disk_path, name=f"rank{self.rank}.lock")
             self.slab = SlabFile.open(
                 self.config.disk_path / f"rank{self.rank}.slab",
