@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Verify tieredkv on a bare GPU machine (tests marked cuda, the GPU integration test, the
+# transfer benchmark, a compute-sanitizer copy run) and write results ready to commit under
+# benchmarks/results/gpu/. `bash scripts/gpu_check.sh --help` says what it needs and does;
+# `--device cpu` runs the CPU half (CI does, in tests/test_gpu_check_script.py).
+#
+# The interpreter: $PYTHON if set, else the checkout's .venv if there is one, else python3.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then
+        PY="$ROOT/.venv/bin/python"
+    elif command -v python3 >/dev/null 2>&1; then
+        PY=python3
+    else
+        PY=python
+    fi
+fi
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "gpu_check: $PY is not Python >= 3.11 (set PYTHON=/path/to/python3.12)" >&2
+    exit 2
+fi
+exec "$PY" "$ROOT/scripts/gpu_check.py" "$@"
