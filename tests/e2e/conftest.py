@@ -57,47 +57,29 @@ def tieredkv_config(**extra) -> dict:
 
 def run_engine(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
     """Start one engine in its own process, run its phases, return the parsed result."""
-    _require_vllm()
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(spec, handle)
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), handle.name],
-            capture_output=True, text=True, timeout=timeout, env=full_env,
-        )
-    finally:
-        os.unlink(handle.name)
-    if os.environ.get("TIEREDKV_E2E_STDERR"):
-        with open(os.environ["TIEREDKV_E2E_STDERR"], "a") as log:
-            log.write(proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT="):
-            result = json.loads(line[len("RESULT="):])
-            _assert_resets_took_effect(result)
-            return result
-    raise AssertionError(
-        f"engine run failed (exit {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\n"
-        f"stderr:\n{proc.stderr[-6000:]}"
-    )
+    return _run_engine_process([str(RUNNER)], spec, env, timeout)
 
 
 def run_engine_with_options(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
     """:func:`run_engine` for specs with ``engine_kwargs`` or ``lora`` (settings ``main`` does
     not forward): runs ``engine_runner.main_with_engine_options`` instead of ``main``."""
-    _require_vllm()
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
-    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     bootstrap = (
         f"import sys; sys.path.insert(0, {str(RUNNER.parent)!r}); "
         "from engine_runner import main_with_engine_options; main_with_engine_options()"
     )
+    return _run_engine_process(["-c", bootstrap], spec, env, timeout)
+
+
+def _run_engine_process(argv: list[str], spec: dict, env: dict | None, timeout: int) -> dict:
+    """Run ``python ARGV SPEC_FILE`` and parse its ``RESULT=`` line."""
+    _require_vllm()
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(spec, handle)
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", bootstrap, handle.name],
+            [sys.executable, *argv, handle.name],
             capture_output=True, text=True, timeout=timeout, env=full_env,
         )
     finally:
