@@ -25,14 +25,18 @@ LAYERS, BLOCKS, HEADS, BLOCK, CONTENT = 2, 64, 2, 32, 128
 CHUNK_BLOCKS = 2
 
 
-def fake_configs(world: int = 1):
+def fake_configs(
+    world: int = 1, *, layers: int = LAYERS, blocks: int = BLOCKS, heads: int = HEADS,
+    block: int = BLOCK, content: int = CONTENT,
+):
+    """The (vllm_config, kv_cache_config) fields tieredkv reads, for a float32 LBHNC cache."""
     spec = SimpleNamespace(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=CONTENT // 2,
-        page_size_bytes=HEADS * BLOCK * CONTENT * 4,
+        block_size=block, num_kv_heads=heads, head_size=content // 2,
+        page_size_bytes=heads * block * content * 4,
     )
     kv_cache_config = SimpleNamespace(
-        num_blocks=BLOCKS, kv_cache_layout="LBHNC", hash_block_size=BLOCK,
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(LAYERS)])],
+        num_blocks=blocks, kv_cache_layout="LBHNC", hash_block_size=block,
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])],
     )
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=world, pipeline_parallel_size=1),

@@ -325,21 +325,12 @@ LAYERS, BLOCKS, HEADS, BLOCK, CONTENT = 2, 16, 2, 16, 64
 
 def _worker(disk_path: Path):
     torch = pytest.importorskip("torch")
+    from tests.test_worker_half import fake_configs
     from tieredkv.config import TieredKVConfig
     from tieredkv.worker_half import WorkerHalf
 
-    spec = SimpleNamespace(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=CONTENT // 2,
-        page_size_bytes=HEADS * BLOCK * CONTENT * 4,
-    )
-    kv_cache_config = SimpleNamespace(
-        num_blocks=BLOCKS, kv_cache_layout="LBHNC", hash_block_size=BLOCK,
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(LAYERS)])],
-    )
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype="auto"),
-        model_config=SimpleNamespace(model="unit-test-model", dtype="float32", revision=None),
+    vllm_config, kv_cache_config = fake_configs(
+        layers=LAYERS, blocks=BLOCKS, heads=HEADS, block=BLOCK, content=CONTENT
     )
     config = TieredKVConfig.from_dict(
         {"host_bytes": "1MiB", "disk_path": str(disk_path), "disk_bytes": "2MiB", "chunk_blocks": 2}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -256,18 +255,14 @@ def test_a_slab_io_thread_crash_fails_every_pending_job(kv, host, slab, make_eng
 
 
 def _fake_configs():
-    layers, blocks, heads, block, content = 2, 64, 2, 32, 128
-    spec = SimpleNamespace(block_size=block, num_kv_heads=heads, head_size=content // 2,
-                           page_size_bytes=heads * block * content * 4)
-    kv_cache_config = SimpleNamespace(
-        num_blocks=blocks, kv_cache_layout="LBHNC", hash_block_size=block,
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])],
-    )
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256", cache_dtype="auto"),
-        model_config=SimpleNamespace(model="unit-test-model", dtype="float32", revision=None),
-    )
+    from tests.test_worker_half import BLOCK as block
+    from tests.test_worker_half import BLOCKS as blocks
+    from tests.test_worker_half import CONTENT as content
+    from tests.test_worker_half import HEADS as heads
+    from tests.test_worker_half import LAYERS as layers
+    from tests.test_worker_half import fake_configs
+
+    vllm_config, kv_cache_config = fake_configs()
     caches = {f"l{i}": torch.zeros(blocks, heads, block, content) for i in range(layers)}
     return vllm_config, kv_cache_config, caches
 
