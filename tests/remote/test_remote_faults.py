@@ -1,0 +1,178 @@
+"""Outages are results: a killed, paused, absent or misconfigured server never hangs a caller."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from remote_helpers import FINGERPRINT, RedisClusterProcs, RedisServer, chunk_items, free_port
+
+from tieredkv.disk.errors import FailureKind
+from tieredkv.remote.codec import decode
+from tieredkv.remote.results import RemoteCause
+from tieredkv.remote.url import parse_remote_url
+
+OpenStore = Callable[..., Awaitable[Any]]
+TIMEOUT = 0.5  # the deadline under test
+SLACK = 0.5    # scheduling noise on a busy 2-core machine; a hang would be unbounded
+# Connects keep FAST's generous deadline: a Cluster handshake is several round trips.
+TIGHT = {"timeout_s": TIMEOUT}
+FAILED = {RemoteCause.IO_ERROR, RemoteCause.TIMEOUT, RemoteCause.UNAVAILABLE}
+
+
+async def test_down_at_start_then_recovers(
+    fresh_server: Callable[..., RedisServer], open_store: OpenStore, prefix: str
+) -> None:
+    server = fresh_server(start=False, port=free_port())
+    store = await open_store(server.url, wait=False, **TIGHT)  # nothing listens: no exception
+    assert not store.up
+    started = time.monotonic()
+    result = await store.batch_exists([n for _, n, _ in chunk_items(prefix, 10)])
+    assert time.monotonic() - started < 0.1  # answered without touching the network
+    assert result.cause is RemoteCause.UNAVAILABLE and result.values == [False] * 10
+    await asyncio.sleep(1.0)
+    attempts = store.stats().reconnect_attempts
+    assert 3 <= attempts <= 30, attempts  # retrying, with backoff (capped at 0.2 s here)
+    server.start()
+    assert await store.wait_up(3)
+    items = chunk_items(prefix, 10)
+    assert (await store.batch_set([(n, v) for _, n, v in items])).ok
+    assert all((await store.batch_exists([n for _, n, _ in items])).values)
+    assert store.stats().failures["unavailable"] == 10
+
+
+async def test_sigkill_mid_use_then_restart(
+    fresh_server: Callable[..., RedisServer], open_store: OpenStore, prefix: str
+) -> None:
+    server = fresh_server()
+    store = await open_store(server.url, **TIGHT)
+    items = chunk_items(prefix, 200, size=8192)
+    names = [n for _, n, _ in items]
+    assert (await store.batch_set([(n, v) for _, n, v in items])).ok
+
+    outcomes: list[tuple[float, RemoteCause | None]] = []
+    stop = asyncio.Event()
+
+    async def hammer() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            result = await store.batch_get(names)
+            outcomes.append((time.monotonic() - started, result.cause))
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(hammer())
+    await asyncio.sleep(0.2)
+    server.kill()
+    await asyncio.sleep(0.6)
+    stop.set()
+    await asyncio.wait_for(task, TIMEOUT + SLACK)
+
+    assert outcomes[0][1] is None  # it was serving before the kill
+    assert max(elapsed for elapsed, _ in outcomes) < TIMEOUT + SLACK
+    causes = {cause for _, cause in outcomes if cause is not None}
+    assert causes and causes <= FAILED
+    assert not store.up and store.stats().went_down >= 1
+
+    server.start()  # same port, empty (no persistence)
+    assert await store.wait_up(3)
+    got = await store.batch_get(names)
+    assert got.ok and got.values == [None] * 200  # gone with the old process: misses
+    assert {decode(v, fingerprint=FINGERPRINT, key=k, rank=0).cause  # type: ignore[union-attr]
+            for (k, _, _), v in zip(items, got.values, strict=True)} == {FailureKind.MISSING}
+    assert (await store.batch_set([(n, v) for _, n, v in items])).ok
+    assert store.stats().reconnects >= 2
+
+
+async def test_client_pause_times_out_without_hanging(
+    fresh_server: Callable[..., RedisServer], open_store: OpenStore, prefix: str
+) -> None:
+    server = fresh_server()
+    store = await open_store(server.url, **TIGHT)
+    items = chunk_items(prefix, 50)
+    names = [n for _, n, _ in items]
+    assert (await store.batch_set([(n, v) for _, n, v in items])).ok
+
+    server.cli("CLIENT", "PAUSE", "2000", "ALL")
+    paused_at = time.monotonic()
+    result = await store.batch_get(names)
+    elapsed = time.monotonic() - paused_at
+    assert result.cause is RemoteCause.TIMEOUT and result.values == [None] * 50
+    assert TIMEOUT * 0.9 <= elapsed < TIMEOUT + SLACK
+    assert not store.up
+    started = time.monotonic()
+    assert (await store.batch_exists(names)).cause is RemoteCause.UNAVAILABLE
+    assert time.monotonic() - started < 0.1  # known down: no second wait on the server
+
+    assert await store.wait_up(5)
+    assert time.monotonic() - paused_at > 1.5  # it came back because the pause ended
+    got = await store.batch_get(names)
+    assert got.ok and all(decode(v, fingerprint=FINGERPRINT, key=k, rank=0).ok
+                          for (k, _, _), v in zip(items, got.values, strict=True))
+
+
+async def test_password_never_logged(
+    fresh_server: Callable[..., RedisServer],
+    open_store: OpenStore,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real, wrong = "Real-Pass-4f9b2c", "Wrong-Pass-8d1e7a"
+    server = fresh_server("--requirepass", real)
+    caplog.set_level(logging.DEBUG)
+
+    bad = await open_store(
+        parse_remote_url(f"redis://:{wrong}@127.0.0.1:{server.port}/0"), wait=False
+    )
+    await asyncio.sleep(0.4)
+    assert not bad.up
+    assert "not reachable" in caplog.text and "***" in caplog.text
+
+    monkeypatch.setenv("TKV_TEST_REDIS_PASSWORD", real)
+    url = parse_remote_url(
+        f"redis://127.0.0.1:{server.port}/0", password_env="TKV_TEST_REDIS_PASSWORD"
+    )
+    good = await open_store(url)
+    items = chunk_items(prefix, 5)
+    assert (await good.batch_set([(n, v) for _, n, v in items])).ok
+
+    server.kill()  # an outage logs too
+    await good.batch_get([n for _, n, _ in items])
+    await asyncio.sleep(0.1)
+    text = caplog.text + repr(bad) + repr(good) + repr(good.stats()) + repr(url) + str(url)
+    for secret in (real, wrong):
+        assert secret not in text
+    assert "is down" in caplog.text
+
+
+async def test_cluster_master_killed_then_restarted(
+    tmp_path: Path, open_store: OpenStore, prefix: str
+) -> None:
+    cluster = RedisClusterProcs(tmp_path).start()
+    try:
+        store = await open_store(cluster.url, **TIGHT)
+        items = chunk_items(prefix, 100)
+        names = [n for _, n, _ in items]
+        assert (await store.batch_set([(n, v) for _, n, v in items])).ok
+
+        victim = cluster.servers[1]
+        victim.kill()
+        started = time.monotonic()
+        result = await store.batch_get(names)
+        assert time.monotonic() - started < TIMEOUT + SLACK
+        assert result.cause in FAILED and not store.up
+
+        victim.start()  # same port and nodes-P.conf: it rejoins as the same node
+        cluster.wait_ok(10)
+        assert await store.wait_up(5)
+        got = await store.batch_get(names)
+        assert got.ok
+        survivors = sum(v is not None for v in got.values)
+        assert 0 < survivors < 100  # the other masters kept theirs; the victim's are misses
+    finally:
+        cluster.stop()

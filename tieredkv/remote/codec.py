@@ -1,0 +1,168 @@
+"""How one chunk shard is stored in Redis: its key name and its self-describing value.
+
+The remote tier is shared by every replica, so a value must prove what it is before a byte of
+it may reach a host slot: which namespace, which chunk key, which TP rank, how long, and a
+checksum of the payload (the same xxh3_64 as the disk tier, from ``tieredkv.disk.format``).
+Fixed little-endian ``struct`` fields only: nothing read from Redis is ever unpickled.
+
+Value layout (little-endian)::
+
+    offset size  field
+         0    8  magic              b"TKVREMT1"
+         8    2  format version     FORMAT_VERSION
+        10    2  flags              0 (reserved)
+        12    4  TP rank            whose shard the payload is
+        16   32  namespace fingerprint
+        48   32  key                the chunk key (tieredkv.keys.chunk_key)
+        80    8  payload length
+        88    8  payload checksum   xxh3_64 of the payload
+        96    4  header checksum    crc32 of bytes 0..95
+       100    n  payload
+
+Unlike a disk slot the header is not padded to 4 KiB: Redis memory is paid per byte, and
+values are not read with O_DIRECT.
+
+Redis key: ``{prefix}:{fingerprint[:8] hex}:r{rank}:{{{key hex}}}``. The braces are a Redis
+Cluster hash tag on the chunk key: every rank's shard of one chunk lands in the same slot
+(one node can answer "do all ranks have it?"), while different chunks spread over the
+cluster. The namespace and rank in the name make another engine's shards plain misses; the
+header still catches anything copied or corrupted under a right-looking name.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from tieredkv.disk.errors import FailureKind
+from tieredkv.disk.format import payload_checksum
+from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
+
+MAGIC = b"TKVREMT1"
+FORMAT_VERSION = 1
+DEFAULT_PREFIX = "tkv"
+NAMESPACE_HEX_CHARS = 16  # 8 bytes of the fingerprint in the key name; all 32 in the header
+
+_FIELDS = struct.Struct(f"<8sHHI{FINGERPRINT_BYTES}s{KEY_BYTES}sQQ")
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _FIELDS.size + _CRC.size
+_MAX_RANK = 2**32 - 1
+_PREFIX_FORBIDDEN = set("{}: \t\r\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A value that proved to hold exactly the asked-for shard; ``payload`` views the value."""
+
+    payload: memoryview
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A value that must not be used; ``cause`` is the counter to bump, ``detail`` says why."""
+
+    cause: FailureKind
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+
+Decoded = Verified | Rejected
+
+
+def _check_ids(fingerprint: bytes, key: bytes, rank: int) -> None:
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+    if not 0 <= rank <= _MAX_RANK:
+        raise ValueError(f"rank must be in 0..{_MAX_RANK}, got {rank}")
+
+
+def check_prefix(prefix: str) -> str:
+    """A key prefix usable in Redis Cluster: printable, no hash-tag braces, no separators."""
+    if not prefix or not prefix.isprintable() or _PREFIX_FORBIDDEN & set(prefix):
+        raise ValueError(
+            f"remote key prefix must be non-empty printable text without {{, }}, ':' or "
+            f"whitespace, got {prefix!r}"
+        )
+    return prefix
+
+
+def remote_key(fingerprint: bytes, rank: int, key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes:
+    """The Redis key of ``rank``'s shard of chunk ``key`` in namespace ``fingerprint``."""
+    _check_ids(fingerprint, key, rank)
+    check_prefix(prefix)
+    ns = fingerprint.hex()[:NAMESPACE_HEX_CHARS]
+    return f"{prefix}:{ns}:r{rank}:{{{key.hex()}}}".encode("ascii")
+
+
+def encode(payload: bytes | bytearray | memoryview, *, fingerprint: bytes, key: bytes, rank: int) -> bytes:
+    """Header + payload as one ``bytes`` value (one copy of the payload, which Redis needs)."""
+    _check_ids(fingerprint, key, rank)
+    view = memoryview(payload).cast("B")
+    header = bytearray(HEADER_BYTES)
+    _FIELDS.pack_into(
+        header, 0, MAGIC, FORMAT_VERSION, 0, rank, fingerprint, key, len(view),
+        payload_checksum(view),
+    )
+    _CRC.pack_into(header, _FIELDS.size, zlib.crc32(memoryview(header)[: _FIELDS.size]))
+    return b"".join((header, view))
+
+
+def decode(
+    value: bytes | bytearray | memoryview | None,
+    *,
+    fingerprint: bytes,
+    key: bytes,
+    rank: int,
+    expected_len: int | None = None,
+) -> Decoded:
+    """Verify ``value`` against what was asked for; never raises on bad data.
+
+    Causes: no value: ``missing``; shorter than its header or than the length it declares:
+    ``short_read``; bad magic, header checksum, payload checksum or trailing bytes:
+    ``checksum``; another format version, another namespace, or a length other than the
+    engine's geometry gives (``expected_len``): ``wrong_namespace``; another chunk key or
+    another TP rank: ``wrong_key``.
+    """
+    if value is None:
+        return Rejected(FailureKind.MISSING, "no value")
+    view = memoryview(value).cast("B")
+    if len(view) < HEADER_BYTES:
+        return Rejected(FailureKind.SHORT_READ, f"{len(view)} bytes, header needs {HEADER_BYTES}")
+    magic, version, _flags, v_rank, v_fp, v_key, length, checksum = _FIELDS.unpack_from(view)
+    if magic != MAGIC:
+        return Rejected(FailureKind.CHECKSUM, "bad magic (not a tieredkv value)")
+    (stored_crc,) = _CRC.unpack_from(view, _FIELDS.size)
+    if zlib.crc32(view[: _FIELDS.size]) != stored_crc:
+        return Rejected(FailureKind.CHECKSUM, "header checksum mismatch")
+    if version != FORMAT_VERSION:
+        return Rejected(
+            FailureKind.WRONG_NAMESPACE, f"format version {version}, expected {FORMAT_VERSION}"
+        )
+    if v_fp != fingerprint:
+        return Rejected(FailureKind.WRONG_NAMESPACE, "value belongs to another namespace")
+    if v_key != key:
+        return Rejected(FailureKind.WRONG_KEY, "value holds another chunk key")
+    if v_rank != rank:
+        return Rejected(FailureKind.WRONG_KEY, f"value holds rank {v_rank}'s shard, not {rank}'s")
+    if expected_len is not None and length != expected_len:
+        return Rejected(
+            FailureKind.WRONG_NAMESPACE, f"payload length {length}, this engine expects {expected_len}"
+        )
+    payload = view[HEADER_BYTES:]
+    if len(payload) < length:
+        return Rejected(FailureKind.SHORT_READ, f"payload has {len(payload)} of {length} bytes")
+    if len(payload) > length:
+        return Rejected(FailureKind.CHECKSUM, f"{len(payload) - length} unexpected trailing bytes")
+    if payload_checksum(payload) != checksum:
+        return Rejected(FailureKind.CHECKSUM, "payload checksum mismatch")
+    return Verified(payload)

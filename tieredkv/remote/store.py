@@ -1,0 +1,391 @@
+"""The remote tier's client side: batched, deadline-bound calls to Redis/Valkey or a Cluster.
+
+Every call is one pipeline (one round trip; on a Cluster redis-py splits it per node and
+sends the parts in parallel) under ``asyncio.wait_for``, and every outcome is a
+:class:`~tieredkv.remote.results.BatchResult`: a dead, paused or partitioned server reads as
+misses with a cause, never as an exception or a hang.
+
+Connection state is explicit (:mod:`tieredkv.remote.connection`): the store starts *down*
+and comes up once a handshake succeeds, reconnecting with capped backoff. A call that times
+out or loses its connection marks the store down; while down, calls answer at once with
+``unavailable`` instead of spending their deadline on a server known to be gone.
+
+Writes come in two kinds: :meth:`RemoteStore.batch_set` (awaited, for tests and tools) and
+:meth:`RemoteStore.submit_writes` (fire and forget, from any thread): a bounded queue
+drained by background writer tasks, which drops and counts when full or when the store is
+down.
+
+Everything here runs on one event loop; :mod:`tieredkv.remote.threaded` gives it a thread of
+its own and hands out ``concurrent.futures.Future`` objects to synchronous callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from redis.exceptions import ResponseError
+
+from tieredkv.remote.client import RemoteClient, classify
+from tieredkv.remote.connection import ConnectionKeeper
+from tieredkv.remote.results import BatchResult, RemoteCause, RemoteStats
+from tieredkv.remote.url import RemoteURL
+from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Fill = Callable[[Any], object]  # adds the batch's commands to a pipeline
+
+
+def _exists(reply: Any) -> bool:
+    return bool(reply)
+
+
+def _value(reply: Any) -> bytes | None:
+    return reply if reply is None else bytes(reply)
+
+
+def _ttl_ms(ttl_s: float | None) -> int | None:
+    return None if ttl_s is None else max(1, int(ttl_s * 1000))
+
+
+class RemoteStore:
+    """Batched get/set/exists/delete against one Redis deployment; never raises, never hangs.
+
+    Construct anywhere (no network), then ``await start()`` on the loop that will use it.
+    Per-call deadlines default to ``timeout_s``; background writes use ``write_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        url: RemoteURL,
+        *,
+        timeout_s: float = 0.5,
+        connect_timeout_s: float = 1.0,
+        socket_timeout_s: float = 10.0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 5.0,
+        health_interval_s: float = 5.0,
+        write_queue_items: int = 4096,
+        write_queue_bytes: int = 256 << 20,
+        write_batch_items: int = 64,
+        write_batch_bytes: int = 32 << 20,
+        write_timeout_s: float = 5.0,
+        writers: int = 2,
+        latency_samples: int = 256,
+    ) -> None:
+        if min(timeout_s, write_timeout_s) <= 0 or writers < 1:
+            raise ValueError("remote tier: timeouts must be positive and writers >= 1")
+        self._conn = ConnectionKeeper(
+            url, ping_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            socket_timeout_s=socket_timeout_s, backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s, health_interval_s=health_interval_s,
+            latency_samples=latency_samples,
+        )
+        self._url = url
+        self.timeout_s = timeout_s
+        self._write_batch_items = write_batch_items
+        self._write_batch_bytes = write_batch_bytes
+        self._write_timeout_s = write_timeout_s
+        self._writers = writers
+        self._queue = BoundedWriteQueue(write_queue_items, write_queue_bytes)
+
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake_writers = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inflight_writes = 0
+
+        self._lock = threading.Lock()  # counters are read from other threads
+        self._calls: Counter[str] = Counter()
+        self._failed_calls: Counter[str] = Counter()
+        self._failures: Counter[str] = Counter()
+        self._round_trips = 0
+        self._writes = Counter[str]()
+        self._probe_latency: deque[float] = deque(maxlen=latency_samples)
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> RemoteURL:
+        return self._url
+
+    @property
+    def up(self) -> bool:
+        """True while the last handshake or call succeeded; False until the first connect."""
+        return self._conn.up
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self._url.redacted()}, up={self.up})"
+
+    def stats(self) -> RemoteStats:
+        """A consistent snapshot of every counter (any thread)."""
+        conn = self._conn
+        with self._lock, conn.lock:
+            return RemoteStats(
+                up=conn.up,
+                calls=dict(self._calls),
+                failed_calls=dict(self._failed_calls),
+                failures=dict(self._failures),
+                round_trips=self._round_trips,
+                went_down=conn.went_down,
+                reconnect_attempts=conn.reconnect_attempts,
+                reconnects=conn.reconnects,
+                writes_submitted=self._writes["submitted"],
+                writes_dropped=self._writes["dropped"],
+                writes_done=self._writes["done"],
+                writes_failed=self._writes["failed"],
+                queue_items=len(self._queue),
+                queue_bytes=self._queue.nbytes,
+                probe_latency_s=tuple(self._probe_latency),
+                ping_latency_s=tuple(conn.ping_latency),
+            )
+
+    async def start(self) -> None:
+        """Start the connector and writer tasks on the running loop; no network wait, no raise."""
+        if self._tasks or self._closing:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._conn.start()
+        for i in range(self._writers):
+            self._tasks.append(asyncio.create_task(self._writer(), name=f"tieredkv-remote-write-{i}"))
+        if len(self._queue):
+            self._wake_writers.set()
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        """Wait until up (for start-up checks and tests; the engine's hot path polls ``up``)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.up and not self._closing and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.up
+
+    async def aclose(self, timeout_s: float = 2.0) -> None:
+        """Stop tasks, drop queued writes (counted), close connections; ends within ~timeout_s."""
+        if self._closing:
+            return
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout_s / 4)
+        dropped = self._queue.clear()
+        with self._lock:
+            self._writes["dropped"] += dropped
+        await self._conn.aclose(timeout_s * 3 / 4)
+
+    # -- batched calls -----------------------------------------------------------------------
+
+    async def batch_exists(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> BatchResult[bool]:
+        """Which keys exist, in one round trip (the scheduler's probe)."""
+        result = await self._batch(
+            "exists", len(keys), lambda pipe: [pipe.exists(k) for k in keys], _exists, False,
+            timeout_s,
+        )
+        if result.ok and keys:
+            with self._lock:
+                self._probe_latency.append(result.latency_s)
+        return result
+
+    async def batch_get(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> BatchResult[bytes | None]:
+        """Values (``None`` = absent or failed) in one round trip; verify with ``codec.decode``."""
+        return await self._batch(
+            "get", len(keys), lambda pipe: [pipe.get(k) for k in keys], _value, None, timeout_s
+        )
+
+    async def batch_set(
+        self,
+        items: Sequence[tuple[bytes, bytes]],
+        *,
+        ttl_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> BatchResult[bool]:
+        """Store ``(key, value)`` pairs in one round trip; ``values[i]`` says whether it stuck."""
+        entries = [WriteEntry(k, v, ttl_s) for k, v in items]
+        return await self._set_entries("set", entries, timeout_s)
+
+    async def batch_delete(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> BatchResult[bool]:
+        """Delete keys in one round trip; ``values[i]`` is True if the key existed.
+
+        One DEL per key, so a Cluster never sees a cross-slot multi-key command.
+        """
+        return await self._batch(
+            "delete", len(keys), lambda pipe: [pipe.delete(k) for k in keys], _exists, False,
+            timeout_s,
+        )
+
+    async def _set_entries(
+        self, op: str, entries: Sequence[WriteEntry], timeout_s: float | None
+    ) -> BatchResult[bool]:
+        def fill(pipe: Any) -> None:
+            for entry in entries:
+                pipe.set(entry.key, entry.value, px=_ttl_ms(entry.ttl_s))
+
+        return await self._batch(op, len(entries), fill, _exists, False, timeout_s)
+
+    async def _batch(
+        self,
+        op: str,
+        count: int,
+        fill: Fill,
+        convert: Callable[[Any], T],
+        default: T,
+        timeout_s: float | None,
+    ) -> BatchResult[T]:
+        with self._lock:
+            self._calls[op] += 1
+        if count == 0:
+            return BatchResult([])
+        client, gen = self._conn.current()
+        if self._closing:
+            return self._failed(op, count, default, RemoteCause.CANCELLED)
+        if client is None:
+            return self._failed(op, count, default, RemoteCause.UNAVAILABLE)
+        started = time.monotonic()
+        try:
+            replies = await asyncio.wait_for(
+                self._execute(client, fill), self.timeout_s if timeout_s is None else timeout_s
+            )
+        except asyncio.CancelledError:
+            self._failed(op, count, default, RemoteCause.CANCELLED)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a result
+            cause, unusable = classify(exc)
+            if self._closing:  # aclose() closed the connection under this call
+                cause, unusable = RemoteCause.CANCELLED, False
+            if cause is RemoteCause.UNKNOWN:
+                logger.exception("tieredkv remote tier: unexpected error in %s", op)
+            elif unusable:
+                self._conn.mark_down(gen, cause, exc)
+            return self._failed(op, count, default, cause, time.monotonic() - started)
+        latency = time.monotonic() - started
+        return self._convert(op, gen, replies, count, convert, default, latency)
+
+    async def _execute(self, client: RemoteClient, fill: Fill) -> list[Any]:
+        async with client.pipeline(transaction=False) as pipe:
+            fill(pipe)
+            with self._lock:
+                self._round_trips += 1
+            return await pipe.execute(raise_on_error=False)
+
+    def _convert(
+        self,
+        op: str,
+        gen: int,
+        replies: list[Any],
+        count: int,
+        convert: Callable[[Any], T],
+        default: T,
+        latency: float,
+    ) -> BatchResult[T]:
+        """Per-item replies to values; an error reply fails only its item."""
+        if len(replies) != count:
+            logger.error("tieredkv remote tier: %s got %d replies for %d keys", op, len(replies), count)
+            return self._failed(op, count, default, RemoteCause.UNKNOWN, latency)
+        values: list[T] = []
+        first: RemoteCause | None = None
+        failed = 0
+        causes: Counter[str] = Counter()
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                cause, unusable = classify(reply)
+                # An error *reply* (OOM, CLUSTERDOWN for one slot range) means a server
+                # answered: the item fails, the store stays up for the other items.
+                if unusable and not isinstance(reply, ResponseError):
+                    self._conn.mark_down(gen, cause, reply)
+                first = first or cause
+                failed += 1
+                causes[cause.value] += 1
+                values.append(default)
+            else:
+                values.append(convert(reply))
+        if failed:
+            with self._lock:
+                self._failed_calls[op] += 1
+                self._failures.update(causes)
+        return BatchResult(values, first, failed, latency)
+
+    def _failed(
+        self, op: str, count: int, default: T, cause: RemoteCause, latency: float = 0.0
+    ) -> BatchResult[T]:
+        with self._lock:
+            self._failed_calls[op] += 1
+            self._failures[cause.value] += count
+        return BatchResult([default] * count, cause, count, latency)
+
+    # -- background writes -------------------------------------------------------------------
+
+    def submit_writes(self, items: Iterable[tuple[bytes, bytes]], ttl_s: float | None = None) -> int:
+        """Queue ``(key, value)`` writes from any thread; return how many were accepted.
+
+        Never blocks: what does not fit the queue, or arrives while the store is down or
+        closing, is dropped and counted (``writes_dropped``).
+        """
+        entries = [WriteEntry(k, v, ttl_s) for k, v in items]
+        if not entries:
+            return 0
+        if self.up and not self._closing:
+            accepted, dropped = self._queue.offer(entries)
+        else:
+            accepted, dropped = 0, len(entries)
+        with self._lock:
+            self._writes["submitted"] += len(entries)
+            self._writes["dropped"] += dropped
+        if accepted:
+            self._wake(self._wake_writers)
+        return accepted
+
+    async def flush_writes(self, timeout_s: float) -> bool:
+        """Wait until the write queue is empty and no write is in flight (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._queue) or self._inflight_writes:
+            if time.monotonic() >= deadline or self._closing:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def _writer(self) -> None:
+        while True:
+            batch = self._queue.take(self._write_batch_items, self._write_batch_bytes)
+            if not batch:
+                self._wake_writers.clear()
+                if not len(self._queue):  # re-check: an offer may have raced the clear
+                    await self._wake_writers.wait()
+                continue
+            self._inflight_writes += len(batch)
+            try:
+                result = await self._set_entries("write", batch, self._write_timeout_s)
+            finally:
+                self._inflight_writes -= len(batch)
+            done = sum(result.values)
+            with self._lock:
+                self._writes["done"] += done
+                self._writes["failed"] += len(batch) - done
+
+    def _wake(self, event: asyncio.Event) -> None:
+        """Set ``event`` from whichever thread we are on."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            event.set()
+            return
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # loop closed meanwhile
+            pass
