@@ -1,7 +1,11 @@
 """End-to-end TTFT on real vLLM (CPU build): tieredkv hits against recompute, vLLM's own
 prefix cache and vLLM's ExampleConnector, on the same model and the same long prompts.
 
-TTFT is the wall time of ``LLM.generate([prompt], SamplingParams(max_tokens=1))``. Rows:
+TTFT is the wall time of ``LLM.generate([prompt], SamplingParams(max_tokens=1))``. Two
+prompts of lengths that are no multiple of the chunk (quick: 4,000 tokens, and a random length
+that is no multiple of the block either) alternate in every row, so each hit ends inside a chunk: tieredkv's hit must
+be as long as vLLM's own prefix-cache hit, every block but the one holding the last token
+(checked per run; the targets compare rows at equal hit tokens). Rows:
 
 1. ``recompute``: no connector, no prefix caching (the ceiling);
 2. ``vllm_prefix``: vLLM's in-memory prefix-cache hit, same prompt twice (the floor);
@@ -24,8 +28,8 @@ counters): a hit that did not happen is a FAIL, not a number.
 These are CPU-build figures: the "device" KV cache and the host tier are the same RAM, so a
 host-tier load is a memcpy, not a PCIe transfer.
 
-    python benchmarks/e2e_ttft.py            # quick profile (~4k-token prompts)
-    python benchmarks/e2e_ttft.py --full     # ~8k-token prompts, more repeats
+    python benchmarks/e2e_ttft.py            # quick profile (4,000 tokens and a random ~4k)
+    python benchmarks/e2e_ttft.py --full     # 8,000 tokens and a random ~8k, more repeats
     python benchmarks/e2e_ttft.py --trace    # also a per-step timeline of tieredkv hits
 
 The exit status is 1 when a target (wall-clock verdict) fails.
@@ -67,10 +71,40 @@ WARMUP_TOKENS = 96  # a short first prompt: first-forward costs stay out of ever
 KiB, MiB = 1024, 1024 * 1024
 
 PROFILES = {
-    # chunks per prompt, recompute repeats, hit repeats, timeout per child (s)
-    "quick": {"chunks": 8, "recompute_repeats": 2, "hit_repeats": 10, "timeout": 420},
-    "full": {"chunks": 16, "recompute_repeats": 3, "hit_repeats": 20, "timeout": 900},
+    # prompt A's tokens (B: a random length, see random_b_length), recompute repeats, hit
+    # repeats, timeout per child (s)
+    "quick": {"prompt_tokens": 4000, "recompute_repeats": 2, "hit_repeats": 10, "timeout": 420},
+    "full": {"prompt_tokens": 8000, "recompute_repeats": 3, "hit_repeats": 20, "timeout": 900},
 }
+PROMPT_SEED = 2026  # prompt B's length
+
+
+def random_length(low: int, high: int, seed: int = PROMPT_SEED) -> int:
+    """A length in [low, high) that is no multiple of the block (nor, then, of the chunk)."""
+    rnd = random.Random(seed)
+    while True:
+        n = rnd.randrange(low, high)
+        if n % BLOCK_SIZE:
+            return n
+
+
+def random_b_length(a_tokens: int, seed: int = PROMPT_SEED) -> int:
+    """Prompt B: a random length that takes as many tieredkv host slots as A (whole chunks
+    and a tail of at least one block), so the disk rows' host tier, sized for one prompt,
+    holds either one whole and each measured disk hit is read from disk entirely."""
+    entries = host_entries(a_tokens)
+    return random_length((entries - 1) * CHUNK_TOKENS + BLOCK_SIZE, entries * CHUNK_TOKENS, seed)
+
+
+def prefix_hit(tokens: int) -> int:
+    """vLLM's prefix-cache hit for a prompt seen before: every full block but the one
+    holding the last token (vLLM computes at least one token)."""
+    return (tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def host_entries(tokens: int) -> int:
+    """tieredkv host slots one prompt takes: its whole chunks and its tail."""
+    return -(-(tokens // BLOCK_SIZE) // CHUNK_BLOCKS)
 
 # ============================================================================ helpers
 
@@ -607,21 +641,24 @@ def tieredkv_transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def build_specs(args, model_dir: Path, work: Path, prompt_tokens: int) -> dict[str, dict[str, Any]]:
+def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int]) -> dict[str, dict[str, Any]]:
     """Every configuration: engine settings, set-up phases (not measured unless labelled
-    ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index)."""
+    ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index,
+    ``{AB}`` = prompt A in even rounds, B in odd ones)."""
     prof = PROFILES[args.profile]
-    prompt_kv = prompt_tokens * kv_bytes_per_token(MODEL)
+    longest = max(lengths.values())
+    prompt_kv = longest * kv_bytes_per_token(MODEL)
     chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(MODEL)
-    n_chunks = (prompt_tokens - 2) // CHUNK_TOKENS
+    # The disk rows' host tier holds one prompt (the larger one's chunks and tail), not two.
+    one_prompt_slots = max(host_entries(n) for n in lengths.values())
     base = {
         "model": str(model_dir),
-        "max_model_len": prompt_tokens + 64,
+        "max_model_len": longest + 64,
         "kv_cache_memory_bytes": max(256 * MiB, 4 * prompt_kv),
         "prompts": {
             "warmup": make_prompt(7, WARMUP_TOKENS),
-            "A": make_prompt(1, prompt_tokens),
-            "B": make_prompt(2, prompt_tokens),
+            "A": make_prompt(1, lengths["A"]),
+            "B": make_prompt(2, lengths["B"]),
         },
         "trace": args.trace,
         "switch_interval": args.switch_interval,
@@ -635,7 +672,7 @@ def build_specs(args, model_dir: Path, work: Path, prompt_tokens: int) -> dict[s
     example_dir = work / "example_connector"
     disk_dir = work / "tieredkv_disk"
     disk_cfg = tieredkv_transfer_config(
-        host_bytes=n_chunks * chunk_payload, disk_path=str(disk_dir),
+        host_bytes=one_prompt_slots * chunk_payload, disk_path=str(disk_dir),
         disk_bytes=8 * prompt_kv + 64 * MiB,
     )
     # Every connector hit is followed by the same prompt again without a reset: a vLLM
@@ -651,11 +688,13 @@ def build_specs(args, model_dir: Path, work: Path, prompt_tokens: int) -> dict[s
         # 1. no connector, no prefix caching: every run computes everything.
         "recompute": {"prefix_caching": False, "setup": [
             gen("warmup", "warmup"),
-            *[gen("A", f"recompute{i}") for i in range(args.recompute_repeats or prof["recompute_repeats"])],
+            *[gen("AB"[i % 2], f"recompute{i}")
+              for i in range(args.recompute_repeats or prof["recompute_repeats"])],
         ], "round": []},
         # 2. vLLM's own prefix cache: compute once, then hit it.
-        "vllm_prefix": {"prefix_caching": True, "setup": [gen("warmup", "warmup"), gen("A", "cold A")],
-                        "round": [gen("A", "hit{i}")]},
+        "vllm_prefix": {"prefix_caching": True,
+                        "setup": [gen("warmup", "warmup"), gen("A", "cold A"), gen("B", "cold B")],
+                        "round": [gen("{AB}", "hit{i}")]},
         # 3. ExampleConnector: reads its files through the page cache, warm right after they
         #    were written; "diskhit" runs first drop them from the page cache (read from disk).
         "example_connector": {
@@ -663,29 +702,33 @@ def build_specs(args, model_dir: Path, work: Path, prompt_tokens: int) -> dict[s
             "kv_transfer_config": {
                 "kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
-            "setup": [gen("warmup", "warmup"), gen("A", "cold A")],
-            "round": [reset, gen("A", "hit{i}"), gen("A", "pfloor{i}"),
+            "setup": [gen("warmup", "warmup"), gen("A", "cold A"), gen("B", "cold B")],
+            "round": [reset, gen("{AB}", "hit{i}"), gen("{AB}", "pfloor{i}"),
                       reset, {"kind": "drop_page_cache", "path": str(example_dir)},
-                      gen("A", "diskhit{i}")],
+                      gen("{AB}", "diskhit{i}")],
         },
         # 4. tieredkv host tier: plenty of host memory, no disk.
         "tieredkv_host": {
             "prefix_caching": True,
             "kv_transfer_config": tieredkv_transfer_config(host_bytes=4 * prompt_kv + 64 * MiB),
-            "setup": [gen("warmup", "warmup"), gen("A", "cold A"), drain],
-            "round": [reset, gen("A", "hit{i}"), drain, gen("A", "pfloor{i}")],
+            "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                      gen("B", "cold B"), drain],
+            "round": [reset, gen("{AB}", "hit{i}"), drain, gen("{AB}", "pfloor{i}")],
         },
-        # 5. tieredkv disk tier: host_bytes = one prompt, disk behind it.
+        # 5. tieredkv disk tier: host_bytes = one prompt (the larger's), disk behind it.
         "tieredkv_disk": {
             "prefix_caching": True, "kv_transfer_config": disk_cfg,
-            "setup": [gen("warmup", "warmup"), gen("A", "cold A"), drain, gen("B", "cold B"), drain],
+            # The warmup prompt's tail (3 blocks) takes a host slot: stored (drained) before A
+            # so that A's entries can evict it, and A is stored whole.
+            "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                      gen("B", "cold B"), drain],
             "round": disk_round,
         },
         # 6. the same disk tier after a restart: a fresh engine recovers the index from the
         #    journal; its host tier starts empty, so every measured hit is read from disk.
         "tieredkv_disk_restart": {
             "prefix_caching": True, "kv_transfer_config": disk_cfg,
-            "setup": [gen("warmup", "warmup")], "round": disk_round,
+            "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
         },
     }
     example_dir.mkdir(parents=True, exist_ok=True)
@@ -708,24 +751,34 @@ def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _check_hits(runs: list[dict[str, Any]], expected_hit: int, tier: str | None) -> list[str]:
+def _check_hits(runs: list[dict[str, Any]], expected: dict[str, int], tier: str | None) -> list[str]:
+    """Every run hit exactly vLLM's prefix-cache hit of its prompt (from ``tier``, if given)."""
     problems = []
-    cached = [r["num_cached_tokens"] for r in runs]
-    missed = [c for c in cached if c < expected_hit]
-    if missed:
-        problems.append(f"num_cached_tokens {cached}: {len(missed)} run(s) below the {expected_hit}-token hit")
+    wrong = [(r["prompt"], r["num_cached_tokens"]) for r in runs
+             if r["num_cached_tokens"] != expected[r["prompt"]]]
+    if wrong:
+        problems.append(f"num_cached_tokens {wrong}: {len(wrong)} run(s) other than the "
+                        f"prefix-cache hit {expected}")
     if tier is not None:
-        from_tier = [r["tieredkv"].get(f"hit_tokens_{tier}", 0) for r in runs]
-        if any(t < expected_hit for t in from_tier):
-            problems.append(f"tieredkv hit_tokens_{tier} per run {from_tier}: not every hit came from the {tier} tier")
+        short = [(r["prompt"], r["tieredkv"].get(f"hit_tokens_{tier}", 0)) for r in runs
+                 if r["tieredkv"].get(f"hit_tokens_{tier}", 0) < expected[r["prompt"]]]
+        if short:
+            problems.append(f"tieredkv hit_tokens_{tier} {short}: not every hit came from the {tier} tier")
     return problems
+
+
+def hits_by_prompt(runs: list[dict[str, Any]]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in runs:
+        out.setdefault(r["prompt"], []).append(r["num_cached_tokens"])
+    return dict(sorted(out.items()))
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(config: str, result: dict[str, Any], expected_hit: int) -> dict[str, Any]:
+def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int]) -> dict[str, Any]:
     """The measured runs of one configuration, with the proof that each hit hit."""
     records = result["records"]
 
@@ -750,6 +803,7 @@ def summarize(config: str, result: dict[str, Any], expected_hit: int) -> dict[st
         "max_s": max(secs) if secs else None,
         "samples_s": secs,
         "num_cached_tokens": cached,
+        "hit_tokens_by_prompt": hits_by_prompt(main),
         "cold_s": [r["seconds"] for r in records if r["label"].startswith("cold")],
         "forward_median_s": _median([r["forward_s"] for r in main if r.get("forward_s") is not None]),
         # TTFT minus the model's forward compute: what the cache path itself costs
@@ -775,6 +829,7 @@ def summarize(config: str, result: dict[str, Any], expected_hit: int) -> dict[st
             "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in pfloor]),
             "samples_s": [r["seconds"] for r in pfloor],
             "num_cached_tokens": [r["num_cached_tokens"] for r in pfloor],
+            "hit_tokens_by_prompt": hits_by_prompt(pfloor),
             "hit_ok": not _check_hits(pfloor, expected_hit, None),
             "ratio_median": _median(ratios),
             "ratios": ratios,
@@ -789,6 +844,7 @@ def summarize(config: str, result: dict[str, Any], expected_hit: int) -> dict[st
             "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in diskhits]),
             "overhead_samples_s": [r["seconds"] - r["forward_s"] for r in diskhits],
             "num_cached_tokens": [r["num_cached_tokens"] for r in diskhits],
+            "hit_tokens_by_prompt": hits_by_prompt(diskhits),
             "hit_ok": not disk_problems,
             "problems": disk_problems,
         }
@@ -802,6 +858,7 @@ def summarize(config: str, result: dict[str, Any], expected_hit: int) -> dict[st
             "overhead_samples_s": [r["seconds"] - r["forward_s"] for r in hosthits],
             "samples_s": [r["seconds"] for r in hosthits],
             "num_cached_tokens": [r["num_cached_tokens"] for r in hosthits],
+            "hit_tokens_by_prompt": hits_by_prompt(hosthits),
             "hit_ok": not host_problems,
             "problems": host_problems,
         }
@@ -818,6 +875,27 @@ LABELS = {
     "tieredkv_disk": "5a. tieredkv disk-tier hit (evicted from host)",
     "tieredkv_disk_restart": "5b. tieredkv disk-tier hit after restart",
 }
+
+
+def same_hits(row: dict[str, Any], floor_row: dict[str, Any]) -> bool:
+    """Every run of ``row`` hit, per prompt, the tokens every floor run hit."""
+    mine, floor = row.get("hit_tokens_by_prompt") or {}, floor_row.get("hit_tokens_by_prompt") or {}
+    return bool(mine) and all(
+        prompt in floor and len(set(floor[prompt])) == 1 and set(hits) == set(floor[prompt])
+        for prompt, hits in mine.items()
+    )
+
+
+def engine_ratios(row: dict[str, Any], floor_row: dict[str, Any]) -> dict[str, float | None]:
+    """A hit row's TTFT against vLLM's prefix-cache hit: cross-engine (row median / the floor
+    row's median, another engine) and same-engine (median of hit{i} / pfloor{i}: the same
+    prompt hit in vLLM's prefix cache of the same engine right after)."""
+    cross = None
+    if row.get("median_s") and floor_row.get("median_s"):
+        cross = row["median_s"] / floor_row["median_s"]
+    same = (row.get("paired_floor") or {}).get("ratio_median")
+    worse = max((r for r in (cross, same) if r is not None), default=None)
+    return {"cross_engine_ratio": cross, "same_engine_ratio": same, "worse_ratio": worse}
 
 
 def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> list[dict[str, Any]]:
@@ -844,11 +922,20 @@ def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> 
 
     out = []
 
-    def add(target: str, config: str, limit_of, limit_text: str, ref_ok: bool = True) -> None:
+    def add(target: str, config: str, limit_of, limit_text: str, ref_ok: bool = True,
+            reference: dict[str, Any] | None = None) -> None:
         row = rows[config]
-        ok_hit = bool(row["hit_ok"] and floor_row["hit_ok"] and ref_ok)
+        # At equal hit tokens: the row's hits, per prompt, are the floor's (and the compared
+        # connector's).
+        equal_hits = same_hits(row, floor_row) and (
+            reference is None or same_hits(reference, floor_row))
+        ok_hit = bool(row["hit_ok"] and floor_row["hit_ok"] and ref_ok and equal_hits)
+        note = "" if row["hit_ok"] else "hit did not happen: " + "; ".join(row["problems"])
+        if row["hit_ok"] and not equal_hits:
+            note = "hit tokens differ from the floor's"
         entry: dict[str, Any] = {"target": target, "config": config, "limit": limit_text,
-                                 "note": "" if row["hit_ok"] else "hit did not happen: " + "; ".join(row["problems"])}
+                                 "note": note, "equal_hit_tokens": equal_hits,
+                                 **engine_ratios(row, floor_row)}
         for view, fn in (("wall", wall), ("equal_compute", equal)):
             value, limit = fn(row), limit_of(fn)
             entry[view] = {"value_s": value, "limit_s": limit,
@@ -865,11 +952,11 @@ def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> 
     for config, label in (("tieredkv_host", "host hit"), ("tieredkv_disk", "disk hit"),
                           ("tieredkv_disk_restart", "disk hit after restart")):
         add(f"{label} faster than ExampleConnector", config, lambda fn: fn(example),
-            "< ExampleConnector (page cache warm)", ref_ok=example["hit_ok"])
+            "< ExampleConnector (page cache warm)", ref_ok=example["hit_ok"], reference=example)
         if config != "tieredkv_host" and example_disk:
             add(f"{label} faster than ExampleConnector reading from disk (info)", config,
                 lambda fn: fn(example_disk), "< ExampleConnector (files dropped from page cache)",
-                ref_ok=example_disk.get("hit_ok", False))
+                ref_ok=example_disk.get("hit_ok", False), reference=example_disk)
     return out
 
 
@@ -885,6 +972,11 @@ def write_outputs(payload: dict[str, Any]) -> tuple[Path, Path, Path]:
     return json_path, md_path, png_path
 
 
+def _by_prompt_text(by_prompt: dict[str, list[int]]) -> str:
+    """``A 3968 ×10; B 4416 ×10``."""
+    return "; ".join(f"{prompt} {_compact(hits)}" for prompt, hits in by_prompt.items())
+
+
 def _compact(values: list[int]) -> str:
     """``4096 ×12`` for a run of equal counts, else the list."""
     if values and all(v == values[0] for v in values):
@@ -896,29 +988,39 @@ def table_markdown(payload: dict[str, Any]) -> str:
     rows = payload["rows"]
     floor = rows["vllm_prefix"]["median_s"]
     compute = rows["vllm_prefix"]["forward_median_s"]
+    floor_row = rows["vllm_prefix"]
+    floor_hits = _by_prompt_text(floor_row.get("hit_tokens_by_prompt") or {})
     lines = [
-        "| configuration | TTFT median (ms) | min–max (ms) | n | x floor | forward compute, median (ms) "
-        "| TTFT − compute, median (ms) | at equal compute (ms) | num_cached_tokens | hit? |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| configuration | TTFT median (ms) | min–max (ms) | n | x floor (cross-engine) "
+        "| x floor (same engine) | forward compute, median (ms) | TTFT − compute, median (ms) "
+        "| at equal compute (ms) | hit tokens per prompt | floor's hit tokens | hit? |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
 
-    def line(label: str, row: dict[str, Any], samples: list[float], hit: str) -> str:
+    def line(label: str, row: dict[str, Any], samples: list[float], hit: str,
+             same_engine: float | None = None) -> str:
         med = _median(samples)
         ratio = f"{med / floor:.2f}" if floor and med else "n/a"
+        same = f"{same_engine:.2f}" if same_engine is not None else "—"
         ovh = row.get("overhead_median_s")
         eq = "n/a"
         if compute is not None and ovh is not None and row is not rows["recompute"]:
             eq = _fmt_ms(compute + ovh)
+        by_prompt = row.get("hit_tokens_by_prompt")
+        tokens = _by_prompt_text(by_prompt) if by_prompt else _compact(row["num_cached_tokens"])
+        if by_prompt and row is not rows["recompute"]:
+            hit += " (= floor)" if same_hits(row, floor_row) else " (**≠ floor**)"
         return (
             f"| {label} | {_fmt_ms(med)} | {_fmt_ms(min(samples))}–{_fmt_ms(max(samples))} "
-            f"| {len(samples)} | {ratio} | {_fmt_ms(row.get('forward_median_s'))} "
-            f"| {_fmt_ms(ovh)} | {eq} | {_compact(row['num_cached_tokens'])} | {hit} |"
+            f"| {len(samples)} | {ratio} | {same} | {_fmt_ms(row.get('forward_median_s'))} "
+            f"| {_fmt_ms(ovh)} | {eq} | {tokens} | {floor_hits} | {hit} |"
         )
 
     for config, label in LABELS.items():
         row = rows[config]
         hit = "n/a (ceiling)" if config == "recompute" else ("yes" if row["hit_ok"] else "**NO — FAIL**")
-        lines.append(line(label, row, row["samples_s"], hit))
+        lines.append(line(label, row, row["samples_s"], hit,
+                          (row.get("paired_floor") or {}).get("ratio_median")))
         for key, text in (("from_disk", "↳ same, files dropped from the page cache first (read from disk)"),
                           ("host_hits_same_engine", "↳ host-tier hit of the same prompt, same engine, right after")):
             extra = row.get(key)
@@ -951,9 +1053,13 @@ def table_markdown(payload: dict[str, Any]) -> str:
         "",
         f"Model: random Llama, hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, "
         f"{MODEL['num_heads']} heads, {MODEL['num_kv_heads']} KV heads, bf16; block {BLOCK_SIZE}, "
-        f"tieredkv chunk {CHUNK_BLOCKS} blocks. Prompt {p['prompt_tokens']:,} tokens "
-        f"(hit {p['expected_hit_tokens']:,}); KV = {p['prompt_tokens']:,} × "
-        f"{p['kv_bytes_per_token']:,} B = {p['kv_bytes'] / MiB:.1f} MiB. TTFT = wall time of "
+        f"tieredkv chunk {CHUNK_BLOCKS} blocks ({CHUNK_TOKENS} tokens). Prompts "
+        + ", ".join(f"{name} {n:,} tokens (hit {p['expected_hit_tokens'][name]:,})"
+                    for name, n in p["prompt_lengths"].items())
+        + f", alternating in every row (B's length is random, seed {p['prompt_seed']}, among "
+        "those taking as many tieredkv slots as A, and no multiple of the block); no length "
+        "is a multiple of the chunk, so every hit ends inside a chunk. "
+        f"KV of a hit = {p['kv_bytes'] / MiB:.1f} MiB (mean of the two). TTFT = wall time of "
         "`generate(max_tokens=1)`; profile "
         f"`{p['profile']}`, git {payload.get('git') or 'n/a'}, Python switch interval "
         f"{p['switch_interval_s'] * 1000:g} ms, load average at the end "
@@ -970,14 +1076,43 @@ def table_markdown(payload: dict[str, Any]) -> str:
         + f"Cold (storing) runs: {cold_text}.",
         "",
         "\"Forward compute\" is the time in the model's forward passes for the request (the "
-        "same 2-token forward on the same context in every hit row; a synchronous connector load "
+        "same forward in every hit row: the tokens of the block holding the prompt's last "
+        "token, "
+        + " and ".join(f"{n - p['expected_hit_tokens'][name]} for {name}"
+                       for name, n in p["prompt_lengths"].items())
+        + ", on the same context; a synchronous connector load "
         "inside the forward, ExampleConnector's, is not counted as compute). \"At equal "
         "compute\" = the floor row's median forward + the row's median TTFT − compute. "
         "vLLM prefix-cache hit of the same prompt in each connector's engine right after each "
         f"hit (the same-engine floor): {paired_text}.",
         "",
         "\n".join(vlines),
+        "",
+        ratio_text(payload),
     ])
+
+
+def ratio_text(payload: dict[str, Any]) -> str:
+    """Each tieredkv row against vLLM's prefix-cache hit, both ways, and the worse of the two
+    (the figure a headline should quote)."""
+    rows = payload["rows"]
+    out = ["| tieredkv row | x floor, cross-engine (row median / floor row median) "
+           "| x floor, same engine (median of hit / prefix-cache hit right after) "
+           "| worse of the two | hit tokens = floor's |",
+           "|---|---:|---:|---:|---|"]
+    floor_row = rows["vllm_prefix"]
+    for config in ("tieredkv_host", "tieredkv_disk", "tieredkv_disk_restart"):
+        if config not in rows:
+            continue
+        r = engine_ratios(rows[config], floor_row)
+
+        def fmt(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.2f}"
+
+        out.append(f"| {LABELS[config]} | {fmt(r['cross_engine_ratio'])} | "
+                   f"{fmt(r['same_engine_ratio'])} | **{fmt(r['worse_ratio'])}** | "
+                   f"{'yes' if same_hits(rows[config], floor_row) else '**no**'} |")
+    return "\n".join(out)
 
 
 def plot(payload: dict[str, Any], path: Path) -> None:
@@ -1049,7 +1184,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_title("What the cache path costs: TTFT minus forward compute", fontsize=10)
 
     fig.suptitle(
-        f"TTFT, {p['prompt_tokens']:,}-token prompt ({p['kv_bytes'] / MiB:.0f} MiB KV), "
+        "TTFT, prompts of " + " and ".join(f"{n:,}" for n in p["prompt_lengths"].values())
+        + f" tokens ({p['kv_bytes'] / MiB:.0f} MiB KV per hit), "
         f"CPU-build vLLM, {payload['machine']['cpu']}", fontsize=11)
     fig.text(0.005, 0.005, "CPU build: the device KV cache and the host tier share the same RAM "
              "(a host-tier load is a memcpy). Dots: every measured run.", fontsize=7.5,
@@ -1061,23 +1197,27 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 def parent_main(args) -> int:
     prof = PROFILES[args.profile]
-    n_chunks = prof["chunks"]
-    # N whole chunks + 2 tokens: every connector and vLLM's prefix cache can hit exactly
-    # N x 512 tokens (ExampleConnector matches up to the block below len-1), 2 are computed.
-    prompt_tokens = args.prompt_tokens or n_chunks * CHUNK_TOKENS + 2
-    expected_hit = (prompt_tokens - 2) // CHUNK_TOKENS * CHUNK_TOKENS
-    if (prompt_tokens - 2) % CHUNK_TOKENS:
-        print("--prompt-tokens should be a multiple of 512 plus 2", file=sys.stderr)
-        return 2
+    # Lengths that are no multiple of the chunk: vLLM's prefix cache and
+    # ExampleConnector hit every block but the one holding the last token, and so must
+    # tieredkv (a whole-chunk hit would stop up to a chunk earlier).
+    lengths = {"A": args.prompt_tokens or prof["prompt_tokens"],
+               "B": args.prompt_b_tokens or random_b_length(args.prompt_tokens or prof["prompt_tokens"],
+                                                            args.prompt_seed)}
+    for name, n in lengths.items():
+        if n % CHUNK_TOKENS == 0 or n < 2 * CHUNK_TOKENS:
+            print(f"prompt {name}: {n} tokens; use a length of at least {2 * CHUNK_TOKENS} "
+                  f"that is no multiple of {CHUNK_TOKENS}", file=sys.stderr)
+            return 2
+    expected_hit = {name: prefix_hit(n) for name, n in lengths.items()}
     kv_per_token = kv_bytes_per_token(MODEL)
-    kv_bytes = expected_hit * kv_per_token
+    kv_bytes = sum(expected_hit.values()) // len(expected_hit) * kv_per_token
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tieredkv_e2e_ttft_", dir=args.tmp_root))
     work.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir)
     from tieredkv.tools.tiny_model import make_tiny_llama
 
     make_tiny_llama(model_dir, **MODEL)
-    specs = build_specs(args, model_dir, work, prompt_tokens)
+    specs = build_specs(args, model_dir, work, lengths)
     if args.only:
         specs = {c: s for c, s in specs.items() if c in args.only.split(",")}
     reps = args.repeats or prof["hit_repeats"]
@@ -1169,7 +1309,8 @@ def parent_main(args) -> int:
         "git": git if args.rerender else _git_rev(),
         "params": {
             "profile": args.profile, "model": MODEL, "block_size": BLOCK_SIZE,
-            "chunk_blocks": CHUNK_BLOCKS, "prompt_tokens": prompt_tokens,
+            "chunk_blocks": CHUNK_BLOCKS, "prompt_lengths": lengths,
+            "prompt_seed": args.prompt_seed,
             "expected_hit_tokens": expected_hit, "kv_bytes_per_token": kv_per_token,
             "kv_bytes": kv_bytes,
             "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
@@ -1208,7 +1349,11 @@ def main() -> int:
     parser.add_argument("--full", action="store_const", dest="profile", const="full", default="quick",
                         help="~8k-token prompts and more repeats (default: quick, ~4k tokens)")
     parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="override the prompt length (a multiple of 512, plus 2)")
+                        help="prompt A's length (default 4,000; 8,000 with --full)")
+    parser.add_argument("--prompt-b-tokens", type=int, default=None,
+                        help="prompt B's length (default: random, see --prompt-seed)")
+    parser.add_argument("--prompt-seed", type=int, default=PROMPT_SEED,
+                        help="seed of prompt B's random length")
     parser.add_argument("--repeats", type=int, default=None, help="measured hits per configuration")
     parser.add_argument("--recompute-repeats", type=int, default=None)
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "tieredkv_e2e_ttft_model"),

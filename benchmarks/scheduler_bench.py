@@ -11,7 +11,9 @@ Measured, tieredkv and vLLM alternating call by call (the first of the pair alte
 
 * ``get_num_new_matched_tokens`` for prompts of 1k..128k tokens, ``hit`` (every chunk is in
   the connector's CPU tier, stored through the connector's own store path and completed by
-  a worker report) and ``miss`` (empty tier). ``cold`` is the first call for a fresh request
+  a worker report) and ``miss`` (empty tier). One size (2,348 tokens) is no multiple of the
+  chunk: tieredkv's hit ends inside its last chunk (the prompt's tail), vLLM's at the last
+  chunk boundary. ``cold`` is the first call for a fresh request
   (chunk keys derived from the block hashes inside the call); ``repeat`` is the same request
   asked again, as vLLM's scheduler does while a request waits (keys cached).
 * ``build_connector_meta`` with 1..256 running requests: ``decode`` (every request scheduled
@@ -56,11 +58,14 @@ NAME = "scheduler_bench"
 BLOCK_SIZE = 32
 CHUNK_BLOCKS = 16
 CHUNK_TOKENS = BLOCK_SIZE * CHUNK_BLOCKS
-PROMPT_SIZES = (1024, 4096, 16384, 32768, 65536, 131072)
+# 2,348 = 4 chunks + 300 tokens: its hit ends inside a chunk (the prompt's 9-block tail).
+PROMPT_SIZES = (1024, 2348, 4096, 16384, 32768, 65536, 131072)
 RUNNING = (1, 4, 16, 64, 256)
 DECODE_PROMPT_TOKENS = 2048
 PREFILL_PROMPT_TOKENS = 2 * CHUNK_TOKENS
-TIER_BYTES = 32 << 30  # scheduler side only: nothing is allocated
+# Scheduler side only: nothing is allocated. Above the ~1.5 GiB of chunks the run stores (no
+# eviction), below host_bytes' bound (the machine's physical memory).
+TIER_BYTES = 8 << 30
 NUM_GPU_BLOCKS = 1 << 17
 LOOKUP_TARGET_US = 2000.0
 NOISE_BAND = 1.10
@@ -80,7 +85,7 @@ class Profile:
 
 
 PROFILES = {
-    "smoke": Profile("smoke", (1024, 4096), (1, 4), 4, 2, 10, 3, 10),
+    "smoke": Profile("smoke", (1024, 2348, 4096), (1, 4), 4, 2, 10, 3, 10),
     "quick": Profile("quick", PROMPT_SIZES, RUNNING, 300, 3, 800, 60, 1000),
     "full": Profile("full", PROMPT_SIZES, RUNNING, 1500, 5, 4000, 250, 5000),
 }

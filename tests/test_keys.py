@@ -5,7 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tieredkv.keys import LazyChunkKeys, Namespace, chunk_key, chunk_keys, sha256_block_hashes
+from tieredkv.keys import (
+    KEY_PART_BYTES,
+    LazyChunkKeys,
+    Namespace,
+    chunk_key,
+    chunk_keys,
+    key_from_part,
+    key_part,
+    sha256_block_hashes,
+)
 
 NS = Namespace(model="m", dtype="bf16", kv_layout="LBHNC", block_size=16, chunk_blocks=4,
                num_layers=4, num_kv_heads=2, head_size=64)
@@ -91,3 +100,30 @@ def test_lora_digest_separates_keys_and_plain_keys_stay_plain():
     assert set(plain).isdisjoint(a) and set(a).isdisjoint(b)
     assert all(key[-8:] == fp[:8] for key in a)  # still in the namespace
     assert plain == [h[:24] + fp[:8] for h in hashes[3::4]]
+
+
+def test_block_keys_name_each_block_and_a_chunk_key_is_its_last_blocks():
+    """An entry is keyed by its last block: a whole chunk's key is the block key of the
+    chunk's last block, whatever the number of hashes per block."""
+    fp = NS.fingerprint()
+    hashes = sha256_block_hashes(list(range(640)), 8)  # 80 hash blocks of 8 tokens
+    keys = LazyChunkKeys(fp, hashes, 8, hashes_per_block=2)  # 16-token blocks, 4 per chunk
+    assert keys.block_granular and keys.num_blocks == 40 and len(keys) == 10
+    for chunk in range(10):
+        assert keys[chunk] == keys.block_key(4 * chunk + 3)
+    assert keys.block_key(5) == chunk_key(fp, hashes[11])
+    assert keys.block_keys(4, 7) == tuple(keys.block_key(b) for b in range(4, 7))
+    lora = LazyChunkKeys(fp, hashes, 8, extra=b"adapter", hashes_per_block=2)
+    assert lora.block_key(7) == lora[1] != keys[1]
+    assert lora.block_keys(0, 2) == (chunk_key(fp, hashes[1], b"adapter"),
+                                     chunk_key(fp, hashes[3], b"adapter"))
+    assert not LazyChunkKeys(fp, hashes, 8).block_granular  # no block keys: whole chunks only
+    del hashes[30:]  # truncated in place: block keys read the list as it is now
+    assert keys.num_blocks == 15
+
+
+def test_a_key_survives_the_trip_through_a_slot_header():
+    fp = NS.fingerprint()
+    key = chunk_key(fp, sha256_block_hashes(list(range(64)), 16)[3])
+    assert len(key_part(key)) == KEY_PART_BYTES == 24
+    assert key_from_part(key_part(key), fp) == key

@@ -310,6 +310,44 @@ def test_clear_drops_unpinned_and_dooms_pinned() -> None:
     index.check_invariants()
 
 
+def test_entries_are_found_by_any_block_they_hold() -> None:
+    index = TierIndex("host", 4)
+    index.allocate(k(1), (k(10), k(11)))  # holds blocks 10, 11 and 1 (its last)
+    assert index.holds(k(10)) and index.holders(k(11)) == [k(1)]
+    assert index.ready_holder(k(10)) is None  # being written: not servable yet
+    index.mark_ready(k(1))
+    assert index.ready_holder(k(10)) == index.ready_holder(k(1)) == k(1)
+    assert index.get(k(1)).blocks == 3
+    # A shorter entry of the same prefix (blocks 10 and 11): covered by the longer one.
+    index.allocate(k(11), (k(10),))
+    index.mark_ready(k(11))
+    assert index.covering(k(11)) == [k(1)] and index.covering(k(1)) == []
+    assert sorted(index.holders(k(10))) == [k(1), k(11)]
+    # Removing one holder keeps the other's aliases; a doomed entry's are gone at once.
+    index.pin(k(1))
+    index.remove(k(1))
+    assert index.holders(k(10)) == [k(11)] and index.ready_holder(k(11)) == k(11)
+    assert not index.holds(k(1)) and index.covering(k(11)) == []
+    index.unpin(k(1))
+    index.check_invariants()
+    index.clear()
+    assert not index.holds(k(10))
+    index.check_invariants()
+
+
+def test_evicted_entries_leave_the_alias_index() -> None:
+    index = TierIndex("host", 1)
+    index.allocate(k(1), (k(10),))
+    index.mark_ready(k(1))
+    index.allocate(k(2), (k(20),))  # evicts k(1)
+    assert not index.holds(k(10)) and index.holds(k(20))
+    index.abort(k(2))
+    assert not index.holds(k(20))
+    index.restore(k(3), 0, (k(30),))
+    assert index.ready_holder(k(30)) == k(3)
+    index.check_invariants()
+
+
 def test_check_invariants_catches_corruption() -> None:
     index = filled(2)
     index._entries[k(1)].slot = 0  # two keys on one slot
@@ -321,6 +359,10 @@ def test_check_invariants_catches_corruption() -> None:
 
 
 KEYS = [k(i) for i in range(6)]
+# Each key's aliases (the keys of its entry's other blocks): overlapping, as the blocks of
+# prompts sharing a prefix overlap, so one alias often has several holders.
+ALIAS_KEYS = [b"alias-" + bytes([i]) for i in range(4)]
+ALIASES = {key: tuple(ALIAS_KEYS[: i % 4]) for i, key in enumerate(KEYS)}
 
 
 @dataclass
@@ -417,7 +459,7 @@ class TierIndexMachine(RuleBasedStateMachine):
             return
         free_before, held_before = m.free(), m.held()
         evictable = m.evictable()
-        result = self.index.allocate(key)
+        result = self.index.allocate(key, ALIASES[key])
         if key in m.doomed:
             assert result is None
             return
@@ -579,7 +621,7 @@ class TierIndexMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError):
                 self.index.restore(key, slot)
         else:
-            self.index.restore(key, slot)
+            self.index.restore(key, slot, ALIASES[key])
             m.live[key] = ModelEntry(slot, SlotState.READY)
             m.recency.append(key)
 
@@ -601,11 +643,23 @@ class TierIndexMachine(RuleBasedStateMachine):
         index.check_invariants()
         for key in KEYS:
             entry = m.live.get(key)
-            expected = None if entry is None else Placement(entry.slot, entry.state, entry.pins)
+            expected = None if entry is None else Placement(
+                entry.slot, entry.state, entry.pins, ALIASES[key])
             assert index.get(key) == expected
             assert index.is_ready(key) == (entry is not None and entry.state is SlotState.READY)
             assert index.is_doomed(key) == (key in m.doomed)
         assert sorted(index.keys()) == sorted(m.live)
+        # Blocks are found through live entries only, any state; ready_holder only READY ones.
+        for alias in ALIAS_KEYS:
+            holders = sorted(key for key in m.live if alias in ALIASES[key])
+            assert sorted(index.holders(alias)) == holders
+            assert index.holds(alias) == bool(holders)
+            ready = [key for key in holders if m.live[key].state is SlotState.READY]
+            assert (index.ready_holder(alias) in ready) if ready else index.ready_holder(alias) is None
+        for key in KEYS:
+            covering = [other for other in m.live if other != key and key in ALIASES[other]
+                        and m.live[other].state is SlotState.READY]
+            assert sorted(index.covering(key)) == sorted(covering)
         assert len(index) == len(m.live)
         assert index.free_slots == len(m.free())
         assert index.used_slots == len(m.held())

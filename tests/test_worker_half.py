@@ -154,6 +154,24 @@ def test_delay_announced_after_stores_finished_reports_at_once(worker):
     assert sending == {"r"}
 
 
+def test_a_last_store_in_the_same_step_as_the_delay_holds_the_blocks_until_it_is_done(monkeypatch):
+    """A request that finished normally gets its tail stored (``store_generated``): the store
+    and the delayed free arrive in one metadata. start_jobs (before the forward) sees the
+    delay before submit_stores (after it) submits the store: the request must still wait."""
+    monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"store_delay_s": 0.5}))
+    w, _ = make_worker()
+    try:
+        plan = StepPlan(stores=[StoreJob(9, b"u" * 32, 2, (3,))], store_req_ids={9: "tail"},
+                        delayed_req_ids=["tail"])
+        sending, _ = step(w, plan, finished={"tail"})
+        assert "tail" not in sending
+        sending, _, metas = collect_until(w, lambda s, r, m: "tail" in s)
+        assert sending == {"tail"}
+        assert [m.outcomes[9][:2] for m in metas if 9 in m.outcomes] == [(1, 0)]  # done first
+    finally:
+        w.shutdown()
+
+
 def test_failed_load_reports_every_block_and_still_finishes_the_request(monkeypatch):
     monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"fail_loads": 1}))
     w, caches = make_worker()

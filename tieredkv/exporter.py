@@ -44,7 +44,7 @@ TIERS = ("host", "disk")
 DIRECTIONS = ("d2h", "h2d", "spill", "restore")
 JOB_KINDS = ("store", "spill", "promote", "load")
 QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots_in_flight")
-CHUNK_OPS = ("stored", "spilled", "promoted")
+CHUNK_OPS = ("stored", "spilled", "promoted", "superseded")
 SKIP_REASONS = ("store_host_full", "spill_disk_full", "promote_no_host_slot")
 
 # One chunk moves in well under a millisecond on a GPU and in tens of ms on a busy CPU; a
@@ -152,7 +152,9 @@ METRIC_SPECS: dict[str, MetricSpec] = {
     "chunks": _spec(
         "chunks", COUNTER,
         "Chunks that completed a placement on every rank: stored in host, spilled to disk, "
-        "promoted from disk.", "op", CHUNK_OPS),
+        "promoted from disk; superseded: a prompt's tail (part of a chunk) dropped from a "
+        "tier because a longer entry of the same prefix now holds its blocks there.",
+        "op", CHUNK_OPS),
     "preemptions": _spec(
         "preemptions", COUNTER, "Request preemptions the connector fenced."),
     "resets": _spec(
@@ -198,6 +200,8 @@ _COUNTER_ROUTES: dict[str, tuple[str, str | None]] = {
     "stored_chunks": ("chunks", "stored"),
     "spilled_chunks": ("chunks", "spilled"),
     "promoted_chunks": ("chunks", "promoted"),
+    "superseded_host": ("chunks", "superseded"),
+    "superseded_disk": ("chunks", "superseded"),
     "preemptions": ("preemptions", None),
     "resets": ("resets", None),
     "dropped_at_recovery": ("recovery_dropped", None),

@@ -2,7 +2,11 @@
 
 vLLM already hashes every full block of a request (chained, covering the LoRA adapter's *name
 and path*, multimodal inputs and ``cache_salt``). A chunk is keyed by the hash of its *last*
-block, which therefore covers the whole prefix up to the chunk's end. The namespace
+block, which therefore covers the whole prefix up to the chunk's end. Because the hashes are
+chained, the key of *any* block names that block, its position and its whole prefix: a
+stored chunk (whole, or a prompt's tail holding its first ``n`` blocks) is keyed by its last
+block and also found by the keys of its other blocks (its *aliases*), which is how a hit
+ends at the last block tieredkv holds rather than at a chunk boundary. The namespace
 fingerprint keeps caches of different models, weights, engine settings, dtypes, layouts or TP
 layouts apart, even when they share one ``disk_path``. A LoRA request's keys also mix in a
 digest of the adapter's files, which vLLM's hashes do not cover.
@@ -17,8 +21,9 @@ from dataclasses import asdict, dataclass
 
 # 2: keys are hash prefix + namespace prefix. 3: the namespace covers vLLM's engine settings
 # (model config hash, KV-cache dtype, load format, context parallelism) and the weights'
-# content identity; LoRA keys mix in the adapter's files.
-FORMAT_VERSION = 3
+# content identity; LoRA keys mix in the adapter's files. 4: an entry may hold the first n
+# blocks of its chunk (keyed by the n-th block) and disk slot headers list its blocks' keys.
+FORMAT_VERSION = 4
 KEY_BYTES = 32
 FINGERPRINT_BYTES = 32
 _NS_PART = 8
@@ -75,16 +80,21 @@ class LazyChunkKeys:
     replaced blocks are derived again rather than served stale.
     """
 
-    __slots__ = ("_fingerprint", "_hashes", "_per_chunk", "_keys", "_extra", "_tail")
+    __slots__ = ("_fingerprint", "_hashes", "_per_chunk", "_per_block", "_keys", "_extra", "_tail",
+                 "_namespace")
 
     def __init__(
         self, fingerprint: bytes, block_hashes: Sequence[bytes], hashes_per_chunk: int,
-        extra: bytes = b"",
+        extra: bytes = b"", hashes_per_block: int = 0,
     ) -> None:
         self._fingerprint = fingerprint
         self._hashes = block_hashes  # vLLM's list, which grows as the request does
         self._per_chunk = hashes_per_chunk
+        # vLLM block hashes per tieredkv (vLLM) block; 0: only whole-chunk keys exist.
+        self._per_block = hashes_per_block
         self._extra = extra  # e.g. the LoRA adapter's content digest (see chunk_key)
+        # The key's namespace part, when keys are the plain concatenation (no ``extra``).
+        self._namespace = b"" if extra else fingerprint[:_NS_PART]
         self._keys: list[bytes] = []
         self._tail: object = None  # the block hash the last cached key was derived from
 
@@ -124,6 +134,43 @@ class LazyChunkKeys:
     def _derive(self, block_hash: bytes) -> bytes:
         return chunk_key(self._fingerprint, block_hash, self._extra)
 
+    @property
+    def block_granular(self) -> bool:
+        """Whether :meth:`block_key` exists (the keys know how many hashes make a block)."""
+        return self._per_block > 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Full blocks with a hash (what :meth:`block_key` can name); 0 without block keys."""
+        per = self._per_block
+        return len(self._hashes) // per if per else 0
+
+    def block_key(self, block: int) -> bytes:
+        """Key of block ``block`` (0-based): the key of an entry whose last block it is.
+
+        Not cached: lookups derive a few, stores derive each block once. Always read from the
+        current list, so a truncated-and-regrown ``block_hashes`` never yields a stale key.
+        """
+        block_hash = self._hashes[(block + 1) * self._per_block - 1]
+        if self._namespace and len(block_hash) >= _HASH_PART:
+            return block_hash[:_HASH_PART] + self._namespace
+        return chunk_key(self._fingerprint, block_hash, self._extra)
+
+    def block_keys(self, start: int, stop: int) -> tuple[bytes, ...]:
+        """Keys of blocks ``start .. stop-1`` (a stored entry's aliases)."""
+        per, hashes = self._per_block, self._hashes
+        if not self._extra:
+            namespace = self._fingerprint[:_NS_PART]
+            out = []
+            for b in range(start, stop):
+                block_hash = hashes[(b + 1) * per - 1]
+                if len(block_hash) >= _HASH_PART:
+                    out.append(block_hash[:_HASH_PART] + namespace)
+                else:
+                    out.append(chunk_key(self._fingerprint, block_hash))
+            return tuple(out)
+        return tuple(self._derive(hashes[(b + 1) * per - 1]) for b in range(start, stop))
+
     def __len__(self) -> int:
         return len(self._hashes) // self._per_chunk
 
@@ -162,8 +209,21 @@ def chunk_keys(
     fingerprint: bytes, block_hashes: Sequence[bytes], chunk_blocks: int, start_chunk: int = 0
 ) -> list[bytes]:
     """Keys of every *full* chunk of a request, from chunk ``start_chunk`` on."""
-    keys = LazyChunkKeys(fingerprint, block_hashes, chunk_blocks)
+    keys = LazyChunkKeys(fingerprint, block_hashes, chunk_blocks, hashes_per_block=1)
     return keys.materialize(len(keys))[start_chunk:]
+
+
+def key_part(key: bytes) -> bytes:
+    """The part of a key a disk slot header stores for an alias (the rest is the namespace)."""
+    return key[:_HASH_PART]
+
+
+def key_from_part(part: bytes, fingerprint: bytes) -> bytes:
+    """The key :func:`key_part` was taken from, in the namespace ``fingerprint``."""
+    return bytes(part) + fingerprint[:_NS_PART]
+
+
+KEY_PART_BYTES = _HASH_PART
 
 
 def sha256_block_hashes(

@@ -11,6 +11,11 @@ Rules it keeps:
 * Every slot a job touches is pinned in its index until every rank reported the job.
 * A failed job drops its entry; nothing that failed is ever promised again.
 * Allocation failure is a miss, never a wait.
+* Hits end at the last block held, not at a chunk boundary: an entry holds the first ``n``
+  blocks of one chunk (``n`` = ``chunk_blocks`` for a whole chunk, fewer for a prompt's tail)
+  and is found by the key of any block it holds (see ``TierIndex``). Within a tier, an entry
+  whose blocks another READY entry holds too is dropped once that entry is ready
+  (``superseded_host``/``superseded_disk``): a tail that grows leaves one copy, not two.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.disk.format import MAX_HEADER_ALIASES
 from tieredkv.tier_index import TierIndex
 from tieredkv.transfer.jobs import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
 
@@ -68,6 +74,7 @@ class _PendingHit:
     disk_keys: set[bytes]
     num_tokens: int = 0
     epoch: int = 0
+    partial: bool = False  # the last key holds only part of its chunk's blocks for this hit
 
 
 @dataclass
@@ -138,8 +145,14 @@ class Planner:
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._seen_limit = max(1024, 4 * (num_host_slots + num_disk_slots))
         if catalog is not None and self.disk is not None:
+            aliases = getattr(catalog, "recovered_aliases", {}) or {}
             for key, slot in catalog.recovered.items():
-                self.disk.restore(key, slot)
+                self.disk.restore(key, slot, aliases.get(key, ()))
+            # A crash between a longer entry's journal record and the removal of the shorter
+            # one it supersedes leaves both: keep the longer.
+            for key in list(catalog.recovered):
+                if key in self.disk and self.disk.covering(key):
+                    self._drop_superseded(self.disk, key)
             dropped = getattr(catalog, "dropped_at_recovery", {}) or {}
             self.counters["dropped_at_recovery"] = sum(dropped.values())
             if catalog.recovered:
@@ -181,7 +194,8 @@ class Planner:
         ):
             # Asked again in the same state: the pinned chunks cannot have gone anywhere.
             return cached.end_token - num_computed_tokens
-        self._release_hit(state)
+        if cached is not None:
+            self._release_hit(state)
         if state.load_job is not None:
             return 0
         limit = (num_tokens - 1) // self.block_size * self.block_size
@@ -191,9 +205,11 @@ class Planner:
         disk_chunks: list[bytes] = []
         pending = False
         last = min(len(keys), -(-limit // self.chunk_tokens))
-        if first < last and host_ready(keys[first]):
+        request_keys = keys  # the keys object (block keys too); ``keys`` may become its list
+        materialize = getattr(keys, "materialize", None)
+        head = materialize(first + 1) if materialize is not None and first < last else keys
+        if first < last and host_ready(head[first]):  # one key derived to tell a miss
             # A hit: derive the keys in one batch, then scan the resident run in one loop.
-            materialize = getattr(keys, "materialize", None)
             if materialize is not None:
                 keys = materialize(last)
             resident = self.host.ready_prefix(keys, first, last)
@@ -210,7 +226,7 @@ class Planner:
                 # Being promoted, for this request or another one sharing the prefix: wait.
                 pending = True
                 run.append(key)
-            elif key in self.host or self.host.is_doomed(key):
+            elif self.host.present(key):
                 break  # being stored right now: not loadable yet, and not promotable
             elif disk_ready is not None and disk_ready(key):
                 disk_chunks.append(key)
@@ -218,17 +234,34 @@ class Planner:
             else:
                 break
             i += 1
-        now = time.monotonic()
-        timed_out = bool(state.promote_deadline) and now > state.promote_deadline
-        if timed_out and (pending or disk_chunks):
-            logger.warning("tieredkv: promotion for %s timed out; serving what is in memory", req_id)
-            state.promote_rounds = MAX_PROMOTE_ROUNDS
-        if disk_chunks and state.promote_rounds < MAX_PROMOTE_ROUNDS:
-            run = self._promote(state, run, disk_chunks)
-        if not timed_out and any(key in promotions for key in run):
-            if not state.promote_deadline:
-                state.promote_deadline = now + self.config.load_timeout_s
-            return None
+        # The run of whole chunks ends at chunk i: the hit may go on into chunk i, up to the
+        # last of its blocks some entry holds (this prompt's tail, or a chunk of another
+        # prompt sharing these blocks).
+        partial_key: bytes | None = None
+        partial_blocks = 0
+        if i * self.chunk_tokens < limit and getattr(request_keys, "block_granular", False):
+            found = self._partial_source(request_keys, i, num_computed_tokens, limit)
+            if found is not None:
+                partial_key, kind, partial_blocks = found
+                run.append(partial_key)
+                if kind == "disk":
+                    disk_chunks.append(partial_key)
+                elif kind == "pending":
+                    pending = True
+        timed_out = False
+        if state.promote_deadline or disk_chunks or pending:
+            now = time.monotonic()
+            timed_out = bool(state.promote_deadline) and now > state.promote_deadline
+            if timed_out and (pending or disk_chunks):
+                logger.warning("tieredkv: promotion for %s timed out; serving what is in memory",
+                               req_id)
+                state.promote_rounds = MAX_PROMOTE_ROUNDS
+            if disk_chunks and state.promote_rounds < MAX_PROMOTE_ROUNDS:
+                run = self._promote(state, run, disk_chunks)
+            if not timed_out and any(key in promotions for key in run):
+                if not state.promote_deadline:
+                    state.promote_deadline = now + self.config.load_timeout_s
+                return None
         if not state.looked_up:
             # Counted once per request, when it gets its answer (not each "ask me later").
             state.looked_up = True
@@ -243,7 +276,12 @@ class Planner:
                 ready.append(key)
         else:
             ready = run
-        end = min((first + len(ready)) * self.chunk_tokens, limit)
+        partial = partial_key is not None and bool(ready) and ready[-1] == partial_key
+        if partial:
+            end_block = (first + len(ready) - 1) * self.chunk_blocks + partial_blocks
+        else:
+            end_block = (first + len(ready)) * self.chunk_blocks
+        end = min(end_block * self.block_size, limit)
         hit = max(0, end - num_computed_tokens)
         if hit == 0:
             return 0
@@ -252,9 +290,76 @@ class Planner:
         state.pending_hit = _PendingHit(
             num_computed_tokens, end, first, ready,
             disk_keys=promoted.intersection(ready) if promoted else set(),
-            num_tokens=num_tokens, epoch=self._epoch,
+            num_tokens=num_tokens, epoch=self._epoch, partial=partial,
         )
         return hit
+
+    def _partial_source(
+        self, keys, chunk: int, num_computed_tokens: int, limit: int
+    ) -> tuple[bytes, str, int] | None:
+        """The entry holding the most leading blocks of ``chunk`` of this request (fewer than
+        a whole chunk), as ``(entry key, "host" | "pending" | "disk", blocks)``, or None.
+
+        An entry holding block ``b`` holds every block of its chunk before ``b`` (chained
+        hashes), so "some entry holds block b" is true for the first blocks of a chunk and
+        false after. The first block this request could use answers a miss (one key, a dict
+        probe per tier); the last one a repeated prompt (its own tail); a binary search
+        between them anything else.
+        """
+        C, bs = self.chunk_blocks, self.block_size
+        base = chunk * C
+        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
+        lo = num_computed_tokens // bs - base + 1
+        if lo < 1:
+            lo = 1
+        if lo > hi:
+            return None
+        block_key = keys.block_key
+        first_key = block_key(base + lo - 1)
+        host, disk = self.host, self.disk
+        if not host.holds(first_key) and (disk is None or not disk.holds(first_key)):
+            return None
+        source = self._block_source
+        if hi > lo:
+            key = block_key(base + hi - 1)
+            holder = host.ready_holder(key)
+            if holder is not None:
+                return holder, "host", hi
+            found = source(key, host_checked=True)
+            if found is not None:
+                return found[0], found[1], hi
+        best = source(first_key)
+        if best is None:
+            return None
+        good, bad = lo, hi
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            found = source(block_key(base + mid - 1))
+            if found is None:
+                bad = mid
+            else:
+                good, best = mid, found
+        return best[0], best[1], good
+
+    def _block_source(self, key: bytes, host_checked: bool = False) -> tuple[bytes, str] | None:
+        """Where the block named ``key`` can come from: a READY host entry holding it (unless
+        the caller just looked), one being promoted, or a READY disk entry to promote."""
+        host = self.host
+        if not host_checked:
+            holder = host.ready_holder(key)
+            if holder is not None:
+                return holder, "host"
+        promotions = self._promotions
+        if promotions:
+            for holder in host.holders(key):
+                if holder in promotions:
+                    return holder, "pending"
+        disk = self.disk
+        if disk is not None and disk.holds(key):
+            for holder in disk.holders(key):
+                if disk.is_ready(holder) and holder not in host and not host.is_doomed(holder):
+                    return holder, "disk"
+        return None
 
     def _promote(self, state: _Request, run: list[bytes], disk_chunks: list[bytes]) -> list[bytes]:
         """Queue disk -> host promotions for the disk chunks of a run; trims the run on a miss.
@@ -278,7 +383,8 @@ class Planner:
                 continue
             if key in self.host or self.host.is_doomed(key) or key in self._promotions:
                 return run[:pos]  # never allocate a key twice; someone else holds it now
-            allocation = self.host.allocate(key)
+            disk_entry = self.disk.get(key)
+            allocation = self.host.allocate(key, disk_entry.aliases)
             if allocation is None:
                 self.counters["promote_no_host_slot"] += 1
                 if issued:
@@ -287,7 +393,7 @@ class Planner:
                 return run[:pos]
             host_slot, evicted = allocation
             self._count_evictions("host", evicted)
-            disk_slot = self.disk.get(key).slot
+            disk_slot = disk_entry.slot
             self.disk.pin(key)
             job_id = self._new_job("promote", (key,), state.req_id)
             self._plan.promotes.append(PromoteJob(job_id, key, disk_slot, host_slot))
@@ -339,6 +445,8 @@ class Planner:
             )
         if not chunks:
             return
+        if hit.partial and keep[-1] == hit.keys[-1]:
+            self.counters["partial_hits"] += 1  # a hit that ended inside a chunk
         job_id = self._new_job("load", tuple(keep), req_id)
         self._jobs[job_id].chunk_blocks = tuple(c.block_ids for c in chunks)
         self._plan.loads.append(LoadJob(job_id, req_id, tuple(chunks)))
@@ -360,11 +468,20 @@ class Planner:
 
     # ------------------------------------------------------------------ stores
 
-    def plan_stores(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
-        """Store every full chunk below ``storable_tokens`` not stored yet."""
+    def plan_stores(
+        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False
+    ) -> None:
+        """Store every full chunk below ``storable_tokens`` not stored yet; with ``tail``, also
+        the full blocks after the last full chunk, as an entry holding part of its chunk.
+
+        ``tail`` is for the end of a prompt (and, with ``store_generated``, of a request):
+        a tail stored on every step would be stored again each time it grows by a block.
+        """
         state = self._request(req_id)
+        C = self.chunk_blocks
         n_chunks = min(storable_tokens // self.chunk_tokens, len(keys))
-        n_chunks = min(n_chunks, len(state.block_ids) // self.chunk_blocks)
+        n_chunks = min(n_chunks, len(state.block_ids) // C)
+        granular = getattr(keys, "block_granular", False)
         for chunk in range(state.next_store_chunk, n_chunks):
             key = keys[chunk]
             if key in self.host or self.host.is_doomed(key):
@@ -376,20 +493,57 @@ class Planner:
                 self.disk.touch(key)
                 self._note_seen(key)
                 continue
-            allocation = self.host.allocate(key)
-            if allocation is None:
-                self.counters["store_skipped_host_full"] += 1
-                continue
-            slot, evicted = allocation
-            self._count_evictions("host", evicted)
-            blocks = tuple(state.block_ids[chunk * self.chunk_blocks : (chunk + 1) * self.chunk_blocks])
-            job_id = self._new_job("store", (key,), req_id)
-            self._jobs[job_id].chunk_blocks = (blocks,)
-            self._plan.stores.append(StoreJob(job_id, key, slot, blocks))
-            self._plan.store_req_ids[job_id] = req_id
-            state.store_jobs.add(job_id)
-            self._note_seen(key)
+            aliases = keys.block_keys(chunk * C, chunk * C + C - 1) if granular else ()  # type: ignore[attr-defined]
+            self._store(state, key, aliases, state.block_ids[chunk * C : (chunk + 1) * C])
         state.next_store_chunk = max(state.next_store_chunk, n_chunks)
+        if tail and granular and n_chunks == state.next_store_chunk:
+            held = min(storable_tokens // self.block_size, len(state.block_ids),
+                       keys.num_blocks)  # type: ignore[attr-defined]
+            count = held - n_chunks * C
+            if 0 < count < C:
+                self._store_tail(state, keys, n_chunks, count)
+
+    def _store_tail(self, state: _Request, keys, chunk: int, count: int) -> None:
+        """Store the first ``count`` blocks of ``chunk`` unless an entry already holds them."""
+        base = chunk * self.chunk_blocks
+        key = keys.block_key(base + count - 1)
+        for index in (self.host, self.disk):
+            if index is None:
+                continue
+            if index.holds(key) or index.is_doomed(key):
+                # Held already (this prompt's tail stored before, or a longer entry).
+                for holder in index.holders(key):
+                    index.touch(holder)
+                self._note_seen(key)
+                return
+        self._store(state, key, keys.block_keys(base, base + count - 1),
+                    state.block_ids[base : base + count])
+        self.counters["stored_partial_chunks"] += 1
+
+    def _store(self, state: _Request, key: bytes, aliases: tuple[bytes, ...],
+               blocks: Sequence[int]) -> None:
+        allocation = self.host.allocate(key, aliases)
+        if allocation is None:
+            self.counters["store_skipped_host_full"] += 1
+            return
+        slot, evicted = allocation
+        self._count_evictions("host", evicted)
+        blocks = tuple(blocks)
+        job_id = self._new_job("store", (key,), state.req_id)
+        self._jobs[job_id].chunk_blocks = (blocks,)
+        self._plan.stores.append(StoreJob(job_id, key, slot, blocks))
+        self._plan.store_req_ids[job_id] = state.req_id
+        state.store_jobs.add(job_id)
+        self._note_seen(key)
+
+    def finish_tail(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
+        """A request finished normally: store what its last steps computed (generated text
+        included, with ``store_generated``) before its blocks are freed. Not for a request
+        whose blocks are gone (preempted) or still being loaded into."""
+        state = self._requests.get(req_id)
+        if state is None or state.load_job is not None or not state.block_ids:
+            return
+        self.plan_stores(req_id, keys, storable_tokens, tail=True)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -455,9 +609,11 @@ class Planner:
             return
         while self._spill_queue:
             key, _ = self._spill_queue.popitem(last=False)
-            if not self.host.is_ready(key) or key in self.disk or self.disk.is_doomed(key):
-                continue
-            allocation = self.disk.allocate(key)
+            if not self.host.is_ready(key) or self.disk.holds(key) or self.disk.is_doomed(key):
+                continue  # on disk already (or a longer entry there holds its blocks)
+            placement = self.host.get(key)
+            assert placement is not None
+            allocation = self.disk.allocate(key, placement.aliases)
             if allocation is None:
                 self.counters["spill_skipped_disk_full"] += 1
                 continue
@@ -468,7 +624,12 @@ class Planner:
                     self.catalog.record_removed(old_key)
             self.host.pin(key)
             job_id = self._new_job("spill", (key,), None)
-            self._plan.spills.append(SpillJob(job_id, key, self.host.get(key).slot, disk_slot))
+            # The slot header lists the entry's block keys, so a restart finds them again
+            # (beyond what one header page holds, only the entry's own key survives it).
+            header_aliases = placement.aliases if len(placement.aliases) <= MAX_HEADER_ALIASES else ()
+            self._plan.spills.append(
+                SpillJob(job_id, key, placement.slot, disk_slot, aliases=header_aliases)
+            )
 
     def apply(self, outcomes: dict[int, JobOutcome]) -> None:
         """Fold the ranks' reports in; a job completes once every rank has reported it."""
@@ -491,7 +652,7 @@ class Planner:
             self.counters[f"store_failed_{job.outcome.failure or 'unknown'}"] += 1
         elif self.host.mark_ready(key):
             self.counters["stored_chunks"] += 1
-            if self._admit_to_disk(key):
+            if self._settle(self.host, key) and self._admit_to_disk(key):
                 self._spill_queue[key] = None
         self._detach(job_id, job)
 
@@ -506,8 +667,14 @@ class Planner:
         slot = self.disk.get(key)
         if self.disk.mark_ready(key):
             self.counters["spilled_chunks"] += 1
+            if self.disk.covering(key):
+                # A longer entry reached the disk first: this one is redundant there.
+                self.disk.remove(key)
+                self.counters["superseded_disk"] += 1
+                return
             if self.catalog is not None and slot is not None:
                 self.catalog.record_written(key, slot.slot)
+            self._settle(self.disk, key)
 
     def _complete_promote(self, job_id: int, job: _Job) -> None:
         (key,) = job.keys
@@ -520,6 +687,7 @@ class Planner:
             self._drop_disk(key, job.outcome.failure)
         elif self.host.mark_ready(key):
             self.counters["promoted_chunks"] += 1
+            self._settle(self.host, key)
         self._detach(job_id, job)
 
     def _complete_load(self, job_id: int, job: _Job) -> None:
@@ -543,6 +711,38 @@ class Planner:
         if state.load_job == job_id:
             state.load_job = None
         self._maybe_forget(state)
+
+    def _settle(self, index: TierIndex, key: bytes) -> bool:
+        """``key`` just became READY in ``index``: keep one copy of its blocks in this tier.
+
+        A longer READY entry holding all of its blocks makes it redundant (dropped, False);
+        otherwise the shorter entries whose blocks it holds are dropped (a prompt's tail that
+        grew: the next turn of a chat stored the whole chunk or a longer tail). A dropped
+        entry still being read keeps its slot until the read ends (doomed). True: kept.
+        """
+        if index.covering(key):
+            self._drop_superseded(index, key)
+            return False
+        placement = index.get(key)
+        if placement is not None:
+            for alias in placement.aliases:
+                if alias in index:
+                    self._drop_superseded(index, alias)
+        return True
+
+    def _drop_superseded(self, index: TierIndex, key: bytes) -> None:
+        placement = index.get(key)
+        if placement is None:
+            return
+        index.remove(key)
+        if index is self.host:
+            if placement.pins:
+                self._epoch += 1  # a cached pending hit may name it: recompute that hit
+            self.counters["superseded_host"] += 1
+        else:
+            if self.catalog is not None:
+                self.catalog.record_removed(key)
+            self.counters["superseded_disk"] += 1
 
     def _drop_disk(self, key: bytes, failure: str | None) -> None:
         assert self.disk is not None

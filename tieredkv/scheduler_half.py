@@ -35,6 +35,12 @@ def slot_counts(config: TieredKVConfig, payload_bytes: int, world_size: int) -> 
     return host, disk
 
 
+def _finished_normally(request: Any) -> bool:
+    """Stopped or length-capped (not aborted, not failed): its computed KV is sound."""
+    name = getattr(getattr(request, "status", None), "name", "")
+    return name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
         self.geometry = geometry = engine_geometry(vllm_config, kv_cache_config, config)
@@ -46,6 +52,16 @@ class SchedulerHalf:
                 f"{hash_block}-token hash blocks; change chunk_blocks"
             )
         self._hashes_per_chunk = geometry.block_size * config.chunk_blocks // hash_block
+        # Hits end at the last vLLM block held when a block is a whole number of hash blocks
+        # (always so in vLLM 0.32: the hash block size divides every group's block size).
+        if geometry.block_size % hash_block == 0:
+            self._hashes_per_block = geometry.block_size // hash_block
+        else:
+            self._hashes_per_block = 0
+            logger.warning(
+                "tieredkv: block size %d is not a whole number of %d-token hash blocks: hits "
+                "end at chunk boundaries", geometry.block_size, hash_block,
+            )
         host_slots, disk_slots = slot_counts(config, geometry.chunk_payload_bytes, geometry.world_size)
         if host_slots == 0:
             raise ValueError(
@@ -118,9 +134,11 @@ class SchedulerHalf:
         """
         keys = self._keys.get(request.request_id)
         if keys is None or keys.block_hashes is not request.block_hashes:
-            extra = self._adapters.digest(getattr(request, "lora_request", None))
+            lora = getattr(request, "lora_request", None)
+            extra = self._adapters.digest(lora) if lora is not None else b""
             keys = self._keys[request.request_id] = LazyChunkKeys(
-                self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk, extra
+                self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk, extra,
+                hashes_per_block=self._hashes_per_block,
             )
         elif keys.refresh():
             logger.debug("tieredkv: request %s: block hashes replaced, keys re-derived", request.request_id)
@@ -166,11 +184,18 @@ class SchedulerHalf:
             if request is None:
                 continue
             after = request.num_computed_tokens + scheduled
+            prompt = request.num_prompt_tokens
             if self.config.store_generated:
                 limit = request.num_tokens - 1
             else:
-                limit = request.num_prompt_tokens
-            planner.plan_stores(req_id, self.keys_for(request), min(after, limit))
+                limit = prompt
+            storable = min(after, limit)
+            # The step that computes the prompt's last tokens also stores the prompt's tail
+            # (its full blocks past the last full chunk), once.
+            tail = request.num_computed_tokens < prompt <= after
+            if tail:
+                storable = max(storable, prompt)
+            planner.plan_stores(req_id, self.keys_for(request), storable, tail=tail)
         plan = planner.take_plan()
         plan.compute_idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         return TieredKVMetadata(plan=plan)
@@ -185,6 +210,11 @@ class SchedulerHalf:
 
     def request_finished(self, request: Any) -> bool:
         req_id = request.request_id
+        if self.config.store_generated and _finished_normally(request):
+            # Generated text past the last full chunk: stored as a tail before the blocks go
+            # (the return value below then delays their free until the store is done).
+            storable = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.planner.finish_tail(req_id, self.keys_for(request), storable)
         self._requests.pop(req_id, None)
         self._keys.pop(req_id, None)
         return self.planner.finished(req_id)

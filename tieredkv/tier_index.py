@@ -12,6 +12,13 @@ out again while a copy may still read or write it:
 
 While a doomed copy of a key still holds a slot, the key cannot be stored again (``allocate``
 returns None, a plain miss), so ``unpin(key)`` always names one record and is never ambiguous.
+
+An entry is keyed by the key of the last block it holds and may carry *aliases*: the keys of
+its other blocks (an entry holds the first ``len(aliases) + 1`` blocks of one chunk). Block
+keys are chained hashes, so an entry holding block ``b`` holds every block of its chunk
+before ``b`` too; :meth:`ready_holder` finds a READY entry holding a given block, which is how
+a hit ends at the last block held instead of at a chunk boundary. Aliases of live entries are
+indexed; doomed entries' are not.
 A full tier whose entries are all pinned answers ``allocate`` with None: never a wait, never
 an assert. Not thread-safe: the scheduler half calls it from one thread.
 """
@@ -37,6 +44,12 @@ class Placement:
     slot: int
     state: SlotState
     pins: int = 0
+    aliases: tuple[bytes, ...] = ()  # keys of the entry's other blocks, first block first
+
+    @property
+    def blocks(self) -> int:
+        """How many blocks of its chunk the entry holds (slot positions 0 .. blocks-1)."""
+        return len(self.aliases) + 1
 
 
 def _require(condition: bool, message: str) -> None:
@@ -56,6 +69,8 @@ class TierIndex:
         self.policy: EvictionPolicy = make_policy(policy, num_slots)
         self._entries: dict[bytes, Placement] = {}
         self._doomed: dict[bytes, Placement] = {}
+        # alias key -> the live entry (or entries, a list) whose aliases include it
+        self._alias: dict[bytes, bytes | list[bytes]] = {}
         # An insertion-ordered dict used as a set: O(1) pop of the most recently freed slot and
         # O(1) removal of a given slot (restore). Lowest slots come out first on a fresh index.
         self._free: dict[int, None] = dict.fromkeys(range(num_slots - 1, -1, -1))
@@ -68,7 +83,7 @@ class TierIndex:
     def get(self, key: bytes) -> Placement | None:
         """A snapshot of ``key``'s placement, or None (also for doomed keys); no side effects."""
         entry = self._entries.get(key)
-        return None if entry is None else Placement(entry.slot, entry.state, entry.pins)
+        return None if entry is None else Placement(entry.slot, entry.state, entry.pins, entry.aliases)
 
     def is_ready(self, key: bytes) -> bool:
         entry = self._entries.get(key)
@@ -77,6 +92,52 @@ class TierIndex:
     def is_doomed(self, key: bytes) -> bool:
         """Whether a removed-but-pinned copy of ``key`` still holds a slot."""
         return key in self._doomed
+
+    def present(self, key: bytes) -> bool:
+        """Live (any state) or doomed: a slot is held under ``key``."""
+        return key in self._entries or key in self._doomed
+
+    def holds(self, key: bytes) -> bool:
+        """Whether a live entry (any state) holds the block ``key`` names (its own or an alias)."""
+        return key in self._entries or key in self._alias
+
+    def holders(self, key: bytes) -> list[bytes]:
+        """Keys of the live entries (any state) holding the block ``key`` names."""
+        out = [key] if key in self._entries else []
+        held = self._alias.get(key)
+        if held is not None:
+            out.extend(held if isinstance(held, list) else (held,))
+        return out
+
+    def ready_holder(self, key: bytes) -> bytes | None:
+        """The key of a READY entry holding the block ``key`` names, or None.
+
+        The entry keyed by ``key`` itself first, else one holding it as an alias (a longer
+        entry of the same prefix, or another prompt's chunk sharing these blocks).
+        """
+        entries = self._entries
+        entry = entries.get(key)
+        if entry is not None and entry.state is SlotState.READY:
+            return key
+        held = self._alias.get(key)
+        if held is None:
+            return None
+        if not isinstance(held, list):
+            return held if entries[held].state is SlotState.READY else None
+        for holder in held:
+            if entries[holder].state is SlotState.READY:
+                return holder
+        return None
+
+    def covering(self, key: bytes) -> list[bytes]:
+        """READY entries other than ``key``'s own that hold ``key``'s last block as an alias:
+        they hold every block of ``key``'s entry too."""
+        held = self._alias.get(key)
+        if held is None:
+            return []
+        entries = self._entries
+        return [k for k in (held if isinstance(held, list) else (held,))
+                if k != key and entries[k].state is SlotState.READY]
 
     def touch(self, key: bytes) -> None:
         """Record a hit in the policy; unknown keys are ignored."""
@@ -126,8 +187,10 @@ class TierIndex:
 
     # ------------------------------------------------------------------ writes
 
-    def allocate(self, key: bytes) -> tuple[int, list[tuple[bytes, int]]] | None:
-        """Reserve a slot for ``key`` in state ``WRITING``, pinned by its write.
+    def allocate(
+        self, key: bytes, aliases: tuple[bytes, ...] = ()
+    ) -> tuple[int, list[tuple[bytes, int]]] | None:
+        """Reserve a slot for ``key`` (with ``aliases``) in state ``WRITING``, pinned by its write.
 
         Takes a free slot, else evicts the policy's victim among unpinned ``READY`` entries.
         Returns ``(slot, evicted)`` with the ``(key, slot)`` pairs evicted to make room, or
@@ -144,13 +207,15 @@ class TierIndex:
             if victim is None:
                 return None
             entry = self._entries.pop(victim)
+            self._unlink(victim, entry.aliases)
             self.policy.remove(victim, evicted=True)
             self._ready -= 1
             self._free[entry.slot] = None
             self.evictions += 1
             evicted.append((victim, entry.slot))
         slot, _ = self._free.popitem()
-        self._entries[key] = Placement(slot, SlotState.WRITING, pins=1)
+        self._entries[key] = Placement(slot, SlotState.WRITING, pins=1, aliases=aliases)
+        self._link(key, aliases)
         self._pinned += 1
         self.policy.insert(key)
         return slot, evicted
@@ -178,11 +243,12 @@ class TierIndex:
             self._drop_pin(key, entry)
             return
         del self._entries[key]
+        self._unlink(key, entry.aliases)
         self.policy.remove(key, evicted=False)
         self._pinned -= 1
         self._free[entry.slot] = None
 
-    def restore(self, key: bytes, slot: int) -> None:
+    def restore(self, key: bytes, slot: int, aliases: tuple[bytes, ...] = ()) -> None:
         """Insert a ``READY`` entry at ``slot`` (journal recovery)."""
         if key in self._entries or key in self._doomed:
             raise KeyError(f"tieredkv: {self.name} tier: key {key.hex()} is already present")
@@ -193,7 +259,8 @@ class TierIndex:
         if slot not in self._free:
             raise ValueError(f"tieredkv: {self.name} tier: slot {slot} is already taken")
         del self._free[slot]
-        self._entries[key] = Placement(slot, SlotState.READY)
+        self._entries[key] = Placement(slot, SlotState.READY, aliases=aliases)
+        self._link(key, aliases)
         self._ready += 1
         self.policy.insert(key)
 
@@ -260,6 +327,7 @@ class TierIndex:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
+        self._unlink(key, entry.aliases)
         self.policy.remove(key, evicted=False)
         if entry.state is SlotState.READY:
             self._ready -= 1
@@ -283,6 +351,28 @@ class TierIndex:
         return dropped
 
     # ------------------------------------------------------------------ internals
+
+    def _link(self, key: bytes, aliases: tuple[bytes, ...]) -> None:
+        table = self._alias
+        for alias in aliases:
+            held = table.get(alias)
+            if held is None:
+                table[alias] = key
+            elif isinstance(held, list):
+                held.append(key)
+            else:
+                table[alias] = [held, key]
+
+    def _unlink(self, key: bytes, aliases: tuple[bytes, ...]) -> None:
+        table = self._alias
+        for alias in aliases:
+            held = table.get(alias)
+            if isinstance(held, list):
+                held.remove(key)
+                if len(held) == 1:
+                    table[alias] = held[0]
+            elif held == key:
+                del table[alias]
 
     def _evictable(self, key: bytes) -> bool:
         entry = self._entries[key]
@@ -355,4 +445,16 @@ class TierIndex:
         _require(
             len(self.policy) == len(self._entries) and all(k in self.policy for k in self._entries),
             f"{self.name}: policy keys differ from live keys",
+        )
+        expected: dict[bytes, list[bytes]] = {}
+        for key, entry in self._entries.items():
+            for alias in entry.aliases:
+                expected.setdefault(alias, []).append(key)
+        actual = {
+            alias: sorted(held if isinstance(held, list) else [held])
+            for alias, held in self._alias.items()
+        }
+        _require(
+            actual == {alias: sorted(keys) for alias, keys in expected.items()},
+            f"{self.name}: alias index differs from the live entries' aliases",
         )

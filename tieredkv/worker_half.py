@@ -147,20 +147,28 @@ class WorkerHalf:
             else:
                 inline_max = BUSY_INLINE_MAX_BYTES
             self.engine.submit(jobs, inline_max_bytes=inline_max)
+        # This step's stores count as pending now, before the delayed requests are looked
+        # at: a request that finished with a last store (its tail) in this same metadata must
+        # not be reported finished (its blocks freed) before that store has read them.
+        self._register_stores(plan)
         for req_id in plan.delayed_req_ids:
             self._delayed.add(req_id)
             if not self._pending_stores.get(req_id):
                 self._finish_sending(req_id)
 
+    def _register_stores(self, plan: Any) -> None:
+        """Idempotent until the jobs are submitted (none can have finished before that)."""
+        for job in plan.stores:
+            req_id = plan.store_req_ids.get(job.job_id)
+            if req_id is not None and job.job_id not in self._store_reqs:
+                self._store_reqs[job.job_id] = req_id
+                self._pending_stores.setdefault(req_id, set()).add(job.job_id)
+
     def submit_stores(self, metadata: TieredKVMetadata) -> None:
         plan = metadata.plan
         if self.engine is None or not plan.stores:
             return
-        for job in plan.stores:
-            req_id = plan.store_req_ids.get(job.job_id)
-            if req_id is not None:
-                self._store_reqs[job.job_id] = req_id
-                self._pending_stores.setdefault(req_id, set()).add(job.job_id)
+        self._register_stores(plan)
         self.engine.submit(plan.stores)
 
     def _finish_sending(self, req_id: str) -> None:

@@ -16,6 +16,7 @@ from tieredkv.disk.format import (
     HEADER_BYTES,
     HEADER_USED,
     MAGIC,
+    MAX_HEADER_ALIASES,
     align_up,
     pack_header,
     pack_header_into,
@@ -23,12 +24,13 @@ from tieredkv.disk.format import (
     slot_stride,
     unpack_header,
 )
+from tieredkv.keys import KEY_PART_BYTES
 
 FP = bytes(range(32))
 KEY = bytes(range(32, 64))
 
 
-def header(**kw: int) -> bytes:
+def header(**kw: object) -> bytes:
     args = dict(fingerprint=FP, key=KEY, payload_len=524288, checksum=0x1234, sequence=7)
     args.update(kw)
     return pack_header(**args)  # type: ignore[arg-type]
@@ -38,18 +40,53 @@ def test_layout_is_fixed_and_padded() -> None:
     raw = header()
     assert len(raw) == HEADER_BYTES == 4096
     assert raw[:8] == MAGIC == b"TKVSLAB1"
-    assert struct.unpack_from("<HH", raw, 8) == (FORMAT_VERSION, 0)
+    assert struct.unpack_from("<HH", raw, 8) == (FORMAT_VERSION, 0) == (2, 0)
     assert raw[12:44] == FP and raw[44:76] == KEY
-    assert struct.unpack_from("<QQQ", raw, 76) == (524288, 0x1234, 7)
-    assert struct.unpack_from("<I", raw, 100)[0] == zlib.crc32(raw[:100])
-    assert HEADER_USED == 104
+    assert struct.unpack_from("<QQQHH", raw, 76) == (524288, 0x1234, 7, 0, 0)
+    assert struct.unpack_from("<I", raw, 104)[0] == zlib.crc32(raw[:104])
+    assert HEADER_USED == 108
     assert raw[HEADER_USED:] == bytes(HEADER_BYTES - HEADER_USED)
+
+
+def alias(i: int) -> bytes:
+    return bytes([i]) * KEY_PART_BYTES + FP[:8]  # a key in FP's namespace
+
+
+def test_alias_table_layout_and_roundtrip() -> None:
+    aliases = (alias(1), alias(2), alias(3))
+    raw = header(aliases=aliases)
+    assert struct.unpack_from("<HH", raw, 100) == (3, 0)
+    table = raw[HEADER_USED : HEADER_USED + 3 * 24]
+    assert table == b"".join(a[:24] for a in aliases)
+    assert struct.unpack_from("<I", raw, 104)[0] == zlib.crc32(table, zlib.crc32(raw[:104]))
+    assert raw[HEADER_USED + 72 :] == bytes(HEADER_BYTES - HEADER_USED - 72)
+    assert unpack_header(raw).aliases == aliases
+    assert unpack_header(header()).aliases == ()
+    most = tuple(alias(i % 256) for i in range(MAX_HEADER_ALIASES))
+    assert MAX_HEADER_ALIASES == 166 and unpack_header(header(aliases=most)).aliases == most
+    with pytest.raises(ValueError):
+        header(aliases=(*most, alias(0)))
+    with pytest.raises(ValueError):  # not a key of this namespace: could not be rebuilt
+        header(aliases=(bytes(32),))
+
+
+def test_a_flipped_bit_in_the_alias_table_is_a_checksum_failure() -> None:
+    raw = bytearray(header(aliases=(alias(1), alias(2))))
+    raw[HEADER_USED + 30] ^= 0x01
+    with pytest.raises(SlabError) as err:
+        unpack_header(raw)
+    assert err.value.kind is FailureKind.CHECKSUM
+    raw = bytearray(header(aliases=(alias(1), alias(2))))
+    struct.pack_into("<H", raw, 100, 1)  # a count that disagrees with the checksum
+    with pytest.raises(SlabError) as err:
+        unpack_header(raw)
+    assert err.value.kind is FailureKind.CHECKSUM
 
 
 def test_roundtrip() -> None:
     parsed = unpack_header(header())
     assert (parsed.fingerprint, parsed.key, parsed.payload_len) == (FP, KEY, 524288)
-    assert (parsed.checksum, parsed.sequence, parsed.version, parsed.flags) == (0x1234, 7, 1, 0)
+    assert (parsed.checksum, parsed.sequence, parsed.version, parsed.flags) == (0x1234, 7, 2, 0)
 
 
 @given(
@@ -81,7 +118,7 @@ def test_zeroed_header_is_missing() -> None:
     assert "slot 5" in str(err.value) and "/x/rank0.slab" in str(err.value)
 
 
-@pytest.mark.parametrize("byte", [0, 7, 9, 12, 50, 80, 90, 99, 100, 103])
+@pytest.mark.parametrize("byte", [0, 7, 9, 12, 50, 80, 90, 99, 100, 102, 103, 104, 107])
 def test_any_flipped_bit_is_a_checksum_failure(byte: int) -> None:
     raw = bytearray(header())
     raw[byte] ^= 0x10
@@ -99,10 +136,21 @@ def test_garbage_is_a_checksum_failure_not_missing() -> None:
 def test_other_format_version_is_wrong_namespace() -> None:
     raw = bytearray(header())
     struct.pack_into("<H", raw, 8, FORMAT_VERSION + 1)
+    struct.pack_into("<I", raw, 104, zlib.crc32(bytes(raw[:104])))
+    with pytest.raises(SlabError) as err:
+        unpack_header(raw)
+    assert err.value.kind is FailureKind.WRONG_NAMESPACE
+
+
+def test_a_version_1_header_is_wrong_namespace_not_corruption() -> None:
+    """Version 1 had no alias fields and its checksum at offset 100 (of bytes 0..99)."""
+    raw = bytearray(HEADER_BYTES)
+    struct.pack_into("<8sHH32s32sQQQ", raw, 0, MAGIC, 1, 0, FP, KEY, 524288, 0x1234, 7)
     struct.pack_into("<I", raw, 100, zlib.crc32(bytes(raw[:100])))
     with pytest.raises(SlabError) as err:
         unpack_header(raw)
     assert err.value.kind is FailureKind.WRONG_NAMESPACE
+    assert "format version 1" in str(err.value)
 
 
 def test_truncated_header_is_short_read() -> None:

@@ -101,10 +101,11 @@ def _run_engine_process(argv: list[str], spec: dict, env: dict | None, timeout: 
 def expected_hit_tokens(prompt_len: int) -> int:
     """Tokens tieredkv serves for a repeated prompt of ``prompt_len`` once vLLM's cache is reset.
 
-    Whole chunks only; and vLLM computes at least the last token, so a prompt that ends on a
-    chunk boundary loses its last block.
+    What vLLM's own prefix cache would serve: every full block of the prompt (the whole
+    chunks and the prompt's tail, stored as part of a chunk), except that vLLM computes at
+    least the last token, so a prompt that ends on a block boundary loses its last block.
     """
-    return min(prompt_len // CHUNK_TOKENS * CHUNK_TOKENS, (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE)
+    return (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def _assert_resets_took_effect(result: dict) -> None:

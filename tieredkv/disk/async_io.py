@@ -115,10 +115,10 @@ class SlabExecutor:
 
     async def write(
         self, slab: SlabFile, slot: int, key: bytes, payload: memoryview,
-        timeout: float | None = None,
+        timeout: float | None = None, aliases: tuple[bytes, ...] = (),
     ) -> None:
         """``slab.write_slot`` on the pool; raises :class:`SlabError` on failure or timeout."""
-        await self._run("write", slab, slot, timeout, slab.write_slot, slot, key, payload)
+        await self._run("write", slab, slot, timeout, slab.write_slot, slot, key, payload, aliases)
 
     async def read_into(
         self, slab: SlabFile, slot: int, key: bytes, out: memoryview,

@@ -58,11 +58,18 @@ def verify_headers(
     num_slots: int,
     world_size: int,
     io: FileIO | None = None,
+    aliases: dict[bytes, tuple[bytes, ...]] | None = None,
 ) -> tuple[dict[bytes, int], Counter[FailureKind]]:
-    """Keep the entries whose slot header is right on every rank; count the rest by kind."""
+    """Keep the entries whose slot header is right on every rank; count the rest by kind.
+
+    With ``aliases`` given, it is filled with each kept entry's alias keys (its other blocks),
+    which every rank's header must list alike (a rank that disagrees drops the entry as
+    ``wrong_key``: they were written by one job).
+    """
     good = dict(entries)
     dropped: Counter[FailureKind] = Counter()
     stride = slot_stride(payload_bytes)
+    seen: dict[bytes, tuple[bytes, ...]] = {}
     for rank in range(world_size):
         if not good:
             break
@@ -86,10 +93,18 @@ def verify_headers(
                     del good[key]
                     continue
                 try:
-                    slab.read_header(slot, key)
+                    header = slab.read_header(slot, key)
                 except SlabError as exc:
                     dropped[exc.kind] += 1
                     del good[key]
+                    continue
+                if rank == 0:
+                    seen[key] = header.aliases
+                elif seen.get(key) != header.aliases:
+                    dropped[FailureKind.WRONG_KEY] += 1
+                    del good[key]
+    if aliases is not None:
+        aliases.update((key, seen[key]) for key in good if seen.get(key))
     return good, dropped
 
 
@@ -110,6 +125,7 @@ class DiskCatalog:
         dropped: Counter[FailureKind],
         reset_reason: str | None,
         journal_tail_bytes: int = 0,
+        recovered_aliases: dict[bytes, tuple[bytes, ...]] | None = None,
     ) -> None:
         self.disk_path = disk_path
         self.fingerprint = fingerprint
@@ -119,6 +135,8 @@ class DiskCatalog:
         self.world_size = world_size
         self.manifest = manifest
         self.recovered = recovered
+        # key -> the keys of the entry's other blocks (from its slot headers); absent: none
+        self.recovered_aliases = recovered_aliases or {}
         self.dropped_at_recovery: dict[FailureKind, int] = dict(dropped)
         self.reset_reason = reset_reason
         self.journal_tail_bytes = journal_tail_bytes
@@ -173,6 +191,7 @@ class DiskCatalog:
         else:
             reason = old.mismatch(fingerprint, payload_bytes, stride, world_size)
         recovered: dict[bytes, int] = {}
+        recovered_aliases: dict[bytes, tuple[bytes, ...]] = {}
         dropped: Counter[FailureKind] = Counter()
         replay = JournalReplay()
         if reason is None:
@@ -185,7 +204,7 @@ class DiskCatalog:
                 dropped[FailureKind.MISSING] += len(out_of_range)
             recovered, bad = verify_headers(
                 disk_path, entries, fingerprint=fingerprint, payload_bytes=payload_bytes,
-                num_slots=num_slots, world_size=world_size, io=io,
+                num_slots=num_slots, world_size=world_size, io=io, aliases=recovered_aliases,
             )
             dropped.update(bad)
             logger.info(
@@ -212,7 +231,7 @@ class DiskCatalog:
         return cls(
             disk_path, fingerprint, payload_bytes, num_slots, world_size, lock, journal,
             manifest, recovered, dropped, reset_reason=reason,
-            journal_tail_bytes=replay.bad_tail_bytes,
+            journal_tail_bytes=replay.bad_tail_bytes, recovered_aliases=recovered_aliases,
         )
 
     def slab_path(self, rank: int) -> Path:

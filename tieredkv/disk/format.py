@@ -12,11 +12,22 @@ Header layout (all little-endian), padded with zeros to ``HEADER_BYTES``::
          8    2  format version     FORMAT_VERSION
         10    2  flags              0 (reserved)
         12   32  namespace fingerprint
-        44   32  key
+        44   32  key                the key of the last block the slot holds
         76    8  payload length     bytes that count (padding excluded)
         84    8  payload checksum   xxh3_64 of the payload bytes
         92    8  write sequence     increasing per writer, for forensics
-       100    4  header checksum    crc32 of bytes 0..99
+       100    2  alias count A      keys of the entry's other blocks listed below
+       102    2  reserved           0
+       104    4  header checksum    crc32 of bytes 0..103, then of the alias table
+       108 24*A  alias table        the first 24 bytes of each alias key (the last 8 are the
+                                    namespace's), the chunk's first block first
+
+An entry holds the first ``A + 1`` blocks of its chunk (a whole chunk, or a prompt's tail):
+the aliases let a restarted engine find a hit that ends inside it. The payload is always
+the whole slot (positions past the entry's blocks hold whatever the host slot held before),
+and the checksum covers exactly the payload written, so partial entries verify like whole
+ones. Version 1 had no alias fields (its checksum sat at offset 100); its slots read as
+``wrong_namespace``.
 """
 
 from __future__ import annotations
@@ -28,16 +39,18 @@ from dataclasses import dataclass
 import xxhash
 
 from tieredkv.disk.errors import FailureKind, SlabError
-from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
+from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_PART_BYTES, key_from_part, key_part
 
 MAGIC = b"TKVSLAB1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PAGE_BYTES = 4096
 HEADER_BYTES = 4096
 
-_FIELDS = struct.Struct(f"<8sHH{FINGERPRINT_BYTES}s{KEY_BYTES}sQQQ")
+_FIELDS = struct.Struct(f"<8sHH{FINGERPRINT_BYTES}s{KEY_BYTES}sQQQHH")
 _CRC = struct.Struct("<I")
-HEADER_USED = _FIELDS.size + _CRC.size
+HEADER_USED = _FIELDS.size + _CRC.size  # the fixed part; the alias table follows
+MAX_HEADER_ALIASES = (HEADER_BYTES - HEADER_USED) // KEY_PART_BYTES
+_V1_FIELDS = 100  # version 1: crc32 of bytes 0..99 at offset 100
 _ZEROS = bytes(HEADER_BYTES)
 
 
@@ -66,6 +79,7 @@ class SlotHeader:
     payload_len: int
     checksum: int
     sequence: int
+    aliases: tuple[bytes, ...] = ()  # full alias keys (rebuilt with the fingerprint)
 
 
 def payload_checksum(data: memoryview | bytes) -> int:
@@ -89,18 +103,33 @@ def pack_header_into(
     checksum: int,
     sequence: int,
     flags: int = 0,
+    aliases: tuple[bytes, ...] = (),
 ) -> None:
     """Write a complete header (padding zeroed) into the first ``HEADER_BYTES`` of ``buf``.
 
     Used with a reusable page-aligned buffer, so an O_DIRECT write needs no allocation.
+    ``aliases`` are full keys in the namespace ``fingerprint``; at most
+    ``MAX_HEADER_ALIASES``.
     """
     _check_ids(fingerprint, key)
+    if len(aliases) > MAX_HEADER_ALIASES:
+        raise ValueError(f"{len(aliases)} aliases do not fit a header (at most {MAX_HEADER_ALIASES})")
+    table = b"".join(_alias_part(alias, fingerprint) for alias in aliases)
     buf[:HEADER_BYTES] = _ZEROS
     _FIELDS.pack_into(
-        buf, 0, MAGIC, FORMAT_VERSION, flags, fingerprint, key, payload_len, checksum, sequence
+        buf, 0, MAGIC, FORMAT_VERSION, flags, fingerprint, key, payload_len, checksum, sequence,
+        len(aliases), 0,
     )
-    crc = zlib.crc32(memoryview(buf)[: _FIELDS.size])
+    view = memoryview(buf)
+    view[HEADER_USED : HEADER_USED + len(table)] = table
+    crc = zlib.crc32(table, zlib.crc32(view[: _FIELDS.size]))
     _CRC.pack_into(buf, _FIELDS.size, crc)
+
+
+def _alias_part(alias: bytes, fingerprint: bytes) -> bytes:
+    if len(alias) != KEY_BYTES or key_from_part(key_part(alias), fingerprint) != alias:
+        raise ValueError("an alias must be a key in the header's namespace")
+    return key_part(alias)
 
 
 def pack_header(
@@ -111,12 +140,13 @@ def pack_header(
     checksum: int,
     sequence: int,
     flags: int = 0,
+    aliases: tuple[bytes, ...] = (),
 ) -> bytes:
     """A complete ``HEADER_BYTES``-long header."""
     buf = bytearray(HEADER_BYTES)
     pack_header_into(
         buf, fingerprint=fingerprint, key=key, payload_len=payload_len,
-        checksum=checksum, sequence=sequence, flags=flags,
+        checksum=checksum, sequence=sequence, flags=flags, aliases=aliases,
     )
     return bytes(buf)
 
@@ -128,20 +158,36 @@ def unpack_header(buf: memoryview | bytes, *, slot: int | None = None, path: obj
     else with a bad magic or a bad header checksum is corruption: ``checksum``. A header
     written by another format version cannot be interpreted: ``wrong_namespace``.
     """
-    view = memoryview(buf)[:HEADER_USED]
+    whole = memoryview(buf)
+    view = whole[:HEADER_USED]
     if len(view) < HEADER_USED:
         raise SlabError(FailureKind.SHORT_READ, f"header has {len(view)} bytes", slot=slot, path=path)
-    magic, version, flags, fingerprint, key, length, checksum, sequence = _FIELDS.unpack_from(view)
+    (magic, version, flags, fingerprint, key, length, checksum, sequence, count,
+     _reserved) = _FIELDS.unpack_from(view)
     if magic != MAGIC:
         if not any(view):
             raise SlabError(FailureKind.MISSING, "slot is empty", slot=slot, path=path)
         raise SlabError(FailureKind.CHECKSUM, f"bad magic {magic!r}", slot=slot, path=path)
     (stored_crc,) = _CRC.unpack_from(view, _FIELDS.size)
-    if zlib.crc32(view[: _FIELDS.size]) != stored_crc:
+    end = HEADER_USED + count * KEY_PART_BYTES
+    table = whole[HEADER_USED:end]
+    if count > MAX_HEADER_ALIASES or len(table) != end - HEADER_USED or (
+        zlib.crc32(table, zlib.crc32(view[: _FIELDS.size])) != stored_crc
+    ):
+        (v1_crc,) = _CRC.unpack_from(view, _V1_FIELDS)
+        if version != FORMAT_VERSION and zlib.crc32(view[:_V1_FIELDS]) == v1_crc:
+            raise SlabError(  # an intact header of an older layout
+                FailureKind.WRONG_NAMESPACE,
+                f"format version {version}, expected {FORMAT_VERSION}", slot=slot, path=path,
+            )
         raise SlabError(FailureKind.CHECKSUM, "header checksum mismatch", slot=slot, path=path)
     if version != FORMAT_VERSION:
         raise SlabError(
             FailureKind.WRONG_NAMESPACE,
             f"format version {version}, expected {FORMAT_VERSION}", slot=slot, path=path,
         )
-    return SlotHeader(version, flags, fingerprint, key, length, checksum, sequence)
+    aliases = tuple(
+        key_from_part(table[i : i + KEY_PART_BYTES], fingerprint)
+        for i in range(0, len(table), KEY_PART_BYTES)
+    )
+    return SlotHeader(version, flags, fingerprint, key, length, checksum, sequence, aliases)

@@ -292,8 +292,13 @@ class SlabFile:
 
     # -- slot I/O -----------------------------------------------------------------------
 
-    def write_slot(self, slot: int, key: bytes, payload: memoryview) -> None:
+    def write_slot(
+        self, slot: int, key: bytes, payload: memoryview, aliases: tuple[bytes, ...] = ()
+    ) -> None:
         """Write ``key``'s payload and header into ``slot`` with one ``pwritev``.
+
+        ``aliases``: the keys of the entry's other blocks, listed in the header (see
+        :mod:`tieredkv.disk.format`) so that a restart finds the entry by any of its blocks.
 
         ``payload`` is normally a host-tier slot (``HostPool.slot_memoryview``): page-aligned
         and ``align_up(payload_bytes)`` long, written as is; anything else is first copied to an
@@ -328,7 +333,7 @@ class SlabFile:
         header = self._header_buffer()
         pack_header_into(
             header, fingerprint=self.fingerprint, key=key, payload_len=self.payload_bytes,
-            checksum=payload_checksum(data), sequence=next(self._sequence),
+            checksum=payload_checksum(data), sequence=next(self._sequence), aliases=aliases,
         )
         self._write_at(slot, [header, body], "write")
 

@@ -752,7 +752,7 @@ class TransferEngine:
             holding = True
             await self._slab_exec.write(
                 self.slab, job.disk_slot, job.key, self.host.slot_memoryview(job.host_slot),
-                timeout=self.load_timeout_s,
+                timeout=self.load_timeout_s, aliases=job.aliases,
             )
             self.stats.moved("spill", self.host.payload_bytes)
             result = JobResult(job.job_id, True)

@@ -20,7 +20,9 @@ DROPPED = "dropped"  # a spill found the bounded spill queue full
 
 @dataclass(frozen=True)
 class StoreJob:
-    """d2h: device blocks ``block_ids`` -> host slot ``host_slot`` (block j -> position j)."""
+    """d2h: device blocks ``block_ids`` -> host slot ``host_slot`` (block j -> position j).
+
+    Fewer ids than ``chunk_blocks``: a prompt's tail; the slot's other positions are unused."""
 
     job_id: int
     key: bytes
@@ -30,12 +32,15 @@ class StoreJob:
 
 @dataclass(frozen=True)
 class SpillJob:
-    """Host slot -> disk slot (written with a verified header; the host copy stays)."""
+    """Host slot -> disk slot (written with a verified header; the host copy stays).
+
+    ``aliases``: keys of the entry's other blocks, written into the slot header."""
 
     job_id: int
     key: bytes
     host_slot: int
     disk_slot: int
+    aliases: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
