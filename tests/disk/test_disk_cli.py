@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.disk.test_disk_lock import SlowProbeFcntl
 from tieredkv import cli
 from tieredkv.disk import lock as lock_module
 from tieredkv.disk.catalog import DiskCatalog
@@ -34,18 +33,6 @@ def tier(tmp_path: Path, fp: bytes, key, payload) -> Path:
         for i in range(5):
             catalog.record_written(key(i), i)
     return disk
-
-
-class SlowProbeFcntl:
-    """``fcntl`` for the lock module, where a shared lock is held 50 ms after it is taken."""
-
-    def __getattr__(self, name: str):
-        return getattr(fcntl, name)
-
-    def flock(self, fd: int, operation: int) -> None:
-        fcntl.flock(fd, operation)
-        if operation & fcntl.LOCK_SH:
-            time.sleep(0.05)
 
 
 def tkv(run_py, *args: str):
