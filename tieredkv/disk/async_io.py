@@ -43,7 +43,13 @@ class SlabExecutor:
     tenant's bytes.
     """
 
-    def __init__(self, io_threads: int = 2, name: str = "tieredkv-io") -> None:
+    def __init__(
+        self, io_threads: int = 2, name: str = "tieredkv-io",
+        on_death: Callable[[str, BaseException], None] | None = None,
+    ) -> None:
+        """``on_death(thread description, exception)`` hears of a thread that dies: the call it
+        was running is lost (its caller would wait for its timeout) and the pool is a thread
+        short, so the owner fails what depends on it instead."""
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.io_threads = io_threads
@@ -51,6 +57,7 @@ class SlabExecutor:
         self._inflight: set[cf.Future[Any]] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._on_death = on_death
         self.timeouts = 0
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
@@ -60,7 +67,12 @@ class SlabExecutor:
             thread.start()
 
     def _work(self) -> None:
-        serve_calls(self._queue)
+        try:
+            serve_calls(self._queue)
+        except BaseException as exc:
+            if self._on_death is None:
+                raise
+            self._on_death(f"the slab I/O thread {threading.current_thread().name}", exc)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
         """Queue ``fn(*args)`` on the pool (also usable without asyncio)."""

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -621,7 +621,10 @@ class TransferEngine:
         self._spill_queue = asyncio.Queue(maxsize=self.spill_queue_depth)
         if self.slab is not None:
             if self._slab_exec is None:
-                self._slab_exec = _watched_slab_executor(self.io_threads, self._die)
+                # Imported here: disk-tier modules stay out of GPU-only runs.
+                from tieredkv.disk.async_io import SlabExecutor
+
+                self._slab_exec = SlabExecutor(self.io_threads, on_death=self._die)
             loop = asyncio.get_event_loop()
             self._spill_tasks = [
                 loop.create_task(self._spill_worker()) for _ in range(self._spill_workers_n)
@@ -1031,18 +1034,3 @@ def _load_result(job: LoadJob, failure: str | None, failed_from: int) -> JobResu
 def _device_ids(job: Job) -> tuple[int, ...]:
     """Device blocks a cancelled job leaves unloaded (loads only report these)."""
     return job.block_ids if isinstance(job, LoadJob) else ()
-
-
-def _watched_slab_executor(io_threads: int, on_death: Callable[[str, BaseException], None]) -> Any:
-    """The slab I/O pool, telling ``on_death`` when one of its threads dies: the call it was
-    running is lost (its caller would wait for its timeout), and the pool is a thread short."""
-    from tieredkv.disk.async_io import SlabExecutor  # disk-tier imports stay out of GPU-only runs
-
-    class WatchedSlabExecutor(SlabExecutor):
-        def _work(self) -> None:
-            try:
-                super()._work()
-            except BaseException as exc:  # noqa: BLE001 - reported to the engine, never silent
-                on_death(f"the slab I/O thread {threading.current_thread().name}", exc)
-
-    return WatchedSlabExecutor(io_threads)
