@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 import shutil
 import signal
 import socket
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tieredkv.remote.codec import encode, remote_key
+from tieredkv.tools.ports import free_port as free_loopback_port
 
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/remote namespace").digest()
 OTHER_FINGERPRINT = hashlib.sha256(b"another engine's namespace").digest()
@@ -66,26 +66,13 @@ def binaries() -> tuple[str, str]:
     return server, cli
 
 
-_used_ports: set[int] = set()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+class PortTakenError(RuntimeError):
+    """Another process bound the port between our check and redis-server's bind."""
 
 
 def free_port() -> int:
-    """A loopback port that is free, and whose cluster bus port (+10000) is free too."""
-    for _ in range(200):
-        port = random.randint(20000, 50000)
-        if port not in _used_ports and _bindable(port) and _bindable(port + 10000):
-            _used_ports.add(port)
-            return port
-    raise RuntimeError("no free loopback port found")
+    """A loopback port whose cluster bus port (+10000) is free too."""
+    return free_loopback_port(also_free_at=10000)
 
 
 class RedisServer:
@@ -99,12 +86,25 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
         directory.mkdir(parents=True, exist_ok=True)
         self.log = directory / f"redis-{self.port}.log"
+        self.port_is_fixed = port is not None  # restarts and cluster nodes keep their port
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start and wait for PING; a server whose port we picked retries another on EADDRINUSE."""
+        for _ in range(5):
+            try:
+                return self._start_once(timeout_s)
+            except PortTakenError:
+                if self.port_is_fixed:
+                    raise
+                self.port = free_port()
+                self.log = self.directory / f"redis-{self.port}.log"
+        return self._start_once(timeout_s)
+
+    def _start_once(self, timeout_s: float) -> RedisServer:
         cmd = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(self.directory), *self.args,
@@ -114,7 +114,10 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.log.read_text()[-2000:]}")
+                log = self.log.read_text()[-2000:]
+                if "Address already in use" in log:
+                    raise PortTakenError(f"port {self.port} was taken before redis-server bound it")
+                raise RuntimeError(f"redis-server exited: {log}")
             if self._answers():
                 return self
             time.sleep(0.01)

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tieredkv.tools.ports import free_port
 from tieredkv.tools.tiny_model import make_tiny_llama
 
 BLOCK_SIZE = 32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

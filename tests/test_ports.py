@@ -1,0 +1,46 @@
+"""Ports for the servers we start stay out of the kernel's ephemeral range (a CI run lost one)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from tieredkv.tools.ports import ephemeral_range, free_port
+
+sys.path.insert(0, str(Path(__file__).parent / "remote"))
+
+
+def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
+    low = ephemeral_range()[0]
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    for port in ports:
+        assert port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_cluster_bus_port_is_free_and_below_the_range_too() -> None:
+    port = free_port(also_free_at=10000)
+    assert port + 10000 < ephemeral_range()[0]
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", port))
+        b.bind(("127.0.0.1", port + 10000))
+
+
+def test_redis_server_moves_to_another_port_when_its_port_is_taken(tmp_path: Path) -> None:
+    from remote_helpers import RedisServer
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = RedisServer(tmp_path)
+        server.port = taken  # as if someone bound it after free_port() checked
+        try:
+            server.start()
+            assert server.port != taken
+            assert server.cli("ping") == "PONG"
+        finally:
+            server.stop()
