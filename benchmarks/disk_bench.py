@@ -34,7 +34,7 @@ from tieredkv.config import parse_size
 from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.slab import SlabFile, probe_direct
-from tieredkv.host_tier import HostPool, align_up
+from tieredkv.transfer.host_pool import HostPool, align_up
 
 TARGET = 0.8
 KiB, MiB = 1024, 1024 * 1024

@@ -269,7 +269,7 @@ class _Trace:
 
             setattr(engine_mod.TransferEngine, meth, make())
 
-        from tieredkv.transfer.streams import CopyLane
+        from tieredkv.transfer.lanes import CopyLane
 
         original_run_batch = CopyLane._run_batch
 

@@ -327,9 +327,10 @@ class TieredSide(Side):
         return [job.job_id for job in meta.plan.stores]
 
     def worker_report(self, job_ids: Sequence[int]) -> Any:
-        from tieredkv.metadata import TieredKVWorkerMetadata
+        from tieredkv.protocol import JobResult
+        from tieredkv.vllm.metadata import TieredKVWorkerMetadata
 
-        return TieredKVWorkerMetadata(outcomes={job: (1, 0, None, ()) for job in job_ids})
+        return TieredKVWorkerMetadata(results={job: JobResult.done(job) for job in job_ids})
 
     def pinned(self) -> int:
         return self.half.planner.host.pinned_count
@@ -879,7 +880,6 @@ def run(
 ) -> Result:
     """Run one profile in-process; returns the rows and (optionally) writes the results."""
     profile = PROFILES[profile_name]
-    logging.getLogger("tieredkv").setLevel(logging.ERROR)
     started = time.time()
     load_before = _load_average()
     engine = Engine(model_dir)
@@ -988,8 +988,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cprofile", action="store_true",
                         help="only print cProfile reports of the hot paths, no timing run")
     args = parser.parse_args(argv)
+    logging.getLogger("tieredkv").setLevel(logging.ERROR)  # the CLI's output is the table
     if args.cprofile:
-        logging.getLogger("tieredkv").setLevel(logging.ERROR)
         print(cprofile_hot_paths(Engine(args.model_dir)))
         return 0
     profile = "full" if args.full else (args.profile or "quick")

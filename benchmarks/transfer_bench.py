@@ -49,15 +49,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tieredkv.host_tier import HostPool  # noqa: E402
 from tieredkv.transfer.copy_ops import (  # noqa: E402
     CupyCopyBackend,
     NativeCopyBackend,
     TorchCopyBackend,
     select_backend,
 )
+from tieredkv.transfer.host_pool import HostPool  # noqa: E402
 from tieredkv.transfer.kv_views import KVViews  # noqa: E402
-from tieredkv.transfer.streams import _single_threaded_ops  # noqa: E402
+from tieredkv.transfer.lanes import _single_threaded_ops  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 QUICK_CHUNKS = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB]

@@ -690,7 +690,7 @@ def _copy_check_imports() -> None:
     import torch
     from vllm_cuda_layouts import CASE_BY_ID, build_kv_caches
 
-    from tieredkv.host_tier import HostPool
+    from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
     from tieredkv.transfer.copy_ops import (
         CopyBackend,
         CupyCopyBackend,
@@ -698,7 +698,7 @@ def _copy_check_imports() -> None:
         TorchCopyBackend,
     )
     from tieredkv.transfer.engine import TransferEngine
-    from tieredkv.transfer.jobs import LoadChunk, LoadJob, StoreJob
+    from tieredkv.transfer.host_pool import HostPool
     from tieredkv.transfer.kv_views import KVViews
 
 

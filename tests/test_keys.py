@@ -13,8 +13,8 @@ from tieredkv.keys import (
     chunk_keys,
     key_from_part,
     key_part,
-    sha256_block_hashes,
 )
+from tieredkv.testing.hashing import sha256_block_hashes
 
 NS = Namespace(model="m", dtype="bf16", kv_layout="LBHNC", block_size=16, chunk_blocks=4,
                num_layers=4, num_kv_heads=2, head_size=64)
@@ -24,7 +24,7 @@ def test_keys_are_the_same_in_another_process():
     tokens = list(range(1000))
     here = [k.hex() for k in chunk_keys(NS.fingerprint(), sha256_block_hashes(tokens, 16), 4)]
     code = (
-        "from tieredkv.keys import *;"
+        "from tieredkv.keys import *; from tieredkv.testing.hashing import sha256_block_hashes;"
         "ns = Namespace(model='m', dtype='bf16', kv_layout='LBHNC', block_size=16, chunk_blocks=4,"
         " num_layers=4, num_kv_heads=2, head_size=64);"
         "print(','.join(k.hex() for k in chunk_keys(ns.fingerprint(), sha256_block_hashes(list(range(1000)), 16), 4)))"

@@ -30,18 +30,17 @@ from typing import Any
 
 from tieredkv.config import ConfigError
 from tieredkv.disk.catalog import JOURNAL_NAME, slab_path
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest
 from tieredkv.disk.private_files import UntrustedPathError, ensure_private_dir
 from tieredkv.disk.slab import SlabFile
+from tieredkv.protocol import FailureCause
 
 EXIT_OK = 0
 EXIT_BAD = 1
 EXIT_USAGE = 2
-
-
 class UsageError(Exception):
     """Bad input from the user: printed as ``tieredkv: error: ...`` with exit code 2."""
 
@@ -236,7 +235,7 @@ def _verify(disk: Path, manifest: Manifest, args: argparse.Namespace, lock: Disk
         with slab:
             for slot, key in todo:
                 if slot >= manifest.num_slots:
-                    bad[key] = (slot, rank, SlabError(FailureKind.MISSING, "slot beyond num_slots"))
+                    bad[key] = (slot, rank, SlabError(FailureCause.MISSING, "slot beyond num_slots"))
                     continue
                 try:
                     slab.read_slot_into(slot, key, out)

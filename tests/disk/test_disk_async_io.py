@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from tieredkv.disk.async_io import SlabExecutor
-from tieredkv.disk.errors import FailureKind, SlabError
-from tieredkv.disk.fileio import FaultyFileIO
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.slab import SlabFile
+from tieredkv.protocol import FailureCause
+from tieredkv.testing.faulty_fileio import FaultyFileIO
 
 PAYLOAD = 64 * 1024
 
@@ -67,10 +68,10 @@ async def test_errors_arrive_typed(slab: SlabFile, executor: SlabExecutor, fault
     faulty.fail_writes(errno.ENOSPC, times=1)
     with pytest.raises(SlabError) as err:
         await executor.write(slab, 0, b"k" * 32, bytes(PAYLOAD))
-    assert err.value.kind is FailureKind.NO_SPACE
+    assert err.value.kind is FailureCause.NO_SPACE
     with pytest.raises(SlabError) as err:
         await executor.read_into(slab, 1, b"k" * 32, bytearray(PAYLOAD))
-    assert err.value.kind is FailureKind.MISSING
+    assert err.value.kind is FailureCause.MISSING
 
 
 async def test_hung_read_times_out_on_time(slab: SlabFile, executor: SlabExecutor, faulty: FaultyFileIO) -> None:
@@ -81,7 +82,7 @@ async def test_hung_read_times_out_on_time(slab: SlabFile, executor: SlabExecuto
     with pytest.raises(SlabError) as err:
         await executor.read_into(slab, 0, b"k" * 32, out, timeout=0.2)
     elapsed = time.monotonic() - start
-    assert err.value.kind is FailureKind.TIMEOUT and 0.2 <= elapsed < 1.0
+    assert err.value.kind is FailureCause.TIMEOUT and 0.2 <= elapsed < 1.0
     pending = err.value.pending
     assert pending is not None and not pending.done()  # out is still owned by the stuck read
     assert executor.timeouts == 1

@@ -11,16 +11,15 @@ import pytest
 
 from tieredkv.config import ConfigError
 from tieredkv.disk.catalog import JOURNAL_NAME, DiskCatalog
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import HEADER_BYTES
 from tieredkv.disk.journal import FILE_HEADER_BYTES, RECORD_BYTES, Journal
 from tieredkv.disk.manifest import load_manifest
 from tieredkv.disk.slab import SlabFile
+from tieredkv.protocol import FailureCause
 
 PAYLOAD = 32 * 1024
 SLOTS = 16
-
-
 def populate(
     disk: Path, fp: bytes, key: Callable[[int], bytes], payload: Callable[[bytes, int, int], bytes],
     count: int = 8, world: int = 2,
@@ -138,7 +137,7 @@ def test_fewer_slots_drops_entries_beyond(tmp_path: Path, fp: bytes, key, payloa
     populate(disk, fp, key, payload)
     with DiskCatalog.open(disk, fp, PAYLOAD, 5, 2) as catalog:
         assert sorted(catalog.recovered.values()) == [0, 1, 2, 3, 4]
-        assert catalog.dropped_at_recovery == {FailureKind.MISSING: 3}
+        assert catalog.dropped_at_recovery == {FailureCause.MISSING: 3}
         assert load_manifest(disk).num_slots == 5  # type: ignore[union-attr]
 
 
@@ -165,8 +164,8 @@ def test_recovery_drops_bad_slots_by_kind(tmp_path: Path, fp: bytes, other_fp: b
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert catalog.recovered == {key(i): i for i in (4, 5)}
         assert catalog.dropped_at_recovery == {
-            FailureKind.CHECKSUM: 1, FailureKind.WRONG_KEY: 1, FailureKind.MISSING: 1,
-            FailureKind.WRONG_NAMESPACE: 1, FailureKind.SHORT_READ: 2,
+            FailureCause.CHECKSUM: 1, FailureCause.WRONG_KEY: 1, FailureCause.MISSING: 1,
+            FailureCause.WRONG_NAMESPACE: 1, FailureCause.SHORT_READ: 2,
         }
     # The compacted journal no longer mentions the dropped entries.
     assert Journal.recover(disk / JOURNAL_NAME) == {key(i): i for i in (4, 5)}
@@ -179,7 +178,7 @@ def test_deleted_slab_file_drops_everything(tmp_path: Path, fp: bytes, key, payl
     (disk / "rank1.slab").unlink()
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert catalog.recovered == {}
-        assert catalog.dropped_at_recovery == {FailureKind.MISSING: 8}
+        assert catalog.dropped_at_recovery == {FailureCause.MISSING: 8}
 
 
 def test_corrupted_journal_tail_keeps_the_good_prefix(tmp_path: Path, fp: bytes, key, payload) -> None:
@@ -207,4 +206,4 @@ def test_every_recovered_entry_still_verifies_on_read(tmp_path: Path, fp: bytes,
         with SlabFile.open(catalog.slab_path(0), SLOTS, PAYLOAD, fp) as slab:
             with pytest.raises(SlabError) as err:
                 slab.read_slot_into(2, key(2), bytearray(PAYLOAD))
-            assert err.value.kind is FailureKind.CHECKSUM
+            assert err.value.kind is FailureCause.CHECKSUM

@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tieredkv.disk.errors import FailureKind, SlabError
-from tieredkv.disk.fileio import FaultyFileIO, FileIO
+from tieredkv.disk.errors import SlabError
+from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import HEADER_BYTES
 from tieredkv.disk.slab import SlabFile
+from tieredkv.protocol import FailureCause
+from tieredkv.testing.faulty_fileio import FaultyFileIO
 
 PAYLOAD = 20_000
 SLOTS = 4
@@ -36,7 +38,7 @@ def open_slab(path: Path, fp: bytes, io: FileIO | None = None, **kw: object) -> 
     return SlabFile.open(path, SLOTS, PAYLOAD, fp, io=io, **kw)  # type: ignore[arg-type]
 
 
-def kind_of(fn: Callable[[], object]) -> FailureKind:
+def kind_of(fn: Callable[[], object]) -> FailureCause:
     with pytest.raises(SlabError) as err:
         fn()
     assert str(err.value).startswith(err.value.kind.value)
@@ -68,19 +70,19 @@ def read(slab: SlabFile, slot: int, key: bytes) -> bytes:
 def test_enospc_on_write_is_no_space_and_leaves_the_old_slot(slab: SlabFile, faulty: FaultyFileIO) -> None:
     slab.write_slot(0, K[0], data(K[0]))
     faulty.fail_writes(errno.ENOSPC, times=1, at=slab.slot_offset(0))
-    assert kind_of(lambda: slab.write_slot(0, K[1], data(K[1]))) is FailureKind.NO_SPACE
+    assert kind_of(lambda: slab.write_slot(0, K[1], data(K[1]))) is FailureCause.NO_SPACE
     assert read(slab, 0, K[0]) == data(K[0])
-    assert kind_of(lambda: read(slab, 0, K[1])) is FailureKind.WRONG_KEY
+    assert kind_of(lambda: read(slab, 0, K[1])) is FailureCause.WRONG_KEY
     slab.write_slot(1, K[1], data(K[1]))  # only that call failed
 
 
 def test_eio_on_write_and_read(slab: SlabFile, faulty: FaultyFileIO) -> None:
     faulty.fail_writes(errno.EIO, times=1)
-    assert kind_of(lambda: slab.write_slot(0, K[0], data(K[0]))) is FailureKind.IO_ERROR
+    assert kind_of(lambda: slab.write_slot(0, K[0], data(K[0]))) is FailureCause.IO_ERROR
     slab.write_slot(0, K[0], data(K[0]))
     faulty.fail_reads(errno.EIO, at=slab.slot_offset(0))
-    assert kind_of(lambda: read(slab, 0, K[0])) is FailureKind.IO_ERROR
-    assert kind_of(lambda: slab.read_header(0, K[0])) is FailureKind.IO_ERROR
+    assert kind_of(lambda: read(slab, 0, K[0])) is FailureCause.IO_ERROR
+    assert kind_of(lambda: slab.read_header(0, K[0])) is FailureCause.IO_ERROR
     faulty.clear()
     assert read(slab, 0, K[0]) == data(K[0])
 
@@ -88,31 +90,31 @@ def test_eio_on_write_and_read(slab: SlabFile, faulty: FaultyFileIO) -> None:
 def test_short_read(slab: SlabFile, faulty: FaultyFileIO) -> None:
     slab.write_slot(0, K[0], data(K[0]))
     faulty.short_reads(PAYLOAD // 2, times=1)
-    assert kind_of(lambda: read(slab, 0, K[0])) is FailureKind.SHORT_READ
+    assert kind_of(lambda: read(slab, 0, K[0])) is FailureCause.SHORT_READ
     faulty.short_reads(HEADER_BYTES + PAYLOAD, times=1)
-    assert kind_of(lambda: slab.read_header(0)) is FailureKind.SHORT_READ
+    assert kind_of(lambda: slab.read_header(0)) is FailureCause.SHORT_READ
 
 
 def test_short_write_leaves_a_torn_slot_that_never_verifies(slab: SlabFile, faulty: FaultyFileIO) -> None:
     slab.write_slot(0, K[0], data(K[0]))
     faulty.short_writes(8192, times=1)  # the new header and part of the payload land
-    assert kind_of(lambda: slab.write_slot(0, K[1], data(K[1]))) is FailureKind.IO_ERROR
-    assert kind_of(lambda: read(slab, 0, K[1])) is FailureKind.CHECKSUM
-    assert kind_of(lambda: read(slab, 0, K[0])) is FailureKind.WRONG_KEY
+    assert kind_of(lambda: slab.write_slot(0, K[1], data(K[1]))) is FailureCause.IO_ERROR
+    assert kind_of(lambda: read(slab, 0, K[1])) is FailureCause.CHECKSUM
+    assert kind_of(lambda: read(slab, 0, K[0])) is FailureCause.WRONG_KEY
     # Same key rewritten, torn: the header checksum no longer matches the half-new payload.
     slab.write_slot(1, K[2], data(K[2]))
     faulty.short_writes(8192, times=1)
     with pytest.raises(SlabError):
         slab.write_slot(1, K[2], bytes(PAYLOAD))
-    assert kind_of(lambda: read(slab, 1, K[2])) is FailureKind.CHECKSUM
+    assert kind_of(lambda: read(slab, 1, K[2])) is FailureCause.CHECKSUM
 
 
 def test_bit_flips_while_reading(slab: SlabFile, faulty: FaultyFileIO) -> None:
     slab.write_slot(0, K[0], data(K[0]))
     faulty.flip_read_bit(HEADER_BYTES + 777, bit=5, times=1)  # payload
-    assert kind_of(lambda: read(slab, 0, K[0])) is FailureKind.CHECKSUM
+    assert kind_of(lambda: read(slab, 0, K[0])) is FailureCause.CHECKSUM
     faulty.flip_read_bit(60, times=1)  # inside the key field of the header
-    assert kind_of(lambda: read(slab, 0, K[0])) is FailureKind.CHECKSUM
+    assert kind_of(lambda: read(slab, 0, K[0])) is FailureCause.CHECKSUM
     assert read(slab, 0, K[0]) == data(K[0])  # the file itself is fine
 
 
@@ -124,10 +126,10 @@ def test_latency_is_only_latency(slab: SlabFile, faulty: FaultyFileIO) -> None:
 
 def test_open_failures(tmp_path: Path, fp: bytes, faulty: FaultyFileIO) -> None:
     faulty.fail("fallocate", errno.ENOSPC, times=1)
-    assert kind_of(lambda: open_slab(tmp_path / "a.slab", fp, faulty, direct=False)) is FailureKind.NO_SPACE
+    assert kind_of(lambda: open_slab(tmp_path / "a.slab", fp, faulty, direct=False)) is FailureCause.NO_SPACE
     faulty.fail("open", errno.EIO, path="b.slab", times=1)
-    assert kind_of(lambda: open_slab(tmp_path / "b.slab", fp, faulty, direct=False)) is FailureKind.IO_ERROR
-    assert kind_of(lambda: open_slab(tmp_path / "c.slab", fp, faulty, create=False)) is FailureKind.MISSING
+    assert kind_of(lambda: open_slab(tmp_path / "b.slab", fp, faulty, direct=False)) is FailureCause.IO_ERROR
+    assert kind_of(lambda: open_slab(tmp_path / "c.slab", fp, faulty, create=False)) is FailureCause.MISSING
 
 
 # -- real damage to real files between runs ----------------------------------------------
@@ -146,12 +148,12 @@ def test_truncated_slab_file(tmp_path: Path, fp: bytes) -> None:
     os.truncate(path, 2 * stride + HEADER_BYTES + 100)  # slot 2 cut mid-payload
     with open_slab(path, fp, create=False) as slab:
         assert read(slab, 1, K[1]) == data(K[1])
-        assert kind_of(lambda: read(slab, 2, K[2])) is FailureKind.SHORT_READ
-        assert kind_of(lambda: read(slab, 3, K[3])) is FailureKind.SHORT_READ
-        assert kind_of(lambda: slab.read_header(3)) is FailureKind.SHORT_READ
+        assert kind_of(lambda: read(slab, 2, K[2])) is FailureCause.SHORT_READ
+        assert kind_of(lambda: read(slab, 3, K[3])) is FailureCause.SHORT_READ
+        assert kind_of(lambda: slab.read_header(3)) is FailureCause.SHORT_READ
     with open_slab(path, fp) as slab:  # a worker re-opening grows it back: zeros read as missing
-        assert kind_of(lambda: read(slab, 3, K[3])) is FailureKind.MISSING
-        assert kind_of(lambda: read(slab, 2, K[2])) is FailureKind.CHECKSUM
+        assert kind_of(lambda: read(slab, 3, K[3])) is FailureCause.MISSING
+        assert kind_of(lambda: read(slab, 2, K[2])) is FailureCause.CHECKSUM
 
 
 @pytest.mark.parametrize("where", ["magic", "fingerprint", "key", "length", "checksum_field", "payload"])
@@ -167,7 +169,7 @@ def test_flipped_byte_in_the_file(tmp_path: Path, fp: bytes, where: str) -> None
         f.seek(stride + offset)
         f.write(bytes([old ^ 0x04]))
     with open_slab(path, fp) as slab:
-        assert kind_of(lambda: read(slab, 1, K[1])) is FailureKind.CHECKSUM
+        assert kind_of(lambda: read(slab, 1, K[1])) is FailureCause.CHECKSUM
         assert read(slab, 0, K[0]) == data(K[0]) and read(slab, 2, K[2]) == data(K[2])
 
 
@@ -175,9 +177,9 @@ def test_slab_file_deleted_between_runs(tmp_path: Path, fp: bytes) -> None:
     path = tmp_path / "rank0.slab"
     _write_all(path, fp)
     path.unlink()
-    assert kind_of(lambda: open_slab(path, fp, create=False)) is FailureKind.MISSING
+    assert kind_of(lambda: open_slab(path, fp, create=False)) is FailureCause.MISSING
     with open_slab(path, fp) as slab:  # recreated empty
-        assert kind_of(lambda: read(slab, 0, K[0])) is FailureKind.MISSING
+        assert kind_of(lambda: read(slab, 0, K[0])) is FailureCause.MISSING
 
 
 def test_slab_file_deleted_while_open_keeps_serving_its_inode(tmp_path: Path, fp: bytes) -> None:
@@ -192,7 +194,7 @@ def test_real_enospc_on_a_full_tmpfs(small_tmpfs: Path, fp: bytes, monkeypatch: 
     # Preallocation reports a full disk at open, before any spill is attempted.
     too_big = SLOTS * 1000
     kind = kind_of(lambda: SlabFile.open(small_tmpfs / "big.slab", too_big, PAYLOAD, fp))
-    assert kind is FailureKind.NO_SPACE
+    assert kind is FailureCause.NO_SPACE
     (small_tmpfs / "big.slab").unlink(missing_ok=True)
 
     # Without preallocation (a filesystem that cannot fallocate), the write itself hits ENOSPC.
@@ -208,8 +210,8 @@ def test_real_enospc_on_a_full_tmpfs(small_tmpfs: Path, fp: bytes, monkeypatch: 
                     filler.flush()
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC
-        assert kind_of(lambda: slab.write_slot(0, K[0], data(K[0]))) is FailureKind.NO_SPACE
-        assert kind_of(lambda: read(slab, 0, K[0])) in (FailureKind.MISSING, FailureKind.CHECKSUM)
+        assert kind_of(lambda: slab.write_slot(0, K[0], data(K[0]))) is FailureCause.NO_SPACE
+        assert kind_of(lambda: read(slab, 0, K[0])) in (FailureCause.MISSING, FailureCause.CHECKSUM)
 
 
 # -- properties --------------------------------------------------------------------------------
@@ -276,6 +278,6 @@ def test_any_flipped_bit_in_the_file_is_caught_or_harmless(tmp_path_factory, fp:
             try:
                 assert read(slab, slot, K[slot]) == data(K[slot])
             except SlabError as exc:
-                assert exc.kind in (FailureKind.CHECKSUM, FailureKind.WRONG_NAMESPACE,
-                                    FailureKind.WRONG_KEY, FailureKind.MISSING)
+                assert exc.kind in (FailureCause.CHECKSUM, FailureCause.WRONG_NAMESPACE,
+                                    FailureCause.WRONG_KEY, FailureCause.MISSING)
                 assert position // (HEADER_BYTES + 20480) == slot  # only the damaged slot fails

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.disk.fileio import FaultyFileIO, FileIO
+from tieredkv.disk.fileio import FileIO
+from tieredkv.testing.faulty_fileio import FaultyFileIO
 
 
 def _file(tmp_path: Path, io: FileIO, size: int = 16384) -> int:

@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -25,6 +25,7 @@ from tieredkv.disk.format import (
     unpack_header,
 )
 from tieredkv.keys import KEY_PART_BYTES
+from tieredkv.protocol import FailureCause
 
 FP = bytes(range(32))
 KEY = bytes(range(32, 64))
@@ -75,12 +76,12 @@ def test_a_flipped_bit_in_the_alias_table_is_a_checksum_failure() -> None:
     raw[HEADER_USED + 30] ^= 0x01
     with pytest.raises(SlabError) as err:
         unpack_header(raw)
-    assert err.value.kind is FailureKind.CHECKSUM
+    assert err.value.kind is FailureCause.CHECKSUM
     raw = bytearray(header(aliases=(alias(1), alias(2))))
     struct.pack_into("<H", raw, 100, 1)  # a count that disagrees with the checksum
     with pytest.raises(SlabError) as err:
         unpack_header(raw)
-    assert err.value.kind is FailureKind.CHECKSUM
+    assert err.value.kind is FailureCause.CHECKSUM
 
 
 def test_roundtrip() -> None:
@@ -114,7 +115,7 @@ def test_pack_into_overwrites_stale_bytes() -> None:
 def test_zeroed_header_is_missing() -> None:
     with pytest.raises(SlabError) as err:
         unpack_header(bytes(HEADER_BYTES), slot=5, path="/x/rank0.slab")
-    assert err.value.kind is FailureKind.MISSING
+    assert err.value.kind is FailureCause.MISSING
     assert "slot 5" in str(err.value) and "/x/rank0.slab" in str(err.value)
 
 
@@ -124,13 +125,13 @@ def test_any_flipped_bit_is_a_checksum_failure(byte: int) -> None:
     raw[byte] ^= 0x10
     with pytest.raises(SlabError) as err:
         unpack_header(raw)
-    assert err.value.kind is FailureKind.CHECKSUM
+    assert err.value.kind is FailureCause.CHECKSUM
 
 
 def test_garbage_is_a_checksum_failure_not_missing() -> None:
     with pytest.raises(SlabError) as err:
         unpack_header(b"\x01" + bytes(HEADER_BYTES - 1))
-    assert err.value.kind is FailureKind.CHECKSUM
+    assert err.value.kind is FailureCause.CHECKSUM
 
 
 def test_other_format_version_is_wrong_namespace() -> None:
@@ -139,7 +140,7 @@ def test_other_format_version_is_wrong_namespace() -> None:
     struct.pack_into("<I", raw, 104, zlib.crc32(bytes(raw[:104])))
     with pytest.raises(SlabError) as err:
         unpack_header(raw)
-    assert err.value.kind is FailureKind.WRONG_NAMESPACE
+    assert err.value.kind is FailureCause.WRONG_NAMESPACE
 
 
 def test_a_version_1_header_is_wrong_namespace_not_corruption() -> None:
@@ -149,14 +150,14 @@ def test_a_version_1_header_is_wrong_namespace_not_corruption() -> None:
     struct.pack_into("<I", raw, 100, zlib.crc32(bytes(raw[:100])))
     with pytest.raises(SlabError) as err:
         unpack_header(raw)
-    assert err.value.kind is FailureKind.WRONG_NAMESPACE
+    assert err.value.kind is FailureCause.WRONG_NAMESPACE
     assert "format version 1" in str(err.value)
 
 
 def test_truncated_header_is_short_read() -> None:
     with pytest.raises(SlabError) as err:
         unpack_header(header()[:50])
-    assert err.value.kind is FailureKind.SHORT_READ
+    assert err.value.kind is FailureCause.SHORT_READ
 
 
 def test_bad_ids_are_programming_errors() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import (
     FILE_HEADER_BYTES,
     RECORD_BYTES,
@@ -19,6 +19,7 @@ from tieredkv.disk.journal import (
     Op,
     encode_record,
 )
+from tieredkv.protocol import FailureCause
 
 
 def k(i: int) -> bytes:
@@ -192,7 +193,7 @@ def test_failed_fsync_is_reported_then_retried(tmp_path: Path, monkeypatch: pyte
         journal.record_add(k(1), 1)
         with pytest.raises(SlabError) as err:
             journal.flush(timeout=5)
-        assert err.value.kind is FailureKind.IO_ERROR
+        assert err.value.kind is FailureCause.IO_ERROR
         journal.flush(timeout=5)  # retried by the flusher; nothing lost, nothing doubled
         assert journal.write_errors == 1
     replay = Journal.replay(path)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from tieredkv.disk import journal as journal_mod
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import RECORD_BYTES, Journal, JournalFiles
+from tieredkv.protocol import FailureCause
 
 ONE_ATTEMPT_PER_FLUSH = 3600.0
 
@@ -183,7 +184,7 @@ def test_a_failed_append_is_retried_without_losing_or_doubling(tmp_path: Path, f
         model.remove(3, 12)
         with pytest.raises(SlabError) as err:
             journal.flush(timeout=30)
-        assert err.value.kind in (FailureKind.NO_SPACE, FailureKind.IO_ERROR)
+        assert err.value.kind in (FailureCause.NO_SPACE, FailureCause.IO_ERROR)
         model.add(30, 5)
         flush_until_durable(journal, attempts=len(faults) + 1)
         assert files.armed() == 0  # every injected fault really happened
@@ -249,7 +250,7 @@ def test_nothing_after_an_unsynced_rename_is_reported_durable_until_the_director
         # The rename may not survive a crash, so these records are not durable yet either.
         with pytest.raises(SlabError) as err:
             journal.flush(timeout=30)
-        assert err.value.kind is FailureKind.IO_ERROR
+        assert err.value.kind is FailureCause.IO_ERROR
         journal.flush(timeout=30)
         # Both injected failures fired (the rename's sync, then the retry before the first
         # append); the third try, before the next append, succeeded.
@@ -280,7 +281,7 @@ def test_real_enospc_in_mid_batch_loses_nothing(small_tmpfs: Path) -> None:
         model.add(10, 200)  # 11 KiB: part of it fits in the journal's last page, the rest not
         with pytest.raises(SlabError) as err:
             journal.flush(timeout=30)
-        assert err.value.kind is FailureKind.NO_SPACE
+        assert err.value.kind is FailureCause.NO_SPACE
         assert path.stat().st_size > journal_mod.FILE_HEADER_BYTES + 10 * RECORD_BYTES  # torn
         filler.unlink()
         model.add(210, 10)

@@ -325,9 +325,9 @@ LAYERS, BLOCKS, HEADS, BLOCK, CONTENT = 2, 16, 2, 16, 64
 
 def _worker(disk_path: Path):
     torch = pytest.importorskip("torch")
-    from tests.test_worker_half import fake_configs
+    from tests.vllm.test_worker_side import fake_configs
     from tieredkv.config import TieredKVConfig
-    from tieredkv.worker_half import WorkerHalf
+    from tieredkv.vllm.worker_side import WorkerHalf
 
     vllm_config, kv_cache_config = fake_configs(
         layers=LAYERS, blocks=BLOCKS, heads=HEADS, block=BLOCK, content=CONTENT

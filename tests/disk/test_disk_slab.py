@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from tieredkv.disk import slab as slab_mod
-from tieredkv.disk.errors import FailureKind, SlabError
-from tieredkv.disk.fileio import FaultyFileIO
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import HEADER_BYTES, align_up
 from tieredkv.disk.slab import SlabFile
-from tieredkv.host_tier import HostPool
+from tieredkv.protocol import FailureCause
+from tieredkv.testing.faulty_fileio import FaultyFileIO
+from tieredkv.transfer.host_pool import HostPool
 
 PAYLOAD = 100_000  # deliberately not a 4 KiB multiple: padding is exercised everywhere
 
@@ -94,7 +95,7 @@ def test_reopen_keeps_slots_and_resizes(tmp_path: Path, fp: bytes) -> None:
         assert out == data
         with pytest.raises(SlabError) as err:
             slab.read_slot_into(7, b"k" * 32, out)
-        assert err.value.kind is FailureKind.MISSING
+        assert err.value.kind is FailureCause.MISSING
     with open_slab(tmp_path, fp, num_slots=2) as slab:
         assert path.stat().st_size == 2 * slab.slot_stride
         slab.read_slot_into(1, b"k" * 32, out)
@@ -107,29 +108,29 @@ def test_verification_kinds(tmp_path: Path, fp: bytes, other_fp: bytes) -> None:
     with open_slab(tmp_path, fp) as slab:
         with pytest.raises(SlabError) as err:
             slab.read_slot_into(0, b"k" * 32, out)
-        assert err.value.kind is FailureKind.MISSING
+        assert err.value.kind is FailureCause.MISSING
         slab.write_slot(0, b"k" * 32, data)
         with pytest.raises(SlabError) as err:
             slab.read_slot_into(0, b"x" * 32, out)
-        assert err.value.kind is FailureKind.WRONG_KEY
+        assert err.value.kind is FailureCause.WRONG_KEY
         assert "slot 0" in str(err.value) and "rank0.slab" in str(err.value)
         assert slab.read_header(0, b"k" * 32).key == b"k" * 32
         with pytest.raises(SlabError) as err:
             slab.read_header(0, b"x" * 32)
-        assert err.value.kind is FailureKind.WRONG_KEY
+        assert err.value.kind is FailureCause.WRONG_KEY
         slab.invalidate_slot(0)
         with pytest.raises(SlabError) as err:
             slab.read_slot_into(0, b"k" * 32, out)
-        assert err.value.kind is FailureKind.MISSING
+        assert err.value.kind is FailureCause.MISSING
         slab.write_slot(0, b"k" * 32, data)
     with open_slab(tmp_path, other_fp) as other:
         with pytest.raises(SlabError) as err:
             other.read_slot_into(0, b"k" * 32, out)
-        assert err.value.kind is FailureKind.WRONG_NAMESPACE
+        assert err.value.kind is FailureCause.WRONG_NAMESPACE
     with SlabFile.open(tmp_path / "tier" / "rank0.slab", 4, PAYLOAD - 1, fp, create=False) as bad:
         with pytest.raises(SlabError) as err:  # another geometry: length does not match
             bad.read_header(0)
-        assert err.value.kind is FailureKind.WRONG_NAMESPACE
+        assert err.value.kind is FailureCause.WRONG_NAMESPACE
 
 
 def test_programming_errors_are_not_slab_errors(tmp_path: Path, fp: bytes) -> None:
@@ -149,7 +150,7 @@ def test_programming_errors_are_not_slab_errors(tmp_path: Path, fp: bytes) -> No
 def test_existing_only_and_readonly(tmp_path: Path, fp: bytes) -> None:
     with pytest.raises(SlabError) as err:
         SlabFile.open(tmp_path / "nope.slab", 4, PAYLOAD, fp, create=False)
-    assert err.value.kind is FailureKind.MISSING
+    assert err.value.kind is FailureCause.MISSING
     data = os.urandom(PAYLOAD)
     with open_slab(tmp_path, fp) as slab:
         slab.write_slot(3, b"k" * 32, data)
@@ -178,7 +179,7 @@ def test_closed_slab_fails_missing_and_close_waits_for_inflight(tmp_path: Path, 
     assert slab.closed
     with pytest.raises(SlabError) as err:
         slab.read_slot_into(0, b"k" * 32, out)
-    assert err.value.kind is FailureKind.MISSING
+    assert err.value.kind is FailureCause.MISSING
     gate.set()
     thread.join(5)
     assert result and result[0].key == b"k" * 32  # type: ignore[attr-defined]

@@ -128,7 +128,7 @@ def _journal_slots(disk: Path) -> list[int]:
 
 
 def _flip_payload_bytes(disk: Path, slots: list[int]) -> None:
-    from tieredkv.scheduler_half import DISK_HEADER_BYTES
+    from tieredkv.vllm.scheduler_side import DISK_HEADER_BYTES
 
     manifest = json.loads((disk / "manifest.json").read_text())
     stride = int(manifest["slot_stride"])

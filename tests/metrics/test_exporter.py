@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tieredkv.exporter import (
+from tieredkv.metrics.exporter import (
     FAILURE_CAUSES,
     HISTOGRAM,
     METRIC_SPECS,
@@ -39,7 +39,7 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 
 def test_exporter_does_not_import_vllm() -> None:
     code = (
-        "import sys, tieredkv.exporter\n"
+        "import sys, tieredkv.metrics.exporter\n"
         "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
         "assert not bad, bad\n"
     )

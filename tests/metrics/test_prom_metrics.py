@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from tieredkv.exporter import (
+from tieredkv.metrics.exporter import (
     COUNTER,
     DIRECTIONS,
     FAILURE_CAUSES,
@@ -34,7 +34,7 @@ def vllm_modules(require_vllm):
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
-    from tieredkv.plugin import register
+    from tieredkv.vllm.plugin import register
 
     register()
     config = VllmConfig(
@@ -68,7 +68,7 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 
 def stats_payload(scheduler: dict | None = None, workers: dict | None = None) -> dict:
     """Scheduler and worker snapshots combined the way vLLM does: TieredKVStats.aggregate."""
-    from tieredkv.stats import TieredKVStats
+    from tieredkv.vllm.stats import TieredKVStats
 
     total = TieredKVStats(data={})
     for part in (workers, scheduler):
@@ -78,13 +78,13 @@ def stats_payload(scheduler: dict | None = None, workers: dict | None = None) ->
 
 
 def test_failure_causes_match_stats_module(vllm_modules) -> None:
-    from tieredkv import stats
+    from tieredkv.vllm import stats
 
     assert FAILURE_CAUSES == stats.FAILURE_CAUSES
 
 
 def test_connector_builds_tieredkv_metrics(connector_prom) -> None:
-    from tieredkv.prom_metrics import TieredKVPromMetrics
+    from tieredkv.vllm.prometheus import TieredKVPromMetrics
 
     assert isinstance(connector_prom.prom_metrics, TieredKVPromMetrics)
 
@@ -260,7 +260,7 @@ def test_vllm_unregisters_tieredkv_collectors_between_loggers(vllm_modules) -> N
     """With vLLM's default classes (global REGISTRY), a second logger needs vLLM's unregister."""
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-    from tieredkv.prom_metrics import TieredKVPromMetrics
+    from tieredkv.vllm.prometheus import TieredKVPromMetrics
 
     types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
     config = vllm_modules.config

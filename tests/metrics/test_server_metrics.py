@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.exporter import FAILURE_CAUSES, METRIC_SPECS
+from tieredkv.metrics.exporter import FAILURE_CAUSES, METRIC_SPECS
 from tieredkv.tools.demo import Server, free_port
 
 pytestmark = pytest.mark.vllm

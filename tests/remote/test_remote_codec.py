@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from remote_helpers import FINGERPRINT, OTHER_FINGERPRINT, make_key, payload_for
 
-from tieredkv.disk.errors import FailureKind
-from tieredkv.failures import FAILURE_CAUSES
+from tieredkv.protocol import FAILURE_CAUSES, FailureCause
 from tieredkv.remote import codec
 from tieredkv.remote.codec import HEADER_BYTES, Rejected, Verified, decode, encode, remote_key
 
@@ -57,28 +56,28 @@ def _flip(value: bytes, offset: int) -> bytes:
 @pytest.mark.parametrize(
     ("name", "make", "overrides", "cause"),
     [
-        ("absent", lambda: None, {}, FailureKind.MISSING),
-        ("payload bit flip", lambda: _flip(_good(), HEADER_BYTES + 1234), {}, FailureKind.CHECKSUM),
-        ("header bit flip", lambda: _flip(_good(), 60), {}, FailureKind.CHECKSUM),
-        ("foreign text", lambda: b"just some application's cached JSON {}" * 5, {}, FailureKind.CHECKSUM),
-        ("tiny foreign value", lambda: b"1", {}, FailureKind.SHORT_READ),
-        ("header cut", lambda: _good()[: HEADER_BYTES - 1], {}, FailureKind.SHORT_READ),
-        ("payload cut", lambda: _good()[:-1], {}, FailureKind.SHORT_READ),
-        ("trailing bytes", lambda: _good() + b"\0", {}, FailureKind.CHECKSUM),
+        ("absent", lambda: None, {}, FailureCause.MISSING),
+        ("payload bit flip", lambda: _flip(_good(), HEADER_BYTES + 1234), {}, FailureCause.CHECKSUM),
+        ("header bit flip", lambda: _flip(_good(), 60), {}, FailureCause.CHECKSUM),
+        ("foreign text", lambda: b"just some application's cached JSON {}" * 5, {}, FailureCause.CHECKSUM),
+        ("tiny foreign value", lambda: b"1", {}, FailureCause.SHORT_READ),
+        ("header cut", lambda: _good()[: HEADER_BYTES - 1], {}, FailureCause.SHORT_READ),
+        ("payload cut", lambda: _good()[:-1], {}, FailureCause.SHORT_READ),
+        ("trailing bytes", lambda: _good() + b"\0", {}, FailureCause.CHECKSUM),
         ("other namespace", lambda: encode(PAYLOAD, fingerprint=OTHER_FINGERPRINT, key=KEY, rank=0),
-         {}, FailureKind.WRONG_NAMESPACE),
+         {}, FailureCause.WRONG_NAMESPACE),
         ("other format version", lambda: _with_header(version=codec.FORMAT_VERSION + 1), {},
-         FailureKind.WRONG_NAMESPACE),
-        ("other geometry", _good, {"expected_len": len(PAYLOAD) + 4096}, FailureKind.WRONG_NAMESPACE),
+         FailureCause.WRONG_NAMESPACE),
+        ("other geometry", _good, {"expected_len": len(PAYLOAD) + 4096}, FailureCause.WRONG_NAMESPACE),
         ("other chunk", lambda: encode(PAYLOAD, fingerprint=FINGERPRINT, key=make_key(2), rank=0),
-         {}, FailureKind.WRONG_KEY),
+         {}, FailureCause.WRONG_KEY),
         ("other rank", lambda: encode(PAYLOAD, fingerprint=FINGERPRINT, key=KEY, rank=1),
-         {}, FailureKind.WRONG_KEY),
-        ("lying length", lambda: _with_header(length=len(PAYLOAD) + 1), {}, FailureKind.SHORT_READ),
+         {}, FailureCause.WRONG_KEY),
+        ("lying length", lambda: _with_header(length=len(PAYLOAD) + 1), {}, FailureCause.SHORT_READ),
     ],
 )
 def test_bad_values_are_rejected_with_cause(
-    name: str, make: object, overrides: dict[str, object], cause: FailureKind
+    name: str, make: object, overrides: dict[str, object], cause: FailureCause
 ) -> None:
     result = _decode(make(), **overrides)  # type: ignore[operator]
     assert isinstance(result, Rejected), name

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from remote_helpers import FINGERPRINT, RedisClusterProcs, RedisServer, chunk_items, free_port
 
-from tieredkv.disk.errors import FailureKind
+from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
-from tieredkv.remote.results import RemoteCause
 from tieredkv.remote.url import parse_remote_url
 
 OpenStore = Callable[..., Awaitable[Any]]
@@ -22,7 +21,7 @@ TIMEOUT = 0.5  # the deadline under test
 SLACK = 0.5    # scheduling noise on a busy 2-core machine; a hang would be unbounded
 # Connects keep FAST's generous deadline: a Cluster handshake is several round trips.
 TIGHT = {"timeout_s": TIMEOUT}
-FAILED = {RemoteCause.IO_ERROR, RemoteCause.TIMEOUT, RemoteCause.UNAVAILABLE}
+FAILED = {FailureCause.IO_ERROR, FailureCause.TIMEOUT, FailureCause.UNAVAILABLE}
 
 
 async def test_down_at_start_then_recovers(
@@ -34,7 +33,7 @@ async def test_down_at_start_then_recovers(
     started = time.monotonic()
     result = await store.batch_exists([n for _, n, _ in chunk_items(prefix, 10)])
     assert time.monotonic() - started < 0.1  # answered without touching the network
-    assert result.cause is RemoteCause.UNAVAILABLE and result.values == [False] * 10
+    assert result.cause is FailureCause.UNAVAILABLE and result.values == [False] * 10
     await asyncio.sleep(1.0)
     attempts = store.stats().reconnect_attempts
     assert 3 <= attempts <= 30, attempts  # retrying, with backoff (capped at 0.2 s here)
@@ -55,7 +54,7 @@ async def test_sigkill_mid_use_then_restart(
     names = [n for _, n, _ in items]
     assert (await store.batch_set([(n, v) for _, n, v in items])).ok
 
-    outcomes: list[tuple[float, RemoteCause | None]] = []
+    outcomes: list[tuple[float, FailureCause | None]] = []
     stop = asyncio.Event()
 
     async def hammer() -> None:
@@ -83,7 +82,7 @@ async def test_sigkill_mid_use_then_restart(
     got = await store.batch_get(names)
     assert got.ok and got.values == [None] * 200  # gone with the old process: misses
     assert {decode(v, fingerprint=FINGERPRINT, key=k, rank=0).cause  # type: ignore[union-attr]
-            for (k, _, _), v in zip(items, got.values, strict=True)} == {FailureKind.MISSING}
+            for (k, _, _), v in zip(items, got.values, strict=True)} == {FailureCause.MISSING}
     assert (await store.batch_set([(n, v) for _, n, v in items])).ok
     assert store.stats().reconnects >= 2
 
@@ -101,11 +100,11 @@ async def test_client_pause_times_out_without_hanging(
     paused_at = time.monotonic()
     result = await store.batch_get(names)
     elapsed = time.monotonic() - paused_at
-    assert result.cause is RemoteCause.TIMEOUT and result.values == [None] * 50
+    assert result.cause is FailureCause.TIMEOUT and result.values == [None] * 50
     assert TIMEOUT * 0.9 <= elapsed < TIMEOUT + SLACK
     assert not store.up
     started = time.monotonic()
-    assert (await store.batch_exists(names)).cause is RemoteCause.UNAVAILABLE
+    assert (await store.batch_exists(names)).cause is FailureCause.UNAVAILABLE
     assert time.monotonic() - started < 0.1  # known down: no second wait on the server
 
     assert await store.wait_up(5)

@@ -19,9 +19,8 @@ from remote_helpers import (
     payload_for,
 )
 
-from tieredkv.disk.errors import FailureKind
+from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import Rejected, Verified, decode, encode, remote_key
-from tieredkv.remote.results import RemoteCause
 
 OpenStore = Callable[..., Awaitable[Any]]
 
@@ -99,7 +98,7 @@ async def test_other_rank_or_namespace_is_a_miss(
         got = await store.batch_get(names)
         assert got.ok and got.values == [None] * 20
         assert {decode(v, fingerprint=fp, key=k, rank=rank).cause for k, v in  # type: ignore[union-attr]
-                zip(keys, got.values, strict=True)} == {FailureKind.MISSING}
+                zip(keys, got.values, strict=True)} == {FailureCause.MISSING}
 
 
 async def test_values_under_a_wrong_name_are_rejected(
@@ -123,7 +122,7 @@ async def test_values_under_a_wrong_name_are_rejected(
         decode(got[2], fingerprint=FINGERPRINT, key=make_key(8), rank=0),
     ]
     assert [c.cause for c in checks if isinstance(c, Rejected)] == [
-        FailureKind.WRONG_KEY, FailureKind.WRONG_NAMESPACE, FailureKind.WRONG_KEY,
+        FailureCause.WRONG_KEY, FailureCause.WRONG_NAMESPACE, FailureCause.WRONG_KEY,
     ]
 
 
@@ -189,7 +188,7 @@ async def test_lru_eviction_reads_as_misses(
     hits = sum(isinstance(r, Verified) for r in results)
     misses = [r.cause for r in results if isinstance(r, Rejected)]
     assert 0 < hits < 120
-    assert set(misses) == {FailureKind.MISSING}
+    assert set(misses) == {FailureCause.MISSING}
     assert store.up
 
 
@@ -201,7 +200,7 @@ async def test_noeviction_oom_is_no_space_not_down(
     items = chunk_items(prefix, 80, size=64 << 10)
     results = [await store.batch_set([(n, v) for _, n, v in items[i:i + 10]]) for i in range(0, 80, 10)]
     refused = [r for r in results if not r.ok]
-    assert refused and {r.cause for r in refused} == {RemoteCause.NO_SPACE}
+    assert refused and {r.cause for r in refused} == {FailureCause.NO_SPACE}
     stored = sum(sum(r.values) for r in results)
     assert 0 < stored < 80
     assert store.up  # a full server answers: it is not an outage

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from remote_helpers import FAST, FINGERPRINT, RedisServer, chunk_items, free_port
 
+from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
-from tieredkv.remote.results import RemoteCause
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote.url import parse_remote_url
 
@@ -55,7 +55,7 @@ def test_down_at_construction_answers_unavailable_and_closes_fast(
     assert time.monotonic() - started < 1.0
     assert not store.up
     result = store.batch_exists([b"a", b"b"]).result(1)
-    assert result.cause is RemoteCause.UNAVAILABLE and result.values == [False, False]
+    assert result.cause is FailureCause.UNAVAILABLE and result.values == [False, False]
     assert store.submit_writes([(b"a", b"x")]) == 0 and store.stats().writes_dropped == 1
     started = time.monotonic()
     assert store.close(2.0)
@@ -81,6 +81,6 @@ def test_close_is_bounded_while_calls_hang_on_a_paused_server(
     assert time.monotonic() - started < 1.5
     for future in pending:
         result = future.result(0)  # resolved by close: a poller never waits forever
-        assert result.cause is RemoteCause.CANCELLED and result.values == [None] * 20
+        assert result.cause is FailureCause.CANCELLED and result.values == [None] * 20
     after = store.batch_exists(names)
-    assert after.done() and after.result().cause is RemoteCause.CANCELLED
+    assert after.done() and after.result().cause is FailureCause.CANCELLED

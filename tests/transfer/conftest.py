@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transfer_helpers import CHUNK_BLOCKS, FINGERPRINT, layout_caches, recording_io
 
-from tieredkv.host_tier import HostPool
 from tieredkv.transfer.copy_ops import CopyBackend, TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transfer_helpers import layout_caches, make_key, results_by_id, slot_block
 
-from tieredkv.host_tier import HostPool
+from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
 from tieredkv.transfer.copy_ops import (
     CupyCopyBackend,
     TorchCopyBackend,
@@ -21,9 +21,9 @@ from tieredkv.transfer.copy_ops import (
     select_backend,
 )
 from tieredkv.transfer.engine import TransferEngine
-from tieredkv.transfer.jobs import LoadChunk, LoadJob, StoreJob
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
-from tieredkv.transfer.streams import CopyLane
+from tieredkv.transfer.lanes import CopyLane
 
 pytestmark = [
     pytest.mark.cuda,

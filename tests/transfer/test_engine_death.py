@@ -24,10 +24,10 @@ from transfer_helpers import (
     results_by_id,
 )
 
-from tieredkv.daemon_calls import STOP
-from tieredkv.transfer import streams
+from tieredkv.protocol import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+from tieredkv.transfer import lanes
+from tieredkv.transfer.daemon_calls import STOP
 from tieredkv.transfer.engine import EngineDeadError, TransferEngine
-from tieredkv.transfer.jobs import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
 
 pytestmark = pytest.mark.timeout(60)  # on a regression these tests fail, they never hang
 
@@ -97,7 +97,7 @@ def test_a_loop_that_cannot_start_fails_every_job_and_every_later_submit(
 
         monkeypatch.setattr(TransferEngine, "_setup", broken_setup)
     else:
-        real_lane = streams.CopyLane
+        real_lane = lanes.CopyLane
 
         def lane(name, *args, **kwargs):
             if name == "h2d":
@@ -206,7 +206,7 @@ def _crashing_serve_calls(thread_prefix: str, crash: threading.Event):
 def test_a_copy_lane_thread_crash_fails_every_pending_job(kv, host, slab, make_engine, monkeypatch, caplog) -> None:
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
     crash = threading.Event()
-    monkeypatch.setattr(streams, "serve_calls", _crashing_serve_calls("tieredkv-d2h", crash))
+    monkeypatch.setattr(lanes, "serve_calls", _crashing_serve_calls("tieredkv-d2h", crash))
     engine = make_engine()
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
     want = expected_slot(kv, C, (1, 2, 3, 4))
@@ -255,12 +255,12 @@ def test_a_slab_io_thread_crash_fails_every_pending_job(kv, host, slab, make_eng
 
 
 def _fake_configs():
-    from tests.test_worker_half import BLOCK as block
-    from tests.test_worker_half import BLOCKS as blocks
-    from tests.test_worker_half import CONTENT as content
-    from tests.test_worker_half import HEADS as heads
-    from tests.test_worker_half import LAYERS as layers
-    from tests.test_worker_half import fake_configs
+    from tests.vllm.test_worker_side import BLOCK as block
+    from tests.vllm.test_worker_side import BLOCKS as blocks
+    from tests.vllm.test_worker_side import CONTENT as content
+    from tests.vllm.test_worker_side import HEADS as heads
+    from tests.vllm.test_worker_side import LAYERS as layers
+    from tests.vllm.test_worker_side import fake_configs
 
     vllm_config, kv_cache_config = fake_configs()
     caches = {f"l{i}": torch.zeros(blocks, heads, block, content) for i in range(layers)}
@@ -269,9 +269,9 @@ def _fake_configs():
 
 def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypatch, caplog) -> None:
     from tieredkv.config import TieredKVConfig
-    from tieredkv.metadata import TieredKVMetadata
-    from tieredkv.planner import StepPlan
-    from tieredkv.worker_half import WorkerHalf
+    from tieredkv.protocol import StepPlan
+    from tieredkv.vllm.metadata import TieredKVMetadata
+    from tieredkv.vllm.worker_side import WorkerHalf
 
     def broken_setup(self) -> None:
         raise Boom("injected start-up failure")
@@ -283,7 +283,7 @@ def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypa
     worker.register_kv_caches(caches)
     try:
         plan = StepPlan(
-            stores=[StoreJob(1, b"s" * 32, 0, (1, 2))], store_req_ids={1: "stored"},
+            stores=[StoreJob(1, b"s" * 32, 0, (1, 2), req_id="stored")],
             loads=[LoadJob(2, "loaded", (LoadChunk(b"x" * 32, 3, 0, (10, 11)),))],
         )
         metadata = TieredKVMetadata(plan=plan)
@@ -300,7 +300,7 @@ def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypa
         assert sending == {"stored"}
         meta = worker.build_worker_meta()
         assert meta is not None
-        assert {job: outcome[:3] for job, outcome in meta.outcomes.items()} == {
+        assert {job: (r.ok, r.failed, r.failure) for job, r in meta.results.items()} == {
             1: (0, 1, "cancelled"), 2: (0, 1, "cancelled"),
         }
     finally:

@@ -14,7 +14,7 @@ queued: only stream/event ordering can make the bytes come out right.
   loaded bytes), lands after the blocks' previous tenant's queued writes, and touches no
   other block of any layer (a hit may start mid-chunk);
 - ``handle_preemptions`` cancels a queued store and waits for a running one, so the next
-  tenant's writes never reach a slot; the sleep-mode pause (``tieredkv/sleep_hook.py``)
+  tenant's writes never reach a slot; the sleep-mode pause (``tieredkv/vllm/sleep_hook.py``)
   leaves no copy queued on any stream when the memory would go, refuses device jobs while
   asleep, and resumes after wake-up;
 - d2h and h2d overlap each other and the next forward (CUDA: a timeline from CUDA events
@@ -61,19 +61,18 @@ from vllm_cuda_layouts import (
     layer_names,
 )
 
-from tieredkv import sleep_hook
 from tieredkv.config import TieredKVConfig
-from tieredkv.planner import StepPlan
+from tieredkv.protocol import FailureCause, LoadChunk, LoadJob, StepPlan, StoreJob
 from tieredkv.transfer.copy_ops import CopyBackend, CupyCopyBackend
-from tieredkv.transfer.jobs import CANCELLED, LoadChunk, LoadJob, StoreJob
 from tieredkv.transfer.kv_views import KVViews
+from tieredkv.vllm import sleep_hook
 
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 
 
 def _import_worker_half() -> tuple[Any, Any]:
-    """``tieredkv.worker_half`` and ``tieredkv.metadata``; where vLLM is not installed (the GPU
-    machines), ``tieredkv.metadata``'s two vLLM base classes are stood in for while it is
+    """``tieredkv.vllm.worker_side`` and ``tieredkv.vllm.metadata``; where vLLM is not installed (the GPU
+    machines), ``tieredkv.vllm.metadata``'s two vLLM base classes are stood in for while it is
     imported, then the stand-in modules are removed again (other tests still see no vLLM)."""
     try:
         importlib.import_module(_BASE)
@@ -91,11 +90,11 @@ def _import_worker_half() -> tuple[Any, Any]:
         base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})  # type: ignore[attr-defined]
         base.KVConnectorWorkerMetadata = type("KVConnectorWorkerMetadata", (), {})  # type: ignore[attr-defined]
         try:
-            return importlib.import_module("tieredkv.worker_half"), importlib.import_module("tieredkv.metadata")
+            return importlib.import_module("tieredkv.vllm.worker_side"), importlib.import_module("tieredkv.vllm.metadata")
         finally:
             for name in added:
                 sys.modules.pop(name, None)
-    return importlib.import_module("tieredkv.worker_half"), importlib.import_module("tieredkv.metadata")
+    return importlib.import_module("tieredkv.vllm.worker_side"), importlib.import_module("tieredkv.vllm.metadata")
 
 
 _worker_half, _metadata = _import_worker_half()
@@ -121,7 +120,7 @@ FORWARD_DELAY_MS = 150.0  # how long the compute stream stays busy before the fo
 
 
 def _configs(case: LayoutCase, num_layers: int, num_blocks: int) -> tuple[Any, Any]:
-    """The fields of vLLM's configs the worker half reads (as tests/test_worker_half.py)."""
+    """The fields of vLLM's configs the worker half reads (as tests/vllm/test_worker_side.py)."""
     spec = SimpleNamespace(
         block_size=case.block_size, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
         page_size_bytes=case.page_size_bytes,
@@ -260,7 +259,7 @@ class Rig:
             self.worker.submit_stores(metadata)
             return self.worker.collect(set())
 
-    def outcomes_until(self, job_ids: Sequence[int], timeout_s: float = 20.0,
+    def results_until(self, job_ids: Sequence[int], timeout_s: float = 20.0,
                        after: tuple[set[str], set[str]] | None = None) -> dict:
         """Later steps' get_finished until every job in ``job_ids`` has an outcome."""
         got: dict[int, tuple] = {}
@@ -271,15 +270,15 @@ class Rig:
             recving |= r
             meta = self.worker.build_worker_meta()
             if meta is not None:
-                got.update(meta.outcomes)
+                got.update(meta.results)
             if all(j in got for j in job_ids):
                 return {"outcomes": got, "recving": recving}
             time.sleep(0.002)
         raise AssertionError(f"no outcome for jobs {[j for j in job_ids if j not in got]}")
 
     def store(self, blocks: Sequence[int], slot: int, req: str = "r") -> int:
-        job = StoreJob(self.job_id(), b"k%d" % slot, slot, tuple(blocks))
-        self.step(StepPlan(stores=[job], store_req_ids={job.job_id: req}))
+        job = StoreJob(self.job_id(), b"k%d" % slot, slot, tuple(blocks), req_id=req)
+        self.step(StepPlan(stores=[job]))
         return job.job_id
 
     # -------------------------------------------------------------- checks
@@ -465,11 +464,11 @@ def test_store_copies_what_the_forward_wrote_even_while_it_is_queued(
     full, partial = (5, 9, 2, 17), (20, 21)
     before = [rows.clone() for rows in rig.replica_kv.rows]
     done = rig.forward([*full, *partial], step=1, delay_ms=FORWARD_DELAY_MS)
-    jobs = [StoreJob(rig.job_id(), b"a", 3, full), StoreJob(rig.job_id(), b"b", 6, partial)]
-    rig.step(StepPlan(stores=jobs, store_req_ids={j.job_id: "req" for j in jobs}))
+    jobs = [StoreJob(rig.job_id(), b"a", 3, full, req_id="req"), StoreJob(rig.job_id(), b"b", 6, partial, req_id="req")]
+    rig.step(StepPlan(stores=jobs))
     assert_still_queued(rig, done, "the store")
-    outcomes = rig.outcomes_until([j.job_id for j in jobs])["outcomes"]
-    assert all(outcomes[j.job_id][:2] == (1, 0) for j in jobs), outcomes
+    outcomes = rig.results_until([j.job_id for j in jobs])["outcomes"]
+    assert all((outcomes[j.job_id].ok, outcomes[j.job_id].failed) == (1, 0) for j in jobs), outcomes
     for layer, old in enumerate(before):  # the forward did change those blocks
         assert not torch.equal(rig.replica_kv.rows[layer][list(full)], old[list(full)])
     rig.assert_slot_holds(3, full)
@@ -489,15 +488,15 @@ def test_load_is_complete_when_reported_and_touches_no_other_block(
     source, targets = (3, 8, 11, 14), (25, 26, 27)
     rig.forward(source, step=1)
     store = rig.store(source, slot=2)
-    assert rig.outcomes_until([store])["outcomes"][store][:2] == (1, 0)
+    assert (lambda r: (r.ok, r.failed))(rig.results_until([store])["outcomes"][store]) == (1, 0)
     # The targets' previous tenant is still writing them (queued on the compute stream) when
     # the load is submitted: the h2d must land after those writes.
     tenant = rig.forward(targets, step=7, delay_ms=FORWARD_DELAY_MS)
     load = LoadJob(rig.job_id(), "hit", (LoadChunk(b"k2", 2, 1, targets),))  # from mid-chunk
     reported = rig.step(StepPlan(loads=[load]))
     assert_still_queued(rig, tenant, "the load")
-    seen = rig.outcomes_until([load.job_id], after=reported)
-    assert seen["outcomes"][load.job_id][:2] == (1, 0) and "hit" in seen["recving"]
+    seen = rig.results_until([load.job_id], after=reported)
+    assert (seen["outcomes"][load.job_id].ok, seen["outcomes"][load.job_id].failed) == (1, 0) and "hit" in seen["recving"]
     assert rig.worker.take_load_errors() == set()
     # vLLM schedules the request's forward right after get_finished reported the load: it
     # reads the blocks at once, on the compute stream, with no synchronisation in between.
@@ -561,9 +560,9 @@ def test_preemption_fence_cancels_queued_and_waits_for_running_stores(
     assert time.monotonic() - start >= 0.2, "the fence returned while the store was still copying"
     first_tenant = [rows[list(running)].clone() for rows in rig.replica_kv.rows]
     tenant_a = rig.forward(running, step=9)  # after the fence: may overwrite at once
-    outcomes = rig.outcomes_until([store_a, store_b])["outcomes"]
-    assert outcomes[store_a][:2] == (1, 0)
-    assert outcomes[store_b][:3] == (0, 1, CANCELLED)
+    outcomes = rig.results_until([store_a, store_b])["outcomes"]
+    assert (outcomes[store_a].ok, outcomes[store_a].failed) == (1, 0)
+    assert (outcomes[store_b].ok, outcomes[store_b].failed, outcomes[store_b].failure) == (0, 1, FailureCause.CANCELLED)
     if tenant_a is not None:
         tenant_a.synchronize()
     for layer, want in enumerate(first_tenant):  # the first tenant's bytes, not the next one's
@@ -612,7 +611,7 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
     FakeGpuWorker().sleep(1)
     assert time.monotonic() - start >= 0.15, "sleep did not wait for the running store"
     assert seen == ["sleep device_jobs=0 streams_idle=True"]
-    assert rig.outcomes_until([store])["outcomes"][store][:2] == (1, 0)
+    assert (lambda r: (r.ok, r.failed))(rig.results_until([store])["outcomes"][store]) == (1, 0)
     rig.assert_slot_holds(0, blocks)
 
     # Asleep: a load is refused at once, its blocks reported for recompute and left alone.
@@ -625,8 +624,8 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
     assert seen[-1] == "wake_up"
     load = LoadJob(rig.job_id(), "q2", (LoadChunk(b"k0", 0, 0, (30, 31)),))
     reported = rig.step(StepPlan(loads=[load], compute_idle=True))
-    seen_load = rig.outcomes_until([load.job_id], after=reported)
-    assert seen_load["outcomes"][load.job_id][:2] == (1, 0) and "q2" in seen_load["recving"]
+    seen_load = rig.results_until([load.job_id], after=reported)
+    assert seen_load["outcomes"][load.job_id].ok == 1 and seen_load["outcomes"][load.job_id].failed == 0 and "q2" in seen_load["recving"]
     assert rig.worker.take_load_errors() == set()
     rig.replica_load(0, 0, (30, 31))
     rig.assert_device_matches_replica()
@@ -705,7 +704,7 @@ def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
     warm_store = rig.store(down[0], slot=0)
     warm = LoadJob(rig.job_id(), "warm", (LoadChunk(b"w", 0, 0, up[0]),))
     warm_reported = rig.step(StepPlan(loads=[warm]))
-    rig.outcomes_until([warm_store, warm.job_id], after=warm_reported)
+    rig.results_until([warm_store, warm.job_id], after=warm_reported)
     rig.replica_load(0, 0, up[0])
     timeline.spans.clear()
     # Forward N writes the blocks to store; its stores and the loads for step N+1 are submitted
@@ -716,11 +715,10 @@ def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
     if cuda:
         ref = torch.cuda.Event(enable_timing=True)
         ref.record(rig.compute)
-    stores = [StoreJob(rig.job_id(), b"s%d" % i, i, ids) for i, ids in enumerate(down)]
+    stores = [StoreJob(rig.job_id(), b"s%d" % i, i, ids, req_id="prev") for i, ids in enumerate(down)]
     load = LoadJob(rig.job_id(), "next",
                    tuple(LoadChunk(b"l%d" % i, chunks + i, 0, ids) for i, ids in enumerate(up)))
-    reported = rig.step(StepPlan(stores=stores, loads=[load],
-                                 store_req_ids={s.job_id: "prev" for s in stores}))
+    reported = rig.step(StepPlan(stores=stores, loads=[load]))
     compute_span = None
     if cuda:
         with rig.in_compute():
@@ -732,9 +730,9 @@ def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
                 a = torch.tanh(a @ a)
             end.record()
         compute_span = (start, end)
-    seen = rig.outcomes_until([*(s.job_id for s in stores), load.job_id], after=reported)
-    assert all(seen["outcomes"][s.job_id][:2] == (1, 0) for s in stores)
-    assert seen["outcomes"][load.job_id][:2] == (1, 0) and "next" in seen["recving"]
+    seen = rig.results_until([*(s.job_id for s in stores), load.job_id], after=reported)
+    assert all((seen["outcomes"][s.job_id].ok, seen["outcomes"][s.job_id].failed) == (1, 0) for s in stores)
+    assert (seen["outcomes"][load.job_id].ok, seen["outcomes"][load.job_id].failed) == (1, 0) and "next" in seen["recving"]
     for i, ids in enumerate(down):
         rig.assert_slot_holds(i, ids)
     for i, ids in enumerate(up):

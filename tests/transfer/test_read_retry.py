@@ -14,9 +14,10 @@ import torch
 from transfer_helpers import CHUNK_BLOCKS, make_key, results_by_id
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.keys import chunk_keys, sha256_block_hashes
-from tieredkv.planner import JobOutcome, Planner
-from tieredkv.transfer.jobs import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+from tieredkv.keys import chunk_keys
+from tieredkv.protocol import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+from tieredkv.scheduler.planner import Planner
+from tieredkv.testing.hashing import sha256_block_hashes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,11 +36,7 @@ def run(engine, planner: Planner, plan) -> dict:
     jobs = [*plan.stores, *plan.spills, *plan.promotes, *plan.loads]
     engine.submit(jobs)
     results = results_by_id(engine, len(jobs))
-    planner.apply({
-        r.job_id: JobOutcome(ok=1) if r.ok else JobOutcome(
-            failed=1, failure=r.failure, failed_block_ids=set(r.failed_block_ids))
-        for r in results.values()
-    })
+    planner.apply(results.values())
     return results
 
 
@@ -193,7 +190,7 @@ def test_a_load_reads_a_chunk_again_within_its_deadline(kv, host, slab, fio, mak
 
 
 def test_retries_reach_the_reported_stats(host, slab, fio, make_engine) -> None:
-    from tieredkv.stats import TieredKVStats  # imports vLLM
+    from tieredkv.vllm.stats import TieredKVStats  # imports vLLM
 
     engine = make_engine()
     planner, _ = spilled_prompt(engine, host)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from transfer_helpers import layout_caches
 
-from tieredkv.host_tier import HostPool
 from tieredkv.transfer import _rowcopy, copy_ops
 from tieredkv.transfer.copy_ops import NativeCopyBackend
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 LAYERS = 2

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transfer_helpers import assert_slot_holds, expected_slot, layout_caches, slot_block
 
-from tieredkv.host_tier import HostPool
 from tieredkv.transfer import copy_ops
 from tieredkv.transfer.copy_ops import (
     CupyCopyBackend,
@@ -20,6 +19,7 @@ from tieredkv.transfer.copy_ops import (
     segment_table,
     select_backend,
 )
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 C = 4

@@ -19,7 +19,7 @@ from transfer_helpers import (
     slot_block,
 )
 
-from tieredkv.transfer.jobs import (
+from tieredkv.protocol import (
     JobResult,
     LoadChunk,
     LoadJob,
@@ -77,7 +77,7 @@ def test_every_job_type_moves_the_right_bytes(kv, host, make_engine) -> None:
         LoadChunk(make_key(9), 9, 0, target_a),
         LoadChunk(make_key(0), 0, 0, target_b, disk_slot=3),
     ))])
-    assert results_by_id(engine, 1)[14] == JobResult(14, True)
+    assert results_by_id(engine, 1)[14] == JobResult.done(14)
     for layer in range(kv.num_layers):
         for j in range(C):
             assert torch.equal(kv.rows[layer][target_a[j]], want[9][(layer, j)])
@@ -208,7 +208,7 @@ def test_fence_waits_for_running_store_and_cancels_queued(kv, host, make_engine)
     assert not fenced.is_alive()
     results = results_by_id(engine, 3)
     assert results[1].ok
-    assert results[2] == JobResult(2, False, "cancelled")
+    assert results[2] == JobResult.fail(2, "cancelled")
     assert results[3].ok
     assert_slot_holds(kv, host, 1, (1, 2, 3, 4), snapshot=running)
 
@@ -223,7 +223,7 @@ def test_fence_timeout_fails_the_store_it_gave_up_on(kv, host, make_engine) -> N
     engine.fence_blocks([3], timeout_s=0.1)
     assert 0.09 < time.monotonic() - t0 < 1.0
     gate.set()
-    assert results_by_id(engine, 1)[1] == JobResult(1, False, "cancelled")
+    assert results_by_id(engine, 1)[1] == JobResult.fail(1, "cancelled")
 
 
 # ---------------------------------------------------------------------------- shutdown
@@ -251,11 +251,11 @@ def test_shutdown_with_jobs_in_flight_is_bounded_and_reports_everything(kv, host
     assert time.monotonic() - t0 < 3.0
     results = results_by_id(engine, len(jobs))
     assert {r.failure for r in results.values()} <= {"cancelled", None}
-    assert results[5] == JobResult(5, False, "cancelled", (20, 21, 22, 23))
+    assert results[5] == JobResult.fail(5, "cancelled", (20, 21, 22, 23))
     assert results[4].failure == "cancelled"
     engine.shutdown()  # idempotent
     engine.submit([StoreJob(99, make_key(9), 9, (1, 2, 3, 4))])
-    assert results_by_id(engine, 1)[99] == JobResult(99, False, "cancelled")
+    assert results_by_id(engine, 1)[99] == JobResult.fail(99, "cancelled")
     gate.set()
     release.set()
     fio.release_all()
@@ -324,7 +324,7 @@ def test_failed_read_in_load_fails_that_chunk_and_all_after(kv, host, slab, fio,
     ))])
     result = results_by_id(engine, 1)[5]
     kind = {"missing_slab": "missing"}.get(fault, fault)
-    assert result == JobResult(5, False, kind, targets[1] + targets[2])
+    assert result == JobResult.fail(5, kind, targets[1] + targets[2])
     for layer in range(kv.num_layers):
         for j, block in enumerate(targets[0]):
             assert torch.equal(kv.rows[layer][block], slot_block(kv, host, 0, layer, j))
@@ -340,10 +340,10 @@ def test_promote_timeout_keeps_the_slot_reserved_until_the_read_returns(kv, host
     assert results_by_id(engine, 1)[2].ok
     release = fio.hang("read", times=1)
     engine.submit([PromoteJob(3, make_key(0), 0, 5)])
-    assert results_by_id(engine, 1, timeout_s=3)[3] == JobResult(3, False, "timeout")
+    assert results_by_id(engine, 1, timeout_s=3)[3] == JobResult.fail(3, "timeout")
     # the hung read still owns slot 5: a store into it is refused, not corrupted
     engine.submit([StoreJob(4, make_key(4), 5, (5, 6, 7, 8))])
-    assert results_by_id(engine, 1)[4] == JobResult(4, False, "copy_error")
+    assert results_by_id(engine, 1)[4] == JobResult.fail(4, "copy_error")
     release.set()
     deadline = time.monotonic() + 3
     while engine.take_stats()["queue_depths"]["host_slots_in_flight"] and time.monotonic() < deadline:
@@ -361,7 +361,7 @@ def test_bad_job_fails_alone(kv, host, make_engine) -> None:
     ])
     results = results_by_id(engine, 3)
     assert results[1].failure == "copy_error" and results[2].ok
-    assert results[3] == JobResult(3, False, "copy_error", (12,))
+    assert results[3] == JobResult.fail(3, "copy_error", (12,))
     with pytest.raises(TypeError):
         engine.submit(["not a job"])  # type: ignore[list-item]
 
@@ -403,7 +403,7 @@ def test_promote_into_a_slot_being_loaded_is_refused(kv, host, fio, make_engine)
     engine.submit([LoadJob(4, "r", (LoadChunk(make_key(0), 6, 0, (30, 31, 32, 33)),))])
     results = results_by_id(engine, 2)
     assert results[3].ok
-    assert results[4] == JobResult(4, False, "copy_error", (30, 31, 32, 33))
+    assert results[4] == JobResult.fail(4, "copy_error", (30, 31, 32, 33))
     for layer in range(kv.num_layers):
         for block in (30, 31, 32, 33):
             assert torch.equal(kv.rows[layer][block], before[layer][block])
@@ -431,7 +431,7 @@ def test_inline_host_load_is_done_when_submit_returns(kv, host, make_engine) -> 
     want = _store_all(engine, kv, {2: (1, 2, 3, 4)})
     engine.submit([LoadJob(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
                   inline_max_bytes=1 << 40)
-    assert engine.poll() == [JobResult(7, True)]  # no wait: it already happened
+    assert engine.poll() == [JobResult.done(7)]  # no wait: it already happened
     assert backend.h2d_threads == [threading.current_thread().name]
     assert_slot_holds(kv, host, 2, (30, 31, 32, 33), snapshot=want[2])
 
@@ -460,7 +460,7 @@ def test_inline_load_from_a_slot_being_written_is_refused_untouched(kv, host, ma
     before = device_snapshot(kv)
     engine.submit([LoadJob(2, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),))],
                   inline_max_bytes=1 << 40)
-    assert engine.poll() == [JobResult(2, False, "copy_error", (20, 21, 22, 23))]
+    assert engine.poll() == [JobResult.fail(2, "copy_error", (20, 21, 22, 23))]
     for layer in range(kv.num_layers):
         for block in (20, 21, 22, 23):
             assert torch.equal(kv.rows[layer][block], before[layer][block])
@@ -481,7 +481,7 @@ def test_wait_for_results_sleeps_until_a_result_or_the_timeout(kv, host, make_en
     assert time.monotonic() - start >= 0.09
     threading.Timer(0.05, gate.set).start()
     assert engine.wait_for_results(5.0)
-    assert engine.poll() == [JobResult(5, True)]
+    assert engine.poll() == [JobResult.done(5)]
 
 
 def test_a_load_bigger_than_the_inline_budget_goes_to_the_lane(kv, host, make_engine) -> None:
@@ -495,5 +495,5 @@ def test_a_load_bigger_than_the_inline_budget_goes_to_the_lane(kv, host, make_en
     assert results_by_id(engine, 1)[7].ok
     engine.submit([LoadJob(8, "r", (LoadChunk(make_key(2), 2, 0, (34, 35, 36, 37)),))],
                   inline_max_bytes=one_chunk)
-    assert engine.poll() == [JobResult(8, True)]
+    assert engine.poll() == [JobResult.done(8)]
     assert backend.h2d_threads == ["tieredkv-h2d", threading.current_thread().name]

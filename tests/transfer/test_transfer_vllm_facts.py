@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tieredkv.host_tier import HostPool
 from tieredkv.transfer.copy_ops import TorchCopyBackend, VllmCopyBackend, select_backend
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 kv_interface = pytest.importorskip("vllm.v1.kv_cache_interface")

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tieredkv.host_tier import HostPool
 from tieredkv.transfer.copy_ops import CopyBackend, Pair, TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/transfer namespace").digest()
@@ -119,7 +119,7 @@ def recording_io():
 
     Built on demand so that GPU-only runs (no disk-tier dependencies) can import this module.
     """
-    from tieredkv.disk.fileio import FaultyFileIO
+    from tieredkv.testing.faulty_fileio import FaultyFileIO
 
     class RecordingIO(FaultyFileIO):
         def __init__(self) -> None:

@@ -2,21 +2,19 @@
 
 Worker side: :class:`SlabFile` (one per rank) driven by :class:`SlabExecutor`. Scheduler
 side: :class:`DiskCatalog` (lock, manifest, journal, verified recovery). Every failure is a
-:class:`SlabError` with a :class:`FailureKind`.
+:class:`SlabError` with a :class:`tieredkv.protocol.FailureCause`.
 """
 
 from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.catalog import DiskCatalog, slab_path
-from tieredkv.disk.errors import FailureKind, SlabError
-from tieredkv.disk.fileio import FaultyFileIO, FileIO
+from tieredkv.disk.errors import SlabError
+from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import HEADER_BYTES, SlotHeader, slot_stride
 from tieredkv.disk.slab import SlabFile
 
 __all__ = [
     "HEADER_BYTES",
     "DiskCatalog",
-    "FailureKind",
-    "FaultyFileIO",
     "FileIO",
     "SlabError",
     "SlabExecutor",

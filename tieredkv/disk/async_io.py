@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tieredkv.daemon_calls import STOP, serve_calls
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import SlotHeader
 from tieredkv.disk.slab import SlabFile
+from tieredkv.protocol import FailureCause
+from tieredkv.transfer.daemon_calls import STOP, serve_calls
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class SlabExecutor:
             future.cancel()  # succeeds only if it had not started
             self.timeouts += 1
             raise SlabError(
-                FailureKind.TIMEOUT, f"{what} did not finish in {timeout:g} s",
+                FailureCause.TIMEOUT, f"{what} did not finish in {timeout:g} s",
                 slot=slot, path=slab.path, pending=future,
             ) from None
         except asyncio.CancelledError:

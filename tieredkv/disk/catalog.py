@@ -3,7 +3,7 @@
 At start-up it answers one question: which ``key -> slot`` entries from the last run can this
 engine trust? Only those whose manifest matches this engine's namespace and slot geometry,
 whose journal records are intact, and whose slot header on *every* rank's slab file names the
-right key. Everything else is dropped and counted by :class:`FailureKind`. Payloads are not
+right key. Everything else is dropped and counted by :class:`FailureCause`. Payloads are not
 read here (that would read the whole disk at start-up); every later read verifies them.
 
 Slab files belong to the workers (each rank opens and sizes its own ``rank{r}.slab``); the
@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
@@ -37,6 +37,7 @@ from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import ensure_private_dir, restrict_dir
 from tieredkv.disk.slab import SlabFile
+from tieredkv.protocol import FailureCause
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def verify_headers(
     world_size: int,
     io: FileIO | None = None,
     aliases: dict[bytes, tuple[bytes, ...]] | None = None,
-) -> tuple[dict[bytes, int], Counter[FailureKind]]:
+) -> tuple[dict[bytes, int], Counter[FailureCause]]:
     """Keep the entries whose slot header is right on every rank; count the rest by kind.
 
     With ``aliases`` given, it is filled with each kept entry's alias keys (its other blocks),
@@ -67,7 +68,7 @@ def verify_headers(
     ``wrong_key``: they were written by one job).
     """
     good = dict(entries)
-    dropped: Counter[FailureKind] = Counter()
+    dropped: Counter[FailureCause] = Counter()
     stride = slot_stride(payload_bytes)
     seen: dict[bytes, tuple[bytes, ...]] = {}
     for rank in range(world_size):
@@ -89,7 +90,7 @@ def verify_headers(
                 size = 0
             for key, slot in sorted(good.items(), key=lambda kv: kv[1]):
                 if (slot + 1) * stride > size:
-                    dropped[FailureKind.SHORT_READ] += 1
+                    dropped[FailureCause.SHORT_READ] += 1
                     del good[key]
                     continue
                 try:
@@ -101,7 +102,7 @@ def verify_headers(
                 if rank == 0:
                     seen[key] = header.aliases
                 elif seen.get(key) != header.aliases:
-                    dropped[FailureKind.WRONG_KEY] += 1
+                    dropped[FailureCause.WRONG_KEY] += 1
                     del good[key]
     if aliases is not None:
         aliases.update((key, seen[key]) for key in good if seen.get(key))
@@ -122,7 +123,7 @@ class DiskCatalog:
         journal: Journal,
         manifest: Manifest,
         recovered: dict[bytes, int],
-        dropped: Counter[FailureKind],
+        dropped: Counter[FailureCause],
         reset_reason: str | None,
         journal_tail_bytes: int = 0,
         recovered_aliases: dict[bytes, tuple[bytes, ...]] | None = None,
@@ -137,7 +138,7 @@ class DiskCatalog:
         self.recovered = recovered
         # key -> the keys of the entry's other blocks (from its slot headers); absent: none
         self.recovered_aliases = recovered_aliases or {}
-        self.dropped_at_recovery: dict[FailureKind, int] = dict(dropped)
+        self.dropped_at_recovery: dict[FailureCause, int] = dict(dropped)
         self.reset_reason = reset_reason
         self.journal_tail_bytes = journal_tail_bytes
         self._lock = lock
@@ -192,7 +193,7 @@ class DiskCatalog:
             reason = old.mismatch(fingerprint, payload_bytes, stride, world_size)
         recovered: dict[bytes, int] = {}
         recovered_aliases: dict[bytes, tuple[bytes, ...]] = {}
-        dropped: Counter[FailureKind] = Counter()
+        dropped: Counter[FailureCause] = Counter()
         replay = JournalReplay()
         if reason is None:
             replay = Journal.replay(journal_path)
@@ -201,7 +202,7 @@ class DiskCatalog:
             for key in out_of_range:
                 del entries[key]
             if out_of_range:
-                dropped[FailureKind.MISSING] += len(out_of_range)
+                dropped[FailureCause.MISSING] += len(out_of_range)
             recovered, bad = verify_headers(
                 disk_path, entries, fingerprint=fingerprint, payload_bytes=payload_bytes,
                 num_slots=num_slots, world_size=world_size, io=io, aliases=recovered_aliases,

@@ -8,22 +8,10 @@ from __future__ import annotations
 
 import errno
 from concurrent.futures import Future
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-
-class FailureKind(StrEnum):
-    """Why a disk-tier operation did not deliver (a ``str`` Enum: values appear in metrics)."""
-
-    IO_ERROR = "io_error"
-    SHORT_READ = "short_read"
-    CHECKSUM = "checksum"
-    WRONG_KEY = "wrong_key"
-    MISSING = "missing"
-    TIMEOUT = "timeout"
-    NO_SPACE = "no_space"
-    WRONG_NAMESPACE = "wrong_namespace"
+from tieredkv.protocol import FailureCause
 
 
 class SlabError(Exception):
@@ -35,7 +23,7 @@ class SlabError(Exception):
 
     def __init__(
         self,
-        kind: FailureKind,
+        kind: FailureCause,
         message: str,
         *,
         slot: int | None = None,
@@ -59,13 +47,13 @@ _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _MISSING_ERRNOS = {errno.ENOENT}
 
 
-def kind_for_oserror(exc: OSError) -> FailureKind:
+def kind_for_oserror(exc: OSError) -> FailureCause:
     """Map an OSError to the failure kind a caller acts on (full disk is not a broken disk)."""
     if exc.errno in _NO_SPACE_ERRNOS:
-        return FailureKind.NO_SPACE
+        return FailureCause.NO_SPACE
     if exc.errno in _MISSING_ERRNOS:
-        return FailureKind.MISSING
-    return FailureKind.IO_ERROR
+        return FailureCause.MISSING
+    return FailureCause.IO_ERROR
 
 
 def slab_error_from_oserror(

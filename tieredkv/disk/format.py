@@ -38,14 +38,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tieredkv.disk.errors import FailureKind, SlabError
+from tieredkv.disk.errors import SlabError
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_PART_BYTES, key_from_part, key_part
+from tieredkv.protocol import FailureCause
 
 MAGIC = b"TKVSLAB1"
 FORMAT_VERSION = 2
 PAGE_BYTES = 4096
 HEADER_BYTES = 4096
-
 _FIELDS = struct.Struct(f"<8sHH{FINGERPRINT_BYTES}s{KEY_BYTES}sQQQHH")
 _CRC = struct.Struct("<I")
 HEADER_USED = _FIELDS.size + _CRC.size  # the fixed part; the alias table follows
@@ -57,7 +57,7 @@ _ZEROS = bytes(HEADER_BYTES)
 def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
     """Round up to a multiple of ``alignment``.
 
-    Same rule as ``tieredkv.host_tier.align_up``; repeated here so that the disk tier and the
+    Same rule as ``tieredkv.transfer.host_pool.align_up``; repeated here so that the disk tier and the
     ``tieredkv`` command do not import torch just to round a number.
     """
     return (value + alignment - 1) // alignment * alignment
@@ -161,13 +161,13 @@ def unpack_header(buf: memoryview | bytes, *, slot: int | None = None, path: obj
     whole = memoryview(buf)
     view = whole[:HEADER_USED]
     if len(view) < HEADER_USED:
-        raise SlabError(FailureKind.SHORT_READ, f"header has {len(view)} bytes", slot=slot, path=path)
+        raise SlabError(FailureCause.SHORT_READ, f"header has {len(view)} bytes", slot=slot, path=path)
     (magic, version, flags, fingerprint, key, length, checksum, sequence, count,
      _reserved) = _FIELDS.unpack_from(view)
     if magic != MAGIC:
         if not any(view):
-            raise SlabError(FailureKind.MISSING, "slot is empty", slot=slot, path=path)
-        raise SlabError(FailureKind.CHECKSUM, f"bad magic {magic!r}", slot=slot, path=path)
+            raise SlabError(FailureCause.MISSING, "slot is empty", slot=slot, path=path)
+        raise SlabError(FailureCause.CHECKSUM, f"bad magic {magic!r}", slot=slot, path=path)
     (stored_crc,) = _CRC.unpack_from(view, _FIELDS.size)
     end = HEADER_USED + count * KEY_PART_BYTES
     table = whole[HEADER_USED:end]
@@ -177,13 +177,13 @@ def unpack_header(buf: memoryview | bytes, *, slot: int | None = None, path: obj
         (v1_crc,) = _CRC.unpack_from(view, _V1_FIELDS)
         if version != FORMAT_VERSION and zlib.crc32(view[:_V1_FIELDS]) == v1_crc:
             raise SlabError(  # an intact header of an older layout
-                FailureKind.WRONG_NAMESPACE,
+                FailureCause.WRONG_NAMESPACE,
                 f"format version {version}, expected {FORMAT_VERSION}", slot=slot, path=path,
             )
-        raise SlabError(FailureKind.CHECKSUM, "header checksum mismatch", slot=slot, path=path)
+        raise SlabError(FailureCause.CHECKSUM, "header checksum mismatch", slot=slot, path=path)
     if version != FORMAT_VERSION:
         raise SlabError(
-            FailureKind.WRONG_NAMESPACE,
+            FailureCause.WRONG_NAMESPACE,
             f"format version {version}, expected {FORMAT_VERSION}", slot=slot, path=path,
         )
     aliases = tuple(

@@ -53,9 +53,10 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tieredkv.disk.errors import FailureKind, SlabError, slab_error_from_oserror
+from tieredkv.disk.errors import SlabError, slab_error_from_oserror
 from tieredkv.disk.private_files import create_private_exclusive, ensure_private_dir, open_private
 from tieredkv.keys import KEY_BYTES
+from tieredkv.protocol import FailureCause
 
 logger = logging.getLogger(__name__)
 
@@ -376,10 +377,10 @@ class Journal:
         if isinstance(error, OSError):
             raise slab_error_from_oserror(error, "journal append", path=self.path) from error
         if error is not None:
-            raise SlabError(FailureKind.IO_ERROR, f"journal append failed: {error}", path=self.path)
+            raise SlabError(FailureCause.IO_ERROR, f"journal append failed: {error}", path=self.path)
         if finished:
-            raise SlabError(FailureKind.IO_ERROR, "journal flusher has stopped", path=self.path)
-        raise SlabError(FailureKind.TIMEOUT, f"journal flush took over {timeout} s", path=self.path)
+            raise SlabError(FailureCause.IO_ERROR, "journal flusher has stopped", path=self.path)
+        raise SlabError(FailureCause.TIMEOUT, f"journal flush took over {timeout} s", path=self.path)
 
     def compact(self, entries: Mapping[bytes, int], timeout: float | None = 60.0) -> None:
         """Atomically rewrite the journal as exactly ``entries`` (one ADD each).
@@ -403,7 +404,7 @@ class Journal:
             raise slab_error_from_oserror(exc, "journal compaction", path=self.path) from exc
         except cf.TimeoutError:
             raise SlabError(
-                FailureKind.TIMEOUT, f"journal compaction took over {timeout} s", path=self.path
+                FailureCause.TIMEOUT, f"journal compaction took over {timeout} s", path=self.path
             ) from None
 
     def close(self, timeout: float = 10.0) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from tieredkv.disk.errors import FailureKind, SlabError, slab_error_from_oserror
+from tieredkv.disk.errors import SlabError, slab_error_from_oserror
 from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import (
     HEADER_BYTES,
@@ -37,6 +37,7 @@ from tieredkv.disk.format import (
 )
 from tieredkv.disk.private_files import ensure_private_dir
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
+from tieredkv.protocol import FailureCause
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class SlabFile:
         if create:
             ensure_private_dir(path.parent)
         elif not os.path.lexists(path):
-            raise SlabError(FailureKind.MISSING, "slab file does not exist", path=path)
+            raise SlabError(FailureCause.MISSING, "slab file does not exist", path=path)
         if direct is None:
             directory = path.parent
             direct, why = probe_direct(directory, io) if not readonly else (False, "read-only")
@@ -256,7 +257,7 @@ class SlabFile:
     def _acquire(self, slot: int) -> int:
         with self._lock:
             if self._closing:
-                raise SlabError(FailureKind.MISSING, "slab file is closed", slot=slot, path=self.path)
+                raise SlabError(FailureCause.MISSING, "slab file is closed", slot=slot, path=self.path)
             self._inflight += 1
             return self._fd
 
@@ -369,14 +370,14 @@ class SlabFile:
         need = HEADER_BYTES + self.payload_bytes
         if got < need:
             raise SlabError(
-                FailureKind.SHORT_READ, f"read {got} of {need} bytes", slot=slot, path=self.path
+                FailureCause.SHORT_READ, f"read {got} of {need} bytes", slot=slot, path=self.path
             )
         header = self._verify_header(header_buf, slot, key)
         data = body[: self.payload_bytes]
         actual = payload_checksum(data)
         if actual != header.checksum:
             raise SlabError(
-                FailureKind.CHECKSUM,
+                FailureCause.CHECKSUM,
                 f"payload checksum {actual:#018x}, header says {header.checksum:#018x}",
                 slot=slot, path=self.path,
             )
@@ -398,7 +399,7 @@ class SlabFile:
             self._release()
         if got < HEADER_BYTES:
             raise SlabError(
-                FailureKind.SHORT_READ, f"read {got} of {HEADER_BYTES} header bytes",
+                FailureCause.SHORT_READ, f"read {got} of {HEADER_BYTES} header bytes",
                 slot=slot, path=self.path,
             )
         return self._verify_header(header_buf, slot, key)
@@ -407,18 +408,18 @@ class SlabFile:
         header = unpack_header(buf, slot=slot, path=self.path)
         if header.fingerprint != self.fingerprint:
             raise SlabError(
-                FailureKind.WRONG_NAMESPACE, "slot belongs to another namespace",
+                FailureCause.WRONG_NAMESPACE, "slot belongs to another namespace",
                 slot=slot, path=self.path,
             )
         if header.payload_len != self.payload_bytes:
             raise SlabError(
-                FailureKind.WRONG_NAMESPACE,
+                FailureCause.WRONG_NAMESPACE,
                 f"payload length {header.payload_len}, expected {self.payload_bytes}",
                 slot=slot, path=self.path,
             )
         if key is not None and header.key != key:
             raise SlabError(
-                FailureKind.WRONG_KEY, f"slot holds key {header.key.hex()[:16]}...",
+                FailureCause.WRONG_KEY, f"slot holds key {header.key.hex()[:16]}...",
                 slot=slot, path=self.path,
             )
         return header
@@ -442,7 +443,7 @@ class SlabFile:
             self._release()
         if written != want:
             raise SlabError(
-                FailureKind.IO_ERROR, f"short write: {written} of {want} bytes",
+                FailureCause.IO_ERROR, f"short write: {written} of {want} bytes",
                 slot=slot, path=self.path,
             )
 

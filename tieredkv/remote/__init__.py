@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tieredkv.remote.codec import Rejected, Verified, decode, encode, remote_key
-from tieredkv.remote.results import BatchResult, RemoteCause, RemoteStats
+from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.url import RemoteURL, parse_remote_url
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tieredkv.remote.threaded import ThreadedRemoteStore
 
 __all__ = [
-    "BatchResult", "Rejected", "RemoteCause", "RemoteStats", "RemoteStore", "RemoteURL",
+    "BatchResult", "Rejected", "RemoteStats", "RemoteStore", "RemoteURL",
     "ThreadedRemoteStore", "Verified", "decode", "encode", "parse_remote_url", "remote_key",
 ]
 

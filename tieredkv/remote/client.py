@@ -19,7 +19,7 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from tieredkv.remote.results import RemoteCause
+from tieredkv.protocol import FailureCause
 from tieredkv.remote.url import RemoteURL
 
 logger = logging.getLogger(__name__)
@@ -65,20 +65,20 @@ async def close_client(client: RemoteClient, timeout_s: float) -> None:
         logger.debug("closing a remote-tier client failed: %s", type(exc).__name__)
 
 
-def classify(exc: BaseException) -> tuple[RemoteCause, bool]:
+def classify(exc: BaseException) -> tuple[FailureCause, bool]:
     """``(cause, server_unusable)`` for an exception a call or a pipeline item produced.
 
     ``server_unusable`` marks the store down (reconnect with backoff); a plain error reply
     (e.g. OOM under ``noeviction``) means the server is there and answering.
     """
     if isinstance(exc, TimeoutError | rex.TimeoutError):  # asyncio's and redis-py's
-        return RemoteCause.TIMEOUT, True
+        return FailureCause.TIMEOUT, True
     if isinstance(exc, rex.ClusterDownError | rex.TryAgainError):
-        return RemoteCause.IO_ERROR, True
+        return FailureCause.IO_ERROR, True
     if isinstance(exc, rex.ResponseError):
         if isinstance(exc, rex.OutOfMemoryError) or str(exc).startswith("OOM"):
-            return RemoteCause.NO_SPACE, False
-        return RemoteCause.IO_ERROR, False
+            return FailureCause.NO_SPACE, False
+        return FailureCause.IO_ERROR, False
     if isinstance(exc, rex.RedisError | rex.RedisClusterException | OSError):
-        return RemoteCause.IO_ERROR, True
-    return RemoteCause.UNKNOWN, False
+        return FailureCause.IO_ERROR, True
+    return FailureCause.UNKNOWN, False

@@ -35,9 +35,9 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from tieredkv.disk.errors import FailureKind
 from tieredkv.disk.format import payload_checksum
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
+from tieredkv.protocol import FailureCause
 
 MAGIC = b"TKVREMT1"
 FORMAT_VERSION = 1
@@ -66,7 +66,7 @@ class Verified:
 class Rejected:
     """A value that must not be used; ``cause`` is the counter to bump, ``detail`` says why."""
 
-    cause: FailureKind
+    cause: FailureCause
     detail: str
 
     @property
@@ -134,35 +134,35 @@ def decode(
     another TP rank: ``wrong_key``.
     """
     if value is None:
-        return Rejected(FailureKind.MISSING, "no value")
+        return Rejected(FailureCause.MISSING, "no value")
     view = memoryview(value).cast("B")
     if len(view) < HEADER_BYTES:
-        return Rejected(FailureKind.SHORT_READ, f"{len(view)} bytes, header needs {HEADER_BYTES}")
+        return Rejected(FailureCause.SHORT_READ, f"{len(view)} bytes, header needs {HEADER_BYTES}")
     magic, version, _flags, v_rank, v_fp, v_key, length, checksum = _FIELDS.unpack_from(view)
     if magic != MAGIC:
-        return Rejected(FailureKind.CHECKSUM, "bad magic (not a tieredkv value)")
+        return Rejected(FailureCause.CHECKSUM, "bad magic (not a tieredkv value)")
     (stored_crc,) = _CRC.unpack_from(view, _FIELDS.size)
     if zlib.crc32(view[: _FIELDS.size]) != stored_crc:
-        return Rejected(FailureKind.CHECKSUM, "header checksum mismatch")
+        return Rejected(FailureCause.CHECKSUM, "header checksum mismatch")
     if version != FORMAT_VERSION:
         return Rejected(
-            FailureKind.WRONG_NAMESPACE, f"format version {version}, expected {FORMAT_VERSION}"
+            FailureCause.WRONG_NAMESPACE, f"format version {version}, expected {FORMAT_VERSION}"
         )
     if v_fp != fingerprint:
-        return Rejected(FailureKind.WRONG_NAMESPACE, "value belongs to another namespace")
+        return Rejected(FailureCause.WRONG_NAMESPACE, "value belongs to another namespace")
     if v_key != key:
-        return Rejected(FailureKind.WRONG_KEY, "value holds another chunk key")
+        return Rejected(FailureCause.WRONG_KEY, "value holds another chunk key")
     if v_rank != rank:
-        return Rejected(FailureKind.WRONG_KEY, f"value holds rank {v_rank}'s shard, not {rank}'s")
+        return Rejected(FailureCause.WRONG_KEY, f"value holds rank {v_rank}'s shard, not {rank}'s")
     if expected_len is not None and length != expected_len:
         return Rejected(
-            FailureKind.WRONG_NAMESPACE, f"payload length {length}, this engine expects {expected_len}"
+            FailureCause.WRONG_NAMESPACE, f"payload length {length}, this engine expects {expected_len}"
         )
     payload = view[HEADER_BYTES:]
     if len(payload) < length:
-        return Rejected(FailureKind.SHORT_READ, f"payload has {len(payload)} of {length} bytes")
+        return Rejected(FailureCause.SHORT_READ, f"payload has {len(payload)} of {length} bytes")
     if len(payload) > length:
-        return Rejected(FailureKind.CHECKSUM, f"{len(payload) - length} unexpected trailing bytes")
+        return Rejected(FailureCause.CHECKSUM, f"{len(payload) - length} unexpected trailing bytes")
     if payload_checksum(payload) != checksum:
-        return Rejected(FailureKind.CHECKSUM, "payload checksum mismatch")
+        return Rejected(FailureCause.CHECKSUM, "payload checksum mismatch")
     return Verified(payload)

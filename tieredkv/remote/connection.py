@@ -17,8 +17,8 @@ import threading
 import time
 from collections import deque
 
+from tieredkv.protocol import FailureCause
 from tieredkv.remote.client import RemoteClient, classify, close_client, handshake, make_client
-from tieredkv.remote.results import RemoteCause
 from tieredkv.remote.url import RemoteURL
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class ConnectionKeeper:
         if client is not None:
             await close_client(client, timeout_s / 2)
 
-    def mark_down(self, gen: int, cause: RemoteCause, exc: BaseException) -> None:
+    def mark_down(self, gen: int, cause: FailureCause, exc: BaseException) -> None:
         """A call on generation ``gen`` found the server unusable: go down, reconnect."""
         if gen != self._gen or not self._up or self._closing:
             return

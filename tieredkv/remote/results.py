@@ -3,28 +3,18 @@
 A remote call never raises to its caller. It returns a :class:`BatchResult` whose ``values``
 always has one entry per key (``False``/``None`` where nothing usable came back), so a caller
 can treat a failed call exactly like a batch of misses, and whose ``cause`` says why, for the
-counters. Cause names are those of ``tieredkv.failures.FAILURE_CAUSES`` except
-``unavailable``: the store was known to be down, so the call did not touch the network.
+counters. Causes are :class:`tieredkv.protocol.FailureCause` values; ``unavailable`` means the store
+was known to be down, so the call did not touch the network.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Generic, TypeVar
 
+from tieredkv.protocol import FailureCause
+
 T = TypeVar("T")
-
-
-class RemoteCause(StrEnum):
-    """Why a remote call (or part of one) did not deliver; values appear in metrics."""
-
-    TIMEOUT = "timeout"          # no answer within the call's deadline (stall, pause, overload)
-    IO_ERROR = "io_error"        # connection refused/reset, cluster down, protocol error
-    NO_SPACE = "no_space"        # the server refused a write: maxmemory with noeviction (OOM)
-    UNAVAILABLE = "unavailable"  # the store is down: answered at once, without the network
-    CANCELLED = "cancelled"      # the store was closing
-    UNKNOWN = "unknown"          # a bug: logged with its traceback
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +26,7 @@ class BatchResult(Generic[T]):
     """
 
     values: list[T]
-    cause: RemoteCause | None = None
+    cause: FailureCause | None = None
     failed: int = 0
     latency_s: float = 0.0
 

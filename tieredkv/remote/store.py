@@ -31,9 +31,10 @@ from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
+from tieredkv.protocol import FailureCause
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper
-from tieredkv.remote.results import BatchResult, RemoteCause, RemoteStats
+from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.url import RemoteURL
 from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry
 
@@ -249,22 +250,22 @@ class RemoteStore:
             return BatchResult([])
         client, gen = self._conn.current()
         if self._closing:
-            return self._failed(op, count, default, RemoteCause.CANCELLED)
+            return self._failed(op, count, default, FailureCause.CANCELLED)
         if client is None:
-            return self._failed(op, count, default, RemoteCause.UNAVAILABLE)
+            return self._failed(op, count, default, FailureCause.UNAVAILABLE)
         started = time.monotonic()
         try:
             replies = await asyncio.wait_for(
                 self._execute(client, fill), self.timeout_s if timeout_s is None else timeout_s
             )
         except asyncio.CancelledError:
-            self._failed(op, count, default, RemoteCause.CANCELLED)
+            self._failed(op, count, default, FailureCause.CANCELLED)
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a result
             cause, unusable = classify(exc)
             if self._closing:  # aclose() closed the connection under this call
-                cause, unusable = RemoteCause.CANCELLED, False
-            if cause is RemoteCause.UNKNOWN:
+                cause, unusable = FailureCause.CANCELLED, False
+            if cause is FailureCause.UNKNOWN:
                 logger.exception("tieredkv remote tier: unexpected error in %s", op)
             elif unusable:
                 self._conn.mark_down(gen, cause, exc)
@@ -292,9 +293,9 @@ class RemoteStore:
         """Per-item replies to values; an error reply fails only its item."""
         if len(replies) != count:
             logger.error("tieredkv remote tier: %s got %d replies for %d keys", op, len(replies), count)
-            return self._failed(op, count, default, RemoteCause.UNKNOWN, latency)
+            return self._failed(op, count, default, FailureCause.UNKNOWN, latency)
         values: list[T] = []
-        first: RemoteCause | None = None
+        first: FailureCause | None = None
         failed = 0
         causes: Counter[str] = Counter()
         for reply in replies:
@@ -317,7 +318,7 @@ class RemoteStore:
         return BatchResult(values, first, failed, latency)
 
     def _failed(
-        self, op: str, count: int, default: T, cause: RemoteCause, latency: float = 0.0
+        self, op: str, count: int, default: T, cause: FailureCause, latency: float = 0.0
     ) -> BatchResult[T]:
         with self._lock:
             self._failed_calls[op] += 1

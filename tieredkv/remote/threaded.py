@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from tieredkv.remote.results import BatchResult, RemoteCause, RemoteStats
+from tieredkv.protocol import FailureCause
+from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.store import RemoteStore
 from tieredkv.remote.url import RemoteURL
 
@@ -138,7 +139,7 @@ class ThreadedRemoteStore:
         return self._call(make, None, default)
 
     def _call(self, make: Callable[[], Awaitable[Any]], count: int | None, default: Any) -> Future[Any]:
-        def fallback(cause: RemoteCause) -> Any:
+        def fallback(cause: FailureCause) -> Any:
             if count is None:
                 return default
             return BatchResult([default] * count, cause, count)
@@ -146,9 +147,9 @@ class ThreadedRemoteStore:
         future: Future[Any] = Future()
         with self._lock:
             if self._closed:
-                future.set_result(fallback(RemoteCause.CANCELLED))
+                future.set_result(fallback(FailureCause.CANCELLED))
                 return future
-            self._pending[future] = lambda: fallback(RemoteCause.CANCELLED)
+            self._pending[future] = lambda: fallback(FailureCause.CANCELLED)
 
         def spawn() -> None:
             task = self._loop.create_task(self._drive(make, future, fallback))
@@ -158,22 +159,22 @@ class ThreadedRemoteStore:
         try:
             self._loop.call_soon_threadsafe(spawn)
         except RuntimeError:  # the loop closed between the check and here
-            self._resolve(future, fallback(RemoteCause.CANCELLED))
+            self._resolve(future, fallback(FailureCause.CANCELLED))
         return future
 
     async def _drive(
         self,
         make: Callable[[], Awaitable[Any]],
         future: Future[Any],
-        fallback: Callable[[RemoteCause], Any],
+        fallback: Callable[[FailureCause], Any],
     ) -> None:
         try:
             result = await make()
         except asyncio.CancelledError:
-            result = fallback(RemoteCause.CANCELLED)
+            result = fallback(FailureCause.CANCELLED)
         except Exception:  # noqa: BLE001 - the store does not raise; this is a bug
             logger.exception("tieredkv remote tier: a call raised")
-            result = fallback(RemoteCause.UNKNOWN)
+            result = fallback(FailureCause.UNKNOWN)
         self._resolve(future, result)
 
     def _resolve(self, future: Future[Any], result: Any) -> None:

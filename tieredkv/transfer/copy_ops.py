@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tieredkv.host_tier import HostPool
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews, widest_item
 
 logger = logging.getLogger(__name__)

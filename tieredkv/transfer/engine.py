@@ -5,7 +5,7 @@ first submit). vLLM's worker thread only ever calls the non-blocking ``submit``/
 (plus ``fence_blocks`` before a forward that reuses freed blocks); every job is a coroutine
 on that loop, and a job's bytes move through three kinds of lanes:
 
-- device copies: one :class:`~tieredkv.transfer.streams.CopyLane` per direction (its own CUDA
+- device copies: one :class:`~tieredkv.transfer.lanes.CopyLane` per direction (its own CUDA
   stream and thread), which batches whatever queued up while its previous batch ran;
 - disk I/O: the slab executor's bounded thread pool (``io_threads``);
 - spills: a bounded queue in front of a few spill workers, so a slow disk drops spills
@@ -38,12 +38,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tieredkv.host_tier import HostPool
-from tieredkv.transfer.copy_ops import CopyBackend, check_pairs
-from tieredkv.transfer.jobs import (
-    CANCELLED,
-    COPY_ERROR,
-    DROPPED,
+from tieredkv.protocol import (
+    FailureCause,
     Job,
     JobResult,
     LoadChunk,
@@ -52,9 +48,11 @@ from tieredkv.transfer.jobs import (
     SpillJob,
     StoreJob,
 )
+from tieredkv.transfer.copy_ops import CopyBackend, check_pairs
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
+from tieredkv.transfer.lanes import CopyLane, CopyRequest, compute_mark
 from tieredkv.transfer.slot_guard import SlotGuard
-from tieredkv.transfer.streams import CopyLane, CopyRequest, compute_mark
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ def _kind_of(job: Job) -> str:
 
 
 def _failed(job: Job, failure: str, failed_block_ids: Sequence[int] = ()) -> JobResult:
-    return JobResult(job.job_id, False, failure, tuple(failed_block_ids))
+    return JobResult.fail(job.job_id, failure, failed_block_ids)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -154,7 +152,7 @@ class TransferStats:
 
     def finished(self, kind: str, result: JobResult, seconds: float | None) -> None:
         with self._lock:
-            if result.failure == DROPPED:
+            if result.failure == FailureCause.DROPPED:
                 self.spills_dropped += 1
             elif not result.ok:
                 self.failures[result.failure or "unknown"] += 1
@@ -286,7 +284,7 @@ class TransferEngine:
         for entry in entries:
             seq, job, _, t0, _ = entry
             if closed or (paused and isinstance(job, StoreJob | LoadJob)):
-                self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+                self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), t0)
             else:
                 accepted.append(entry)
         if not accepted:
@@ -294,7 +292,7 @@ class TransferEngine:
         loop = self._ensure_started()
         if self._closed:  # it died (perhaps just now, starting) or shut down: nothing runs
             for seq, job, _, t0, _ in accepted:
-                self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+                self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), t0)
             return
         inline_budget = inline_max_bytes if self.kv.device.type == "cpu" else 0
         queued = []
@@ -314,12 +312,12 @@ class TransferEngine:
             loop.call_soon_threadsafe(self._dispatch, queued)
         except RuntimeError:  # the loop stopped under us (shutdown raced this submit)
             for seq, job, _, t0, _ in queued:
-                self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+                self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), t0)
 
     def _lane_call_done(self, seq: int, job: LoadJob, t0: float, call: cf.Future[Any]) -> None:
         """A host-tier load the h2d lane never ran (it died) still gets its result."""
         if call.cancelled() or call.exception() is not None:
-            self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+            self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), t0)
 
     def _load_bytes(self, job: LoadJob) -> int:
         return sum(len(chunk.block_ids) for chunk in job.chunks) * self.kv.total_block_bytes
@@ -465,7 +463,7 @@ class TransferEngine:
         with self._lock:
             leftovers = list(self._pending.items())
         for seq, job in leftovers:
-            self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), None)
+            self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), None)
 
     # ================================================================== bookkeeping
 
@@ -553,7 +551,7 @@ class TransferEngine:
         with self._lock:
             leftovers = list(self._pending.items())
         for seq, job in leftovers:
-            self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), None)
+            self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), None)
 
     def _lane_died(self, name: str, cause: BaseException) -> None:
         self._die(f"the {name} copy lane thread", cause)
@@ -647,7 +645,7 @@ class TransferEngine:
         loop = asyncio.get_running_loop()
         for seq, job, ticket, t0, mark in entries:
             if self._closed:
-                self._finish(seq, _failed(job, CANCELLED, _device_ids(job)), t0)
+                self._finish(seq, _failed(job, FailureCause.CANCELLED, _device_ids(job)), t0)
                 continue
             if isinstance(job, SpillJob):
                 self._enqueue_spill(seq, job, t0)
@@ -683,7 +681,7 @@ class TransferEngine:
     # ------------------------------------------------------------------ stores
 
     async def _store(self, seq: int, job: StoreJob, ticket: _StoreTicket, t0: float) -> None:
-        result = _failed(job, CANCELLED)
+        result = _failed(job, FailureCause.CANCELLED)
         holding = False
         try:
             pairs = [(job.host_slot, 0, job.block_ids)]
@@ -691,12 +689,12 @@ class TransferEngine:
                 check_pairs(self.kv, self.host, self.chunk_blocks, pairs)
             except ValueError as exc:
                 logger.error("tieredkv: store %d rejected: %s", job.job_id, exc)
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
                 return
             if ticket.state != _QUEUED:
                 return  # fenced before it started
             if not self._guard.try_write(job.host_slot):
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
                 return
             holding = True
             request = CopyRequest(
@@ -706,11 +704,11 @@ class TransferEngine:
             outcome = await self._d2h.copy(request)  # type: ignore[union-attr]
             if outcome is None and not ticket.late:
                 self.stats.moved("d2h", len(job.block_ids) * self.kv.total_block_bytes)
-                result = JobResult(job.job_id, True)
-            elif outcome is None or outcome == CANCELLED:
-                result = _failed(job, CANCELLED)
+                result = JobResult.done(job.job_id)
+            elif outcome is None or outcome == FailureCause.CANCELLED:
+                result = _failed(job, FailureCause.CANCELLED)
             else:
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
         finally:
             if holding:
                 self._guard.release(job.host_slot, True)
@@ -731,7 +729,7 @@ class TransferEngine:
         try:
             self._spill_queue.put_nowait((seq, job, t0))
         except asyncio.QueueFull:
-            self._finish(seq, _failed(job, DROPPED), t0)
+            self._finish(seq, _failed(job, FailureCause.DROPPED), t0)
 
     async def _spill_worker(self) -> None:
         assert self._spill_queue is not None
@@ -743,14 +741,14 @@ class TransferEngine:
                 self._spill_queue.task_done()
 
     async def _spill(self, seq: int, job: SpillJob, t0: float) -> None:
-        result = _failed(job, CANCELLED)
+        result = _failed(job, FailureCause.CANCELLED)
         holding, pending = False, None
         try:
             if not 0 <= job.host_slot < self.host.num_slots:
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
                 return
             if not self._guard.try_read(job.host_slot):
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
                 return
             holding = True
             await self._slab_exec.write(
@@ -758,7 +756,7 @@ class TransferEngine:
                 timeout=self.load_timeout_s, aliases=job.aliases,
             )
             self.stats.moved("spill", self.host.payload_bytes)
-            result = JobResult(job.job_id, True)
+            result = JobResult.done(job.job_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a result
@@ -850,16 +848,16 @@ class TransferEngine:
         return call.done()
 
     async def _promote(self, seq: int, job: PromoteJob, t0: float) -> None:
-        result = _failed(job, CANCELLED)
+        result = _failed(job, FailureCause.CANCELLED)
         try:
             if self.slab is None:
                 result = _failed(job, "missing")
                 return
             if not 0 <= job.host_slot < self.host.num_slots:
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
                 return
             if not self._guard.try_write(job.host_slot):
-                result = _failed(job, COPY_ERROR)
+                result = _failed(job, FailureCause.COPY_ERROR)
                 return
             # Nobody waits on a promotion past the scheduler's own deadline (it then serves
             # what is in memory), so a retry gets a budget of its own: a timed-out read can
@@ -869,7 +867,7 @@ class TransferEngine:
                                             retry_s=self.load_timeout_s)
             if failure is None:
                 self._guard.release(job.host_slot, True)
-                result = JobResult(job.job_id, True)
+                result = JobResult.done(job.job_id)
             else:
                 result = _failed(job, failure)
         finally:
@@ -879,7 +877,7 @@ class TransferEngine:
         if self.slab is None:
             return "missing"
         if not self._guard.try_write(chunk.host_slot):
-            return COPY_ERROR
+            return FailureCause.COPY_ERROR
         # A load was promised: its retry must fit in the load's own deadline.
         return await self._read_slot(chunk.key, chunk.disk_slot, chunk.host_slot,  # type: ignore[arg-type]
                                      deadline)
@@ -903,7 +901,7 @@ class TransferEngine:
                                 [(chunk.host_slot, chunk.first_block, chunk.block_ids)])
                 except ValueError as exc:
                     logger.error("tieredkv: load %d chunk %d rejected: %s", job.job_id, i, exc)
-                    failure, failed_from = COPY_ERROR, i
+                    failure, failed_from = FailureCause.COPY_ERROR, i
                     break
             valid = failed_from
             launched = 0
@@ -924,7 +922,7 @@ class TransferEngine:
                 elif self._guard.try_read(chunk.host_slot):
                     held.append((chunk.host_slot, False))
                 else:
-                    failure, failed_from = COPY_ERROR, i
+                    failure, failed_from = FailureCause.COPY_ERROR, i
                     break
                 request = CopyRequest([(chunk.host_slot, chunk.first_block, chunk.block_ids)],
                                       after=mark)
@@ -938,14 +936,14 @@ class TransferEngine:
                     self.stats.moved("h2d", len(chunks[i].block_ids) * self.kv.total_block_bytes)
                 elif outcome is not None and i < failed_from:
                     logger.error("tieredkv: load %d chunk %d h2d failed: %r", job.job_id, i, outcome)
-                    failure, failed_from = COPY_ERROR, i
+                    failure, failed_from = FailureCause.COPY_ERROR, i
             # Reads launched past a failure: let them end (bounded by the deadline).
             for i, task in list(reads.items()):
                 del reads[i]
                 if await task is None:
                     self._guard.release(chunks[i].host_slot, True)
         except asyncio.CancelledError:
-            failure, failed_from = CANCELLED, min(failed_from, loaded)
+            failure, failed_from = FailureCause.CANCELLED, min(failed_from, loaded)
             for task in [*reads.values(), *copies]:
                 task.cancel()
             raise
@@ -965,7 +963,7 @@ class TransferEngine:
         held: list[int] = []
         try:
             if self._closed:
-                failure, failed_from = CANCELLED, 0
+                failure, failed_from = FailureCause.CANCELLED, 0
                 return
             pairs: list[tuple[int, int, Sequence[int]]] = []
             for i, chunk in enumerate(chunks):
@@ -974,10 +972,10 @@ class TransferEngine:
                     check_pairs(self.kv, self.host, self.chunk_blocks, [pair])
                 except ValueError as exc:
                     logger.error("tieredkv: load %d chunk %d rejected: %s", job.job_id, i, exc)
-                    failure, failed_from = COPY_ERROR, i
+                    failure, failed_from = FailureCause.COPY_ERROR, i
                     break
                 if not self._guard.try_read(chunk.host_slot):
-                    failure, failed_from = COPY_ERROR, i
+                    failure, failed_from = FailureCause.COPY_ERROR, i
                     break
                 held.append(chunk.host_slot)
                 pairs.append(pair)
@@ -992,7 +990,7 @@ class TransferEngine:
                     self.backend.h2d(self.kv, self.host, pairs)
             except Exception as exc:  # noqa: BLE001 - reported as the job's failure
                 logger.error("tieredkv: load %d h2d failed: %r", job.job_id, exc)
-                failure, failed_from = COPY_ERROR, 0
+                failure, failed_from = FailureCause.COPY_ERROR, 0
             else:
                 moved = sum(len(ids) for _, _, ids in pairs) * self.kv.total_block_bytes
                 self.stats.moved("h2d", moved, ops=len(pairs))
@@ -1009,7 +1007,7 @@ class TransferEngine:
             while not queue.empty():
                 seq, job, t0 = queue.get_nowait()
                 queue.task_done()
-                self._finish(seq, _failed(job, CANCELLED), t0)
+                self._finish(seq, _failed(job, FailureCause.CANCELLED), t0)
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._pending:
@@ -1026,7 +1024,7 @@ def _load_result(job: LoadJob, failure: str | None, failed_from: int) -> JobResu
     """A load's result: on failure, every device block of chunk ``failed_from`` onwards
     (the chunks before it are on the device; vLLM recomputes the rest)."""
     if failure is None:
-        return JobResult(job.job_id, True)
+        return JobResult.done(job.job_id)
     failed = tuple(b for chunk in job.chunks[failed_from:] for b in chunk.block_ids)
     return _failed(job, failure, failed)
 

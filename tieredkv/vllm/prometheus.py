@@ -3,11 +3,11 @@
 vLLM's ``PrometheusStatLogger`` calls ``TieredKVConnector.build_prom_metrics`` once per stat
 logger with the metric classes it uses (``prometheus_client``'s, or Ray wrappers), the base
 label names (``model_name``, ``engine``) and each engine's label values; then, for every engine
-step that produced :class:`~tieredkv.stats.TieredKVStats`, it calls :meth:`observe` with the
+step that produced :class:`~tieredkv.vllm.stats.TieredKVStats`, it calls :meth:`observe` with the
 step's payload (``TieredKVStats.data``: counter deltas, latest gauges, latency samples).
 
 The metric definitions and the way a payload becomes samples live in
-:mod:`tieredkv.exporter` (shared with the standalone exporter, which must work without vLLM).
+:mod:`tieredkv.metrics.exporter` (shared with the standalone exporter, which must work without vLLM).
 Every name starts with ``vllm:``, so vLLM's ``unregister_vllm_metrics`` removes these
 collectors from the global registry before it builds the next stat logger.
 """
@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from tieredkv.exporter import COUNTER, GAUGE, HISTOGRAM, METRIC_SPECS, TieredKVMetrics
+from tieredkv.metrics.exporter import COUNTER, GAUGE, HISTOGRAM, METRIC_SPECS, TieredKVMetrics
 
 __all__ = ["METRIC_SPECS", "TieredKVPromMetrics"]
 

@@ -11,11 +11,10 @@ import threading
 import time
 
 import torch
-from test_worker_half import LAYERS, block, collect_until, make_worker, step
+from test_worker_side import LAYERS, block, collect_until, make_worker, step
 
-from tieredkv import sleep_hook
-from tieredkv.planner import StepPlan
-from tieredkv.transfer.jobs import LoadChunk, LoadJob, StoreJob
+from tieredkv.protocol import LoadChunk, LoadJob, StepPlan, StoreJob
+from tieredkv.vllm import sleep_hook
 
 
 class _GatedStores:
@@ -54,15 +53,15 @@ def test_sleep_waits_for_running_stores_and_refuses_device_jobs_until_wake_up():
     try:
         gated = _GatedStores(engine.backend)
         engine.backend = gated
-        step(w, StepPlan(stores=[StoreJob(1, b"a" * 32, 0, (4, 5))], store_req_ids={1: "r"}))
+        step(w, StepPlan(stores=[StoreJob(1, b"a" * 32, 0, (4, 5), req_id="r")]))
         assert gated.started.wait(5)
         threading.Timer(0.2, gated.gate.set).start()
         start = time.monotonic()
         FakeWorker().sleep(1)
         assert time.monotonic() - start >= 0.15  # it waited for the running store
         assert events == ["sleep level=1 device_jobs=0"]
-        _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
-        assert metas[-1].outcomes[1][:2] == (1, 0)  # the store completed before the sleep
+        _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
+        assert (metas[-1].results[1].ok, metas[-1].results[1].failed) == (1, 0)  # the store completed before the sleep
 
         # asleep: a load is refused at once and its blocks are reported for recompute
         load = LoadJob(2, "q", (LoadChunk(b"a" * 32, 0, 0, (30, 31)),))

@@ -47,12 +47,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tieredkv.disk.catalog import DiskCatalog
-from tieredkv.disk.errors import FailureKind, SlabError
-from tieredkv.disk.fileio import FaultyFileIO
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import HEADER_BYTES, HEADER_USED, payload_checksum, unpack_header
 from tieredkv.disk.slab import SlabFile
-from tieredkv.host_tier import HostPool
-from tieredkv.tier_index import SlotState, TierIndex
+from tieredkv.protocol import FailureCause
+from tieredkv.scheduler.tier_index import SlotState, TierIndex
+from tieredkv.testing.faulty_fileio import FaultyFileIO
+from tieredkv.transfer.host_pool import HostPool
 
 HOST_SLOTS = 4
 DISK_SLOTS = 6
@@ -288,13 +289,13 @@ class Store:
 READ_FAULTS = ("read_eio", "short_read", "flip_payload", "flip_header")
 WRITE_FAULTS = ("write_eio", "write_enospc", "short_write")
 EXPECTED_KIND = {
-    "read_eio": FailureKind.IO_ERROR,
-    "short_read": FailureKind.SHORT_READ,
-    "flip_payload": FailureKind.CHECKSUM,
-    "flip_header": FailureKind.CHECKSUM,
-    "write_eio": FailureKind.IO_ERROR,
-    "write_enospc": FailureKind.NO_SPACE,
-    "short_write": FailureKind.IO_ERROR,
+    "read_eio": FailureCause.IO_ERROR,
+    "short_read": FailureCause.SHORT_READ,
+    "flip_payload": FailureCause.CHECKSUM,
+    "flip_header": FailureCause.CHECKSUM,
+    "write_eio": FailureCause.IO_ERROR,
+    "write_enospc": FailureCause.NO_SPACE,
+    "short_write": FailureCause.IO_ERROR,
 }
 
 
@@ -409,21 +410,21 @@ class StoreMachine(RuleBasedStateMachine):
     def _header_flipped(self, slot: int) -> bool:
         return any(off < HEADER_USED for off in self.flips.get(slot, {}))
 
-    def _slot_verdict(self, key: bytes, slot: int, fault: str | None = None) -> FailureKind | None:
+    def _slot_verdict(self, key: bytes, slot: int, fault: str | None = None) -> FailureCause | None:
         """How a verified read of ``slot`` as ``key`` ends, with ``fault`` injected into it,
         in the order the slab checks: I/O, length, header, key, payload checksum."""
         assert slot in self.content, f"disk slot {slot} is indexed but its last write was torn"
         if fault in ("read_eio", "short_read"):
             return EXPECTED_KIND[fault]
         if fault == "flip_header" or self._header_flipped(slot):
-            return FailureKind.CHECKSUM
+            return FailureCause.CHECKSUM
         if self.content[slot][0] != key:
-            return FailureKind.WRONG_KEY
+            return FailureCause.WRONG_KEY
         if fault == "flip_payload" or self.flips.get(slot):
-            return FailureKind.CHECKSUM
+            return FailureCause.CHECKSUM
         return None
 
-    def _expected_read(self, key: bytes, slot: int) -> FailureKind | None:
+    def _expected_read(self, key: bytes, slot: int) -> FailureCause | None:
         return self._slot_verdict(key, slot, self._fired("read"))
 
     def _check_get(self, key: bytes, result: GetResult) -> None:
@@ -632,12 +633,12 @@ class StoreMachine(RuleBasedStateMachine):
             self._check_reader(reader)
         # Recovery checks each journaled entry's header (not its payload).
         expected: dict[bytes, int] = {}
-        dropped: Counter[FailureKind] = Counter()
+        dropped: Counter[FailureCause] = Counter()
         for key, slot in self.m_disk.items():
             if self._header_flipped(slot):
-                dropped[FailureKind.CHECKSUM] += 1
+                dropped[FailureCause.CHECKSUM] += 1
             elif self.content[slot][0] != key:
-                dropped[FailureKind.WRONG_KEY] += 1
+                dropped[FailureCause.WRONG_KEY] += 1
             else:
                 expected[key] = slot
         self.store.restart()
@@ -784,7 +785,7 @@ def test_corrupted_payload_is_a_typed_miss_and_is_dropped(store: Store) -> None:
     assert store.catalog.recovered == {key: slot}
     result = store.get(key)
     assert result.source == "failed" and result.data is None
-    assert result.error is not None and result.error.kind is FailureKind.CHECKSUM
+    assert result.error is not None and result.error.kind is FailureCause.CHECKSUM
     assert key not in store.disk and key not in store.host
     assert store.host.used_slots == 0 and store.disk.used_slots == 0
     assert store.get(key).source == "miss"
@@ -799,7 +800,7 @@ def test_injected_read_fault_is_typed_and_drops_the_entry(store: Store) -> None:
         assert store.spill(key).status == "written"
     store.restart()
     expected = {
-        keys[0]: FailureKind.IO_ERROR, keys[1]: FailureKind.SHORT_READ, keys[2]: FailureKind.CHECKSUM,
+        keys[0]: FailureCause.IO_ERROR, keys[1]: FailureCause.SHORT_READ, keys[2]: FailureCause.CHECKSUM,
     }
     inject(store.io, "read_eio", store.slab_path)
     result = store.get(keys[0])

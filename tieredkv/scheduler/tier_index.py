@@ -29,7 +29,7 @@ import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from tieredkv.policies import EvictionPolicy, make_policy
+from tieredkv.scheduler.policies import EvictionPolicy, make_policy
 
 
 class SlotState(enum.Enum):

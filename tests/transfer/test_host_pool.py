@@ -6,9 +6,9 @@ import errno
 
 import pytest
 
-import tieredkv.host_tier as host_tier
+import tieredkv.transfer.host_pool as host_tier
 from tieredkv.config import ConfigError
-from tieredkv.host_tier import HostPool
+from tieredkv.transfer.host_pool import HostPool
 
 
 @pytest.mark.parametrize(

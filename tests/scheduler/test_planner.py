@@ -7,8 +7,10 @@ import time
 import pytest
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.keys import LazyChunkKeys, chunk_keys, sha256_block_hashes
-from tieredkv.planner import JobOutcome, Planner
+from tieredkv.keys import LazyChunkKeys, chunk_keys
+from tieredkv.protocol import JobResult
+from tieredkv.scheduler.planner import Planner
+from tieredkv.testing.hashing import sha256_block_hashes
 
 BLOCK = 16
 CHUNK_BLOCKS = 4
@@ -34,7 +36,7 @@ def make(host_slots: int = 8, disk_slots: int = 0, world: int = 1, catalog=None,
 
 def ok_all(planner: Planner, plan, ranks: int = 1) -> None:
     jobs = [*plan.stores, *plan.spills, *plan.promotes, *plan.loads]
-    planner.apply({job.job_id: JobOutcome(ok=ranks) for job in jobs})
+    planner.apply([JobResult(job.job_id, ok=ranks) for job in jobs])
 
 
 def store_prompt(planner: Planner, req: str, tokens: list[int], ranks: int = 1):
@@ -109,7 +111,7 @@ def test_failed_store_leaves_no_entry():
     planner.set_block_ids("a", list(range(8)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
     (store,) = planner.take_plan().stores
-    planner.apply({store.job_id: JobOutcome(failed=1, failure="copy_error")})
+    planner.apply([JobResult(store.job_id, failed=1, failure="copy_error")])
     assert len(planner.host) == 0 and planner.host.free_slots == 8
 
 
@@ -119,9 +121,9 @@ def test_tp_job_completes_only_when_every_rank_reported():
     planner.set_block_ids("a", list(range(8)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
     (store,) = planner.take_plan().stores
-    planner.apply({store.job_id: JobOutcome(ok=1)})
+    planner.apply([JobResult(store.job_id, ok=1)])
     assert planner.host.ready_count == 0  # one rank is not enough
-    planner.apply({store.job_id: JobOutcome(ok=1)})
+    planner.apply([JobResult(store.job_id, ok=1)])
     assert planner.host.ready_count == 1
 
 
@@ -131,8 +133,8 @@ def test_tp_failure_on_any_rank_fails_the_job():
     planner.set_block_ids("a", list(range(8)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
     (store,) = planner.take_plan().stores
-    planner.apply({store.job_id: JobOutcome(ok=1)})
-    planner.apply({store.job_id: JobOutcome(failed=1, failure="io_error")})
+    planner.apply([JobResult(store.job_id, ok=1)])
+    planner.apply([JobResult(store.job_id, failed=1, failure="io_error")])
     assert len(planner.host) == 0
 
 
@@ -170,7 +172,7 @@ def test_failed_promotion_is_a_plain_miss_and_drops_the_disk_entry():
     store_prompt(planner, "b", [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)])
     assert planner.lookup("c", keys_for(a), 0, len(a)) is None
     (promote,) = planner.take_plan().promotes
-    planner.apply({promote.job_id: JobOutcome(failed=1, failure="checksum")})
+    planner.apply([JobResult(promote.job_id, failed=1, failure="checksum")])
     assert planner.lookup("c", keys_for(a), 0, len(a)) == 0
     assert keys_for(a)[0] not in planner.disk
     assert planner.counters["disk_read_failed_checksum"] == 1
@@ -230,7 +232,7 @@ def test_failed_load_drops_only_the_failed_chunks():
     planner.on_alloc("b", list(range(13)), hit)
     (load,) = planner.take_plan().loads
     failed = set(load.chunks[1].block_ids) | set(load.chunks[2].block_ids)
-    planner.apply({load.job_id: JobOutcome(failed=1, failure="copy_error", failed_block_ids=failed)})
+    planner.apply([JobResult(load.job_id, failed=1, failure="copy_error", failed_block_ids=failed)])
     keys = keys_for(tokens)
     assert planner.host.is_ready(keys[0])
     assert not planner.host.is_ready(keys[1]) and not planner.host.is_ready(keys[2])

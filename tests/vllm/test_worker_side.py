@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.faults import FaultInjectingBackend
-from tieredkv.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from tieredkv.planner import Planner, StepPlan
-from tieredkv.transfer.jobs import LoadChunk, LoadJob, StoreJob
-from tieredkv.worker_half import WorkerHalf
+from tieredkv.protocol import LoadChunk, LoadJob, StepPlan, StoreJob
+from tieredkv.scheduler.planner import Planner
+from tieredkv.testing.fault_backend import FaultInjectingBackend
+from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.vllm.worker_side import WorkerHalf
 
 LAYERS, BLOCKS, HEADS, BLOCK, CONTENT = 2, 64, 2, 32, 128
 CHUNK_BLOCKS = 2
@@ -111,10 +111,10 @@ def worker():
 def test_store_then_load_moves_exact_bytes_and_reports_each_job(worker):
     w, caches = worker
     before = [block(caches, layer, b) for layer in range(LAYERS) for b in (4, 5)]
-    store = StoreJob(1, b"k" * 32, host_slot=3, block_ids=(4, 5))
-    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
-    _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
-    assert metas[-1].outcomes[1][:2] == (1, 0)
+    store = StoreJob(1, b"k" * 32, host_slot=3, block_ids=(4, 5), req_id="a")
+    step(w, StepPlan(stores=[store]))
+    _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
+    assert (metas[-1].results[1].ok, metas[-1].results[1].failed) == (1, 0)
     load = LoadJob(2, "b", (LoadChunk(b"k" * 32, host_slot=3, first_block=0, block_ids=(20, 21)),))
     reported = step(w, StepPlan(loads=[load]))
     _, recving, _ = collect_until(w, lambda s, r, m: "b" in r, after=reported)
@@ -135,8 +135,8 @@ def test_delayed_request_is_reported_sent_once_after_its_stores(monkeypatch):
 
 
 def _delayed_request_flow(w: WorkerHalf) -> None:
-    store = StoreJob(7, b"s" * 32, host_slot=0, block_ids=(1, 2))
-    sending, _ = step(w, StepPlan(stores=[store], store_req_ids={7: "req"}))
+    store = StoreJob(7, b"s" * 32, host_slot=0, block_ids=(1, 2), req_id="req")
+    sending, _ = step(w, StepPlan(stores=[store]))
     assert not sending
     sending, _ = step(w, StepPlan(delayed_req_ids=["req"]), finished={"req"})
     assert "req" not in sending  # the store still reads the blocks
@@ -148,8 +148,8 @@ def _delayed_request_flow(w: WorkerHalf) -> None:
 
 def test_delay_announced_after_stores_finished_reports_at_once(worker):
     w, _ = worker
-    step(w, StepPlan(stores=[StoreJob(3, b"t" * 32, 1, (6, 7))], store_req_ids={3: "r"}))
-    collect_until(w, lambda s, r, m: any(3 in x.outcomes for x in m))
+    step(w, StepPlan(stores=[StoreJob(3, b"t" * 32, 1, (6, 7), req_id="r")]))
+    collect_until(w, lambda s, r, m: any(3 in x.results for x in m))
     sending, _ = step(w, StepPlan(delayed_req_ids=["r"]), finished={"r"})
     assert sending == {"r"}
 
@@ -161,13 +161,13 @@ def test_a_last_store_in_the_same_step_as_the_delay_holds_the_blocks_until_it_is
     monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"store_delay_s": 0.5}))
     w, _ = make_worker()
     try:
-        plan = StepPlan(stores=[StoreJob(9, b"u" * 32, 2, (3,))], store_req_ids={9: "tail"},
+        plan = StepPlan(stores=[StoreJob(9, b"u" * 32, 2, (3,), req_id="tail")],
                         delayed_req_ids=["tail"])
         sending, _ = step(w, plan, finished={"tail"})
         assert "tail" not in sending
         sending, _, metas = collect_until(w, lambda s, r, m: "tail" in s)
         assert sending == {"tail"}
-        assert [m.outcomes[9][:2] for m in metas if 9 in m.outcomes] == [(1, 0)]  # done first
+        assert [(m.results[9].ok, m.results[9].failed) for m in metas if 9 in m.results] == [(1, 0)]  # done first
     finally:
         w.shutdown()
 
@@ -182,23 +182,23 @@ def test_failed_load_reports_every_block_and_still_finishes_the_request(monkeypa
 
 
 def _failed_load_flow(w: WorkerHalf, caches) -> None:
-    step(w, StepPlan(stores=[StoreJob(1, b"x" * 32, 2, (8, 9))], store_req_ids={1: "a"}))
-    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    step(w, StepPlan(stores=[StoreJob(1, b"x" * 32, 2, (8, 9), req_id="a")]))
+    collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     untouched = block(caches, 0, 30)
     load = LoadJob(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
     reported = step(w, StepPlan(loads=[load]))
     _, recving, metas = collect_until(w, lambda s, r, m: "b" in r, after=reported)
     assert w.take_load_errors() == {30, 31}
     assert w.take_load_errors() == set()  # reported once
-    outcome = next(x.outcomes[2] for x in metas if 2 in x.outcomes)
-    assert outcome[:3] == (0, 1, "copy_error")  # a failed device copy, whatever its cause
+    outcome = next(x.results[2] for x in metas if 2 in x.results)
+    assert (outcome.ok, outcome.failed, outcome.failure) == (0, 1, "copy_error")  # a failed device copy, whatever its cause
     assert torch.equal(block(caches, 0, 30), untouched)
 
 
 def run_rank(worker: WorkerHalf, plan: StepPlan) -> TieredKVWorkerMetadata:
     """Run a plan's stores on one rank; its reports, aggregated as vLLM would within a step."""
     step(worker, plan)
-    _, _, metas = collect_until(worker, lambda s, r, m: sum(len(x.outcomes) for x in m) >= len(plan.stores))
+    _, _, metas = collect_until(worker, lambda s, r, m: sum(len(x.results) for x in m) >= len(plan.stores))
     merged = metas[0]
     for extra in metas[1:]:
         merged = merged.aggregate(extra)
@@ -217,9 +217,9 @@ def test_two_ranks_aggregate_into_the_planner_across_steps():
         plan = planner.take_plan()
         assert len(plan.stores) == 3
         # Rank 0 reports in one step, rank 1 in a later one.
-        planner.apply(run_rank(ranks[0], plan).to_outcomes())
+        planner.apply(run_rank(ranks[0], plan).results.values())
         assert planner.host.ready_count == 0  # one rank is not enough
-        planner.apply(run_rank(ranks[1], plan).to_outcomes())
+        planner.apply(run_rank(ranks[1], plan).results.values())
         assert planner.host.ready_count == 3
     finally:
         for worker in ranks:
@@ -240,9 +240,9 @@ def test_cpu_host_load_runs_inline_and_is_reported_in_the_same_step(worker, comp
     get_finished of that very step reports it, busy step or not."""
     w, caches = worker
     before = [block(caches, layer, b) for layer in range(LAYERS) for b in (6, 7)]
-    store = StoreJob(1, b"s" * 32, host_slot=2, block_ids=(6, 7))
-    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
-    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    store = StoreJob(1, b"s" * 32, host_slot=2, block_ids=(6, 7), req_id="a")
+    step(w, StepPlan(stores=[store]))
+    collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     load = LoadJob(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),))
     assert w.inline_host_loads
     _, recving = step(w, StepPlan(loads=[load], compute_idle=compute_idle))
@@ -270,16 +270,16 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
     """Outside an idle step collect never blocks; in one it sleeps until its load lands
     (bounded), so vLLM's engine does not spin through empty steps holding the GIL."""
     w, _ = worker
-    store = StoreJob(1, b"t" * 32, host_slot=1, block_ids=(8, 9))
-    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
-    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
+    store = StoreJob(1, b"t" * 32, host_slot=1, block_ids=(8, 9), req_id="a")
+    step(w, StepPlan(stores=[store]))
+    collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     w.engine.backend = _SlowLoads(w.engine.backend)
     w.inline_host_loads = False  # as on CUDA: host loads go to the h2d lane
     busy = LoadJob(2, "busy", (LoadChunk(b"t" * 32, 1, 0, (40, 41)),))
     start = time.monotonic()
     _, recving = step(w, StepPlan(loads=[busy], compute_idle=False))  # goes to the h2d lane
     assert recving == set() and time.monotonic() - start < 0.04  # not waited for
-    monkeypatch.setattr("tieredkv.worker_half.IDLE_WAIT_S", 5.0)
+    monkeypatch.setattr("tieredkv.vllm.worker_side.IDLE_WAIT_S", 5.0)
     _, recving = step(w, StepPlan(compute_idle=True))
     assert recving == {"busy"}  # the idle step slept until it landed, far less than 5 s
     assert time.monotonic() - start < 2.0
@@ -290,10 +290,10 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
 
 def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monkeypatch):
     w, _ = worker
-    store = StoreJob(1, b"u" * 32, host_slot=4, block_ids=(10, 11))
-    step(w, StepPlan(stores=[store], store_req_ids={1: "a"}))
-    collect_until(w, lambda s, r, m: any(1 in x.outcomes for x in m))
-    monkeypatch.setattr("tieredkv.worker_half.BUSY_INLINE_MAX_BYTES", 1)
+    store = StoreJob(1, b"u" * 32, host_slot=4, block_ids=(10, 11), req_id="a")
+    step(w, StepPlan(stores=[store]))
+    collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
+    monkeypatch.setattr("tieredkv.vllm.worker_side.BUSY_INLINE_MAX_BYTES", 1)
     w.engine.backend = _SlowLoads(w.engine.backend)
     load = LoadJob(2, "big", (LoadChunk(b"u" * 32, 4, 0, (50, 51)),))
     reported = step(w, StepPlan(loads=[load], compute_idle=False))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tieredkv.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from tieredkv.scheduler.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:

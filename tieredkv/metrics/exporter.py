@@ -2,9 +2,9 @@
 
 The same metrics reach Prometheus two ways:
 
-* inside vLLM, through :class:`tieredkv.prom_metrics.TieredKVPromMetrics`: vLLM's stat logger
+* inside vLLM, through :class:`tieredkv.vllm.prometheus.TieredKVPromMetrics`: vLLM's stat logger
   builds it with its own metric classes and ``model_name``/``engine`` labels, and feeds it the
-  :class:`~tieredkv.stats.TieredKVStats` payload of every engine step;
+  :class:`~tieredkv.vllm.stats.TieredKVStats` payload of every engine step;
 * outside vLLM (benchmarks, the store on its own), through :func:`build_exporter_metrics` and
   :func:`start_exporter` here: plain ``prometheus_client`` metrics in a registry of the
   caller's choosing, with a ``model_name`` label.
@@ -14,7 +14,7 @@ Both paths build their metrics from :data:`METRIC_SPECS` and feed them with
 into samples cannot drift apart. This module does not import vLLM (importing it takes tens of
 seconds and the store does not need it).
 
-The payload (see ``tieredkv/stats.py``) carries counter *deltas* and latest gauge values::
+The payload (see ``tieredkv/vllm/stats.py``) carries counter *deltas* and latest gauge values::
 
     {"scheduler": {"counters": {name: delta}, "gauges": {name: value},
                    "chunk_bytes": int, "chunk_tokens": int, "world_size": int},
@@ -36,7 +36,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from tieredkv.failures import FAILURE_CAUSES
+from tieredkv.protocol import FAILURE_CAUSES
 
 logger = logging.getLogger("tieredkv")
 
@@ -185,7 +185,7 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "headers)."),
 }
 
-# Scheduler counters (tieredkv/planner.py Planner.counters) -> (spec id, label value).
+# Scheduler counters (tieredkv/scheduler/planner.py Planner.counters) -> (spec id, label value).
 _COUNTER_ROUTES: dict[str, tuple[str, str | None]] = {
     "lookups": ("lookups", None),
     "lookup_tokens": ("lookup_tokens", None),

@@ -11,11 +11,11 @@ import logging
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.host_tier import align_up
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from tieredkv.planner import Planner
-from tieredkv.vllm_geometry import AdapterDigests, engine_geometry
+from tieredkv.scheduler.planner import Planner
+from tieredkv.transfer.host_pool import align_up
+from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
+from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 
 logger = logging.getLogger("tieredkv")
 
@@ -202,8 +202,8 @@ class SchedulerHalf:
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, TieredKVWorkerMetadata) and meta.outcomes:
-            self.planner.apply(meta.to_outcomes())
+        if isinstance(meta, TieredKVWorkerMetadata) and meta.results:
+            self.planner.apply(meta.results.values())
         worker_stats = getattr(connector_output, "kv_connector_stats", None)
         if self._exporter is not None and worker_stats is not None:
             self._exporter.observe({"workers": worker_stats.data.get("workers") or {}})
@@ -228,7 +228,7 @@ class SchedulerHalf:
         from prometheus_client import CollectorRegistry
 
         from tieredkv.config import ConfigError
-        from tieredkv.exporter import build_exporter_metrics, start_exporter
+        from tieredkv.metrics.exporter import build_exporter_metrics, start_exporter
 
         registry = CollectorRegistry()
         self._exporter = build_exporter_metrics(registry, model_name=model_name)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_bench.py"
 
 
 def _load_bench():

@@ -10,5 +10,5 @@ def register() -> None:
     if "TieredKVConnector" in KVConnectorFactory._registry:
         return
     KVConnectorFactory.register_connector(
-        "TieredKVConnector", "tieredkv.connector", "TieredKVConnector"
+        "TieredKVConnector", "tieredkv.vllm.connector", "TieredKVConnector"
     )

@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from tieredkv.daemon_calls import STOP, serve_calls
+from tieredkv.protocol import FailureCause
 from tieredkv.transfer.copy_ops import Pair
-from tieredkv.transfer.jobs import CANCELLED
+from tieredkv.transfer.daemon_calls import STOP, serve_calls
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class CopyLane:
             if request.start is None or request.start():
                 live.append(request)
             else:
-                request.outcome = CANCELLED
+                request.outcome = FailureCause.CANCELLED
         if not live:
             return
         pairs = [pair for request in live for pair in request.pairs]
@@ -270,7 +270,7 @@ class CopyLane:
     # ------------------------------------------------------------------ event loop
 
     async def copy(self, request: CopyRequest) -> object:
-        """Copy ``request.pairs``; returns None when done, ``CANCELLED`` if skipped, or the
+        """Copy ``request.pairs``; returns None when done, ``FailureCause.CANCELLED`` if skipped, or the
         exception the copy raised (never raises it: the caller reports it)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[object] = loop.create_future()

@@ -15,8 +15,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tieredkv.policies import ARCPolicy, LRUPolicy
-from tieredkv.tier_index import Placement, SlotState, TierIndex
+from tieredkv.scheduler.policies import ARCPolicy, LRUPolicy
+from tieredkv.scheduler.tier_index import Placement, SlotState, TierIndex
 
 
 def k(i: int) -> bytes:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import socket
-import sys
 from pathlib import Path
 
-from tieredkv.tools.ports import ephemeral_range, free_port
+from remote_helpers import RedisServer
 
-sys.path.insert(0, str(Path(__file__).parent / "remote"))
+from tieredkv.tools.ports import ephemeral_range, free_port
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
@@ -30,8 +29,6 @@ def test_cluster_bus_port_is_free_and_below_the_range_too() -> None:
 
 
 def test_redis_server_moves_to_another_port_when_its_port_is_taken(tmp_path: Path) -> None:
-    from remote_helpers import RedisServer
-
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()

@@ -9,7 +9,7 @@ one environment variable holding JSON, for example::
 * ``store_delay_s``: every device -> host store copy first sleeps this long (stores in flight
   at preemption time).
 
-Disk faults are injected with :class:`tieredkv.disk.fileio.FaultyFileIO` instead.
+Disk faults are injected with :class:`tieredkv.testing.faulty_fileio.FaultyFileIO` instead.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tieredkv.host_tier import HostPool
 from tieredkv.transfer.copy_ops import CopyBackend, Pair
+from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 logger = logging.getLogger("tieredkv")

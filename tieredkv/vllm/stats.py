@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tieredkv.failures import FAILURE_CAUSES  # noqa: F401 - re-exported
+from tieredkv.protocol import FAILURE_CAUSES  # noqa: F401 - re-exported
 
 
 def _add_numbers(into: dict[str, Any], other: dict[str, Any]) -> None:

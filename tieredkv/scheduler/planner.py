@@ -29,8 +29,17 @@ from dataclasses import dataclass, field
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.disk.format import MAX_HEADER_ALIASES
-from tieredkv.tier_index import TierIndex
-from tieredkv.transfer.jobs import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+from tieredkv.protocol import (
+    JobKind,
+    JobResult,
+    LoadChunk,
+    LoadJob,
+    PromoteJob,
+    SpillJob,
+    StepPlan,
+    StoreJob,
+)
+from tieredkv.scheduler.tier_index import TierIndex
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +47,12 @@ MAX_PROMOTE_ROUNDS = 3
 
 
 @dataclass
-class JobOutcome:
-    """What the ranks said about one job, summed across ranks (and across steps)."""
-
-    ok: int = 0
-    failed: int = 0
-    failure: str | None = None
-    failed_block_ids: set[int] = field(default_factory=set)
-
-    def merge(self, other: JobOutcome) -> None:
-        self.ok += other.ok
-        self.failed += other.failed
-        self.failure = self.failure or other.failure
-        self.failed_block_ids |= other.failed_block_ids
-
-
-@dataclass
 class _Job:
-    kind: str  # store | spill | promote | load
+    kind: JobKind
     keys: tuple[bytes, ...]
     req_id: str | None
     remaining: int
-    outcome: JobOutcome = field(default_factory=JobOutcome)
+    outcome: JobResult | None = None  # every rank's report so far, merged
     # load jobs: device block ids per chunk, to map failed blocks back to keys
     chunk_blocks: tuple[tuple[int, ...], ...] = ()
     started: float = field(default_factory=time.monotonic)
@@ -94,22 +87,6 @@ class _Request:
     looked_up: bool = False
 
 
-@dataclass
-class StepPlan:
-    """The jobs of one scheduler step (the payload of the connector metadata)."""
-
-    stores: list[StoreJob] = field(default_factory=list)
-    store_req_ids: dict[int, str] = field(default_factory=dict)
-    spills: list[SpillJob] = field(default_factory=list)
-    promotes: list[PromoteJob] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-    fence_block_ids: list[int] = field(default_factory=list)
-    delayed_req_ids: list[str] = field(default_factory=list)
-    # The step computes no tokens (requests only wait for loads): the worker may sleep on
-    # its own in-flight jobs instead of letting vLLM spin through empty steps.
-    compute_idle: bool = False
-
-
 class Planner:
     """Scheduler-side index owner and job planner (one per engine)."""
 
@@ -140,6 +117,12 @@ class Planner:
         self._jobs: dict[int, _Job] = {}
         self._requests: dict[str, _Request] = {}
         self._plan = StepPlan()
+        self._completers = {
+            JobKind.STORE: self._complete_store,
+            JobKind.SPILL: self._complete_spill,
+            JobKind.PROMOTE: self._complete_promote,
+            JobKind.LOAD: self._complete_load,
+        }
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
         self._promotions: dict[bytes, int] = {}  # key -> promote job in flight (any request)
         self._seen: OrderedDict[bytes, int] = OrderedDict()
@@ -395,8 +378,8 @@ class Planner:
             self._count_evictions("host", evicted)
             disk_slot = disk_entry.slot
             self.disk.pin(key)
-            job_id = self._new_job("promote", (key,), state.req_id)
-            self._plan.promotes.append(PromoteJob(job_id, key, disk_slot, host_slot))
+            job_id = self._new_job(JobKind.PROMOTE, (key,), state.req_id)
+            self._plan.promotes.append(PromoteJob(job_id, key, disk_slot, host_slot, req_id=state.req_id))
             self._promotions[key] = job_id
             state.promote_jobs.add(job_id)
             state.promoted_keys.add(key)
@@ -447,7 +430,7 @@ class Planner:
             return
         if hit.partial and keep[-1] == hit.keys[-1]:
             self.counters["partial_hits"] += 1  # a hit that ended inside a chunk
-        job_id = self._new_job("load", tuple(keep), req_id)
+        job_id = self._new_job(JobKind.LOAD, tuple(keep), req_id)
         self._jobs[job_id].chunk_blocks = tuple(c.block_ids for c in chunks)
         self._plan.loads.append(LoadJob(job_id, req_id, tuple(chunks)))
         state.load_job = job_id
@@ -529,10 +512,9 @@ class Planner:
         slot, evicted = allocation
         self._count_evictions("host", evicted)
         blocks = tuple(blocks)
-        job_id = self._new_job("store", (key,), state.req_id)
+        job_id = self._new_job(JobKind.STORE, (key,), state.req_id)
         self._jobs[job_id].chunk_blocks = (blocks,)
-        self._plan.stores.append(StoreJob(job_id, key, slot, blocks))
-        self._plan.store_req_ids[job_id] = state.req_id
+        self._plan.stores.append(StoreJob(job_id, key, slot, blocks, req_id=state.req_id))
         state.store_jobs.add(job_id)
         self._note_seen(key)
 
@@ -623,7 +605,7 @@ class Planner:
                 if self.catalog is not None:
                     self.catalog.record_removed(old_key)
             self.host.pin(key)
-            job_id = self._new_job("spill", (key,), None)
+            job_id = self._new_job(JobKind.SPILL, (key,), None)
             # The slot header lists the entry's block keys, so a restart finds them again
             # (beyond what one header page holds, only the entry's own key survives it).
             header_aliases = placement.aliases if len(placement.aliases) <= MAX_HEADER_ALIASES else ()
@@ -631,38 +613,39 @@ class Planner:
                 SpillJob(job_id, key, placement.slot, disk_slot, aliases=header_aliases)
             )
 
-    def apply(self, outcomes: dict[int, JobOutcome]) -> None:
+    def apply(self, results: Iterable[JobResult]) -> None:
         """Fold the ranks' reports in; a job completes once every rank has reported it."""
-        for job_id, outcome in outcomes.items():
+        for result in results:
+            job_id = result.job_id
             job = self._jobs.get(job_id)
             if job is None:
                 logger.debug("tieredkv: result for unknown job %d ignored", job_id)
                 continue
-            job.outcome.merge(outcome)
-            job.remaining -= outcome.ok + outcome.failed
+            job.outcome = result if job.outcome is None else job.outcome.merged(result)
+            job.remaining -= result.ok + result.failed
             if job.remaining > 0:
                 continue
             del self._jobs[job_id]
-            getattr(self, f"_complete_{job.kind}")(job_id, job)
+            self._completers[job.kind](job_id, job, job.outcome)
 
-    def _complete_store(self, job_id: int, job: _Job) -> None:
+    def _complete_store(self, job_id: int, job: _Job, outcome: JobResult) -> None:
         (key,) = job.keys
-        if job.outcome.failed:
+        if outcome.failed:
             self.host.abort(key)
-            self.counters[f"store_failed_{job.outcome.failure or 'unknown'}"] += 1
+            self.counters[f"store_failed_{outcome.failure or 'unknown'}"] += 1
         elif self.host.mark_ready(key):
             self.counters["stored_chunks"] += 1
             if self._settle(self.host, key) and self._admit_to_disk(key):
                 self._spill_queue[key] = None
         self._detach(job_id, job)
 
-    def _complete_spill(self, job_id: int, job: _Job) -> None:
+    def _complete_spill(self, job_id: int, job: _Job, outcome: JobResult) -> None:
         (key,) = job.keys
         self.host.unpin(key)
         assert self.disk is not None
-        if job.outcome.failed:
+        if outcome.failed:
             self.disk.abort(key)
-            self.counters[f"spill_failed_{job.outcome.failure or 'unknown'}"] += 1
+            self.counters[f"spill_failed_{outcome.failure or 'unknown'}"] += 1
             return
         slot = self.disk.get(key)
         if self.disk.mark_ready(key):
@@ -676,27 +659,27 @@ class Planner:
                 self.catalog.record_written(key, slot.slot)
             self._settle(self.disk, key)
 
-    def _complete_promote(self, job_id: int, job: _Job) -> None:
+    def _complete_promote(self, job_id: int, job: _Job, outcome: JobResult) -> None:
         (key,) = job.keys
         if self._promotions.get(key) == job_id:
             del self._promotions[key]
         assert self.disk is not None
         self.disk.unpin(key)
-        if job.outcome.failed:
+        if outcome.failed:
             self.host.abort(key)
-            self._drop_disk(key, job.outcome.failure)
+            self._drop_disk(key, outcome.failure)
         elif self.host.mark_ready(key):
             self.counters["promoted_chunks"] += 1
             self._settle(self.host, key)
         self._detach(job_id, job)
 
-    def _complete_load(self, job_id: int, job: _Job) -> None:
-        failed_blocks = job.outcome.failed_block_ids
-        if job.outcome.failed:
-            self.counters[f"load_failed_{job.outcome.failure or 'unknown'}"] += 1  # per load
+    def _complete_load(self, job_id: int, job: _Job, outcome: JobResult) -> None:
+        failed_blocks = set(outcome.failed_block_ids)
+        if outcome.failed:
+            self.counters[f"load_failed_{outcome.failure or 'unknown'}"] += 1  # per load
         for key, blocks in zip(job.keys, job.chunk_blocks, strict=True):
             self.host.unpin(key)
-            if job.outcome.failed and failed_blocks.intersection(blocks):
+            if outcome.failed and failed_blocks.intersection(blocks):
                 self.host.remove(key)
                 self._epoch += 1
                 self.counters["chunks_dropped_by_failed_loads"] += 1
@@ -753,7 +736,7 @@ class Planner:
 
     # ------------------------------------------------------------------ helpers
 
-    def _new_job(self, kind: str, keys: tuple[bytes, ...], req_id: str | None) -> int:
+    def _new_job(self, kind: JobKind, keys: tuple[bytes, ...], req_id: str | None) -> int:
         job_id = next(self._job_ids)
         self._jobs[job_id] = _Job(kind, keys, req_id, remaining=self.world_size)
         return job_id

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tieredkv import vllm_geometry as geo
+from tieredkv.vllm import geometry as geo
 
 
 def _model_dir(tmp_path: Path) -> Path:

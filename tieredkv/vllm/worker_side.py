@@ -8,17 +8,19 @@ forward, and turns engine results into vLLM's completion sets and per-rank job o
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 import torch
 
-from tieredkv import sleep_hook
 from tieredkv.config import TieredKVConfig
-from tieredkv.host_tier import HostPool
-from tieredkv.metadata import OutcomeTuple, TieredKVMetadata, TieredKVWorkerMetadata
-from tieredkv.scheduler_half import slot_counts
-from tieredkv.vllm_geometry import engine_geometry
+from tieredkv.protocol import JobResult, merge_results
+from tieredkv.transfer.host_pool import HostPool
+from tieredkv.vllm import sleep_hook
+from tieredkv.vllm.geometry import engine_geometry
+from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.vllm.scheduler_side import slot_counts
 
 logger = logging.getLogger("tieredkv")
 
@@ -62,7 +64,7 @@ class WorkerHalf:
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
-        self._outcomes: dict[int, OutcomeTuple] = {}
+        self._results: dict[int, JobResult] = {}
         self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
         self._compute_idle = False
         # Host-tier loads copied inline in start_load_kv (CPU caches; set at registration).
@@ -75,7 +77,6 @@ class WorkerHalf:
         self._vllm_copy_op = copy_operation
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from tieredkv.faults import maybe_inject
         from tieredkv.transfer.copy_ops import select_backend
         from tieredkv.transfer.engine import TransferEngine
         from tieredkv.transfer.kv_views import KVViews
@@ -103,9 +104,13 @@ class WorkerHalf:
                 payload_bytes=payload,
                 fingerprint=self.geometry.fingerprint,
             )
-        backend = maybe_inject(select_backend(
+        backend = select_backend(
             self.config.copy_backend, kv=views, host=self.host, vllm_copy_op=self._vllm_copy_op
-        ))
+        )
+        if os.environ.get("TIEREDKV_FAULTS"):  # e2e tests and soak runs only
+            from tieredkv.testing.fault_backend import maybe_inject
+
+            backend = maybe_inject(backend)
         self.engine = TransferEngine(
             views,
             self.host,
@@ -159,7 +164,7 @@ class WorkerHalf:
     def _register_stores(self, plan: Any) -> None:
         """Idempotent until the jobs are submitted (none can have finished before that)."""
         for job in plan.stores:
-            req_id = plan.store_req_ids.get(job.job_id)
+            req_id = job.req_id
             if req_id is not None and job.job_id not in self._store_reqs:
                 self._store_reqs[job.job_id] = req_id
                 self._pending_stores.setdefault(req_id, set()).add(job.job_id)
@@ -188,15 +193,10 @@ class WorkerHalf:
         recving, self._finished_recving = self._finished_recving, set()
         return sending, recving
 
-    def _record(self, result: Any) -> None:
+    def _record(self, result: JobResult) -> None:
         job_id = result.job_id
         self._awaited.discard(job_id)
-        self._outcomes[job_id] = (
-            1 if result.ok else 0,
-            0 if result.ok else 1,
-            None if result.ok else result.failure,
-            tuple(result.failed_block_ids),
-        )
+        merge_results(self._results, [result])
         load_req = self._load_reqs.pop(job_id, None)
         if load_req is not None:
             if not result.ok:
@@ -234,10 +234,10 @@ class WorkerHalf:
         return errors
 
     def build_worker_meta(self) -> TieredKVWorkerMetadata | None:
-        if not self._outcomes:
+        if not self._results:
             return None
-        outcomes, self._outcomes = self._outcomes, {}
-        return TieredKVWorkerMetadata(outcomes=outcomes)
+        results, self._results = self._results, {}
+        return TieredKVWorkerMetadata(results=results)
 
     def stats_snapshot(self) -> dict:
         """This rank's transfer counters since the last call (see TransferEngine.take_stats)."""

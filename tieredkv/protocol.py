@@ -1,0 +1,204 @@
+"""The ground floor every layer shares: jobs, their one result type, the step plan, and enums.
+
+Jobs travel inside vLLM's connector metadata from the engine-core process to each worker
+process, so they are plain frozen dataclasses of ints, bytes, strs and tuples: cheap to
+pickle, impossible to mutate on the way, and never holding a tensor. Every job names the
+request it serves (``req_id``), stores included.
+
+Block ids are device (vLLM) block ids; slots are host-pool or slab-file slots. Position ``j``
+of a host slot holds block ``j`` of its chunk, for every layer (see ``transfer.kv_views``).
+
+The enums are ``StrEnum`` so their values are the names that appear in metrics and configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class JobKind(StrEnum):
+    """What a job moves: device->host, host->disk, disk->host, host->device."""
+
+    STORE = "store"
+    SPILL = "spill"
+    PROMOTE = "promote"
+    LOAD = "load"
+
+
+class Direction(StrEnum):
+    """Byte counters' directions (``bytes_total{direction=...}``)."""
+
+    D2H = "d2h"
+    H2D = "h2d"
+    SPILL = "spill"
+    RESTORE = "restore"
+
+
+class FailureCause(StrEnum):
+    """Every reason a job or tier call did not deliver (values appear in metrics)."""
+
+    IO_ERROR = "io_error"              # the disk or network said no
+    SHORT_READ = "short_read"          # a slot file ended early
+    CHECKSUM = "checksum"              # bytes came back, but not the bytes written
+    WRONG_KEY = "wrong_key"            # a slot held another chunk
+    MISSING = "missing"                # the slot or file is gone
+    TIMEOUT = "timeout"                # no answer within the deadline
+    NO_SPACE = "no_space"              # full disk, quota, or Redis maxmemory
+    WRONG_NAMESPACE = "wrong_namespace"  # written under other model/settings
+    COPY_ERROR = "copy_error"          # a device<->host copy raised, or a slot was in flight
+    CANCELLED = "cancelled"            # fenced, shut down, or never started
+    INJECTED = "injected"              # a test fault (tieredkv.testing)
+    UNKNOWN = "unknown"                # a job reported no cause (a bug: logged)
+    DROPPED = "dropped"                # a spill found the bounded spill queue full
+    UNAVAILABLE = "unavailable"        # the remote tier is known to be down: no network call
+
+
+# The ``cause`` label set of the failure counters (``dropped`` is counted as its own series).
+FAILURE_CAUSES: tuple[str, ...] = tuple(
+    c.value for c in FailureCause if c not in (FailureCause.DROPPED, FailureCause.UNAVAILABLE)
+)
+
+
+class PolicyName(StrEnum):
+    """Eviction policies a tier index can use (config key ``eviction``)."""
+
+    LRU = "lru"
+    ARC = "arc"
+
+
+class BackendName(StrEnum):
+    """Device<->host copy backends (config key ``copy_backend``)."""
+
+    AUTO = "auto"
+    NATIVE = "native"
+    TORCH = "torch"
+    CUPY = "cupy"
+    VLLM = "vllm"
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """d2h: device blocks ``block_ids`` -> host slot ``host_slot`` (block j -> position j).
+
+    Fewer ids than ``chunk_blocks``: a prompt's tail; the slot's other positions are unused."""
+
+    job_id: int
+    key: bytes
+    host_slot: int
+    block_ids: tuple[int, ...]
+    req_id: str | None = None  # the request whose blocks these are (vLLM's finished_sending)
+
+
+@dataclass(frozen=True)
+class SpillJob:
+    """Host slot -> disk slot (written with a verified header; the host copy stays).
+
+    ``aliases``: keys of the entry's other blocks, written into the slot header."""
+
+    job_id: int
+    key: bytes
+    host_slot: int
+    disk_slot: int
+    aliases: tuple[bytes, ...] = ()
+    req_id: str | None = None  # spills serve the tier, not a request: always None
+
+
+@dataclass(frozen=True)
+class PromoteJob:
+    """Disk slot -> host slot, verified before the scheduler may promise it as a hit."""
+
+    job_id: int
+    key: bytes
+    disk_slot: int
+    host_slot: int
+    req_id: str | None = None  # the request whose lookup asked for it
+
+
+@dataclass(frozen=True)
+class LoadChunk:
+    """One chunk of a load: slot positions ``[first_block, first_block + len(block_ids))``
+    go to device blocks ``block_ids`` (a hit may start mid-chunk). With ``disk_slot`` set the
+    chunk is first read (verified) from disk into ``host_slot``."""
+
+    key: bytes
+    host_slot: int
+    first_block: int
+    block_ids: tuple[int, ...]
+    disk_slot: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """A request's chunks, in prefix order; disk reads and h2d copies overlap across chunks."""
+
+    job_id: int
+    req_id: str
+    chunks: tuple[LoadChunk, ...]
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(b for chunk in self.chunks for b in chunk.block_ids)
+
+
+Job = StoreJob | SpillJob | PromoteJob | LoadJob
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What happened to one job: one rank's report, or several merged (:meth:`merged`).
+
+    ``ok``/``failed`` count ranks. ``failure`` is a :class:`FailureCause` value (the first one
+    reported). For a failed load, ``failed_block_ids`` are exactly the device blocks of the
+    chunks that did not load: the failed chunk and every chunk after it (a prefix with a hole
+    is useless, so nothing after a failure is copied to the device).
+    """
+
+    job_id: int
+    ok: int = 0
+    failed: int = 0
+    failure: str | None = None
+    failed_block_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def done(cls, job_id: int) -> JobResult:
+        return cls(job_id, ok=1)
+
+    @classmethod
+    def fail(cls, job_id: int, failure: str, failed_block_ids: Iterable[int] = ()) -> JobResult:
+        return cls(job_id, failed=1, failure=failure, failed_block_ids=tuple(sorted(set(failed_block_ids))))
+
+    def merged(self, other: JobResult) -> JobResult:
+        """The one merge: ranks add up, the first cause wins, failed blocks unite."""
+        assert other.job_id == self.job_id, (self.job_id, other.job_id)
+        return JobResult(
+            self.job_id,
+            ok=self.ok + other.ok,
+            failed=self.failed + other.failed,
+            failure=self.failure or other.failure,
+            failed_block_ids=tuple(sorted(set(self.failed_block_ids) | set(other.failed_block_ids))),
+        )
+
+
+def merge_results(into: dict[int, JobResult], results: Iterable[JobResult]) -> dict[int, JobResult]:
+    """Fold ``results`` into ``into`` by job id (ranks and steps may report one job apart)."""
+    for result in results:
+        prior = into.get(result.job_id)
+        into[result.job_id] = result if prior is None else prior.merged(result)
+    return into
+
+
+@dataclass
+class StepPlan:
+    """The jobs of one scheduler step (the payload of the connector metadata)."""
+
+    stores: list[StoreJob] = field(default_factory=list)
+    spills: list[SpillJob] = field(default_factory=list)
+    promotes: list[PromoteJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    fence_block_ids: list[int] = field(default_factory=list)
+    delayed_req_ids: list[str] = field(default_factory=list)
+    # The step computes no tokens (requests only wait for loads): the worker may sleep on
+    # its own in-flight jobs instead of letting vLLM spin through empty steps.
+    compute_idle: bool = False

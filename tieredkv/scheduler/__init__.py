@@ -1,0 +1,1 @@
+"""The scheduler side's decisions: lookup, the job ledger, placement, tier indexes, policies."""

@@ -1,0 +1,1 @@
+"""Fault injection and launchers for tests, soak runs and benchmarks; never imported in production."""

@@ -1,0 +1,34 @@
+"""What travels between the two halves each step: jobs down, per-rank results up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from tieredkv.protocol import JobResult, StepPlan, merge_results
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: this step's concrete jobs (same for every rank)."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: job results of this step, merged over ranks by ``aggregate``.
+
+    Ranks may finish one job in different steps; the scheduler keeps counting across steps.
+    """
+
+    results: dict[int, JobResult] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TieredKVWorkerMetadata)
+        merged = merge_results(dict(self.results), other.results.values())
+        return TieredKVWorkerMetadata(results=merged)
