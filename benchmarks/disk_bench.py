@@ -11,7 +11,7 @@ each figure is the median of ``--repeats`` runs. O_DIRECT is used for both sides
 filesystem allows it; otherwise both run buffered, the table says so, and the page cache is
 dropped for both files (fsync + POSIX_FADV_DONTNEED) before every read pass.
 
-    python benchmarks/disk_bench.py [--dir DIR] [--total-bytes 256MiB] [--json out.json]
+    python -m benchmarks.disk_bench [--dir DIR] [--total-bytes 256MiB] [--json out.json]
 """
 
 from __future__ import annotations

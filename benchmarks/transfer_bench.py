@@ -47,14 +47,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tieredkv.transfer.copy_ops import (  # noqa: E402
-    CupyCopyBackend,
-    NativeCopyBackend,
-    TorchCopyBackend,
-    select_backend,
-)
+from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend  # noqa: E402
+from tieredkv.transfer.backends.native_backend import NativeCopyBackend  # noqa: E402
+from tieredkv.transfer.backends.select import select_backend  # noqa: E402
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend  # noqa: E402
 from tieredkv.transfer.host_pool import HostPool  # noqa: E402
 from tieredkv.transfer.kv_views import KVViews  # noqa: E402
 from tieredkv.transfer.lanes import _single_threaded_ops  # noqa: E402

@@ -57,7 +57,7 @@ next one):
   cuda-tests   every test marked `cuda` (python -m pytest -m cuda ...)
   integration  {INTEGRATION}: the real worker half and transfer engine on
                vLLM's CUDA KV-cache layouts (cpu and cuda; --device cpu: cpu only)
-  bench        benchmarks/transfer_bench.py --device DEVICE (quick profile), figures vs targets
+  bench        python -m benchmarks.transfer_bench --device DEVICE (quick profile), figures vs targets
   copy-check   gpu_check.py --copy-check: every backend's bytes on small caches in vLLM's
                layouts, under compute-sanitizer memcheck when it is on PATH (or in
                /usr/local/cuda/bin)
@@ -199,7 +199,7 @@ try:
     import tieredkv, os
     info["tieredkv_from"] = os.path.dirname(tieredkv.__file__)
     try:
-        import tieredkv.transfer._rowcopy  # noqa: F401
+        import tieredkv.transfer.backends._rowcopy  # noqa: F401
         info["rowcopy_extension"] = True
     except Exception:
         info["rowcopy_extension"] = False
@@ -432,7 +432,7 @@ class Check:
                         "install: restore it before trusting any figure", seconds, log, " ".join(cmd))
             return
         if rc == 0 and where and Path(where).resolve() == (ROOT / "tieredkv").resolve():
-            ext = self._importable("tieredkv.transfer._rowcopy")
+            ext = self._importable("tieredkv.transfer.backends._rowcopy")
             self.record("install", "pass", f"pip install -e . (torch {after} untouched; C "
                         f"extension {'built' if ext else 'not built: numpy CPU path'})",
                         seconds, log, " ".join(cmd))
@@ -491,7 +491,7 @@ class Check:
             self.record("bench", "skip", "--bench none")
             return
         json_path = self.out / "transfer_bench.json"
-        cmd = [self.python, "benchmarks/transfer_bench.py", "--device", self.device,
+        cmd = [self.python, "-m", "benchmarks.transfer_bench", "--device", self.device,
                "--json", str(json_path), *({"quick": [], "smoke": ["--smoke"], "full": ["--full"]}[profile])]
         rc, log, seconds = self.run("bench", cmd, self.args.bench_timeout)
         shutil.copyfile(self.out / log, self.out / "transfer_bench.txt")
@@ -691,12 +691,10 @@ def _copy_check_imports() -> None:
     from vllm_cuda_layouts import CASE_BY_ID, build_kv_caches
 
     from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
-    from tieredkv.transfer.copy_ops import (
-        CopyBackend,
-        CupyCopyBackend,
-        NativeCopyBackend,
-        TorchCopyBackend,
-    )
+    from tieredkv.transfer.backends.base import CopyBackend
+    from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
+    from tieredkv.transfer.backends.native_backend import NativeCopyBackend
+    from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
     from tieredkv.transfer.engine import TransferEngine
     from tieredkv.transfer.host_pool import HostPool
     from tieredkv.transfer.kv_views import KVViews

@@ -43,5 +43,5 @@ echo "[setup] installing tieredkv (editable) with test and benchmark extras"
 .venv/bin/python -c "import vllm, tieredkv; print('[setup] vllm', vllm.__version__, '| tieredkv', tieredkv.__version__)"
 # The C copier is optional for users (no compiler: the numpy path), but this project's own
 # environment must have it: the test suite and the benchmarks measure it.
-.venv/bin/python -c "import tieredkv.transfer._rowcopy" \
-    || { echo "[setup] tieredkv's C copier (tieredkv/transfer/_rowcopy.c) did not build" >&2; exit 1; }
+.venv/bin/python -c "import tieredkv.transfer.backends._rowcopy" \
+    || { echo "[setup] tieredkv's C copier (tieredkv/transfer/backends/_rowcopy.c) did not build" >&2; exit 1; }

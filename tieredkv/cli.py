@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from tieredkv.config import ConfigError
-from tieredkv.disk.catalog import JOURNAL_NAME, slab_path
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import Journal
+from tieredkv.disk.layout import MANIFEST_NAME, journal_path, manifest_path, slab_files, slab_path
 from tieredkv.disk.lock import DiskLock
-from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest
+from tieredkv.disk.manifest import Manifest, load_manifest
 from tieredkv.disk.private_files import UntrustedPathError, ensure_private_dir
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
@@ -89,16 +89,8 @@ def _disk_dir(path: str) -> Path:
     return disk
 
 
-def _rank_files(disk: Path) -> list[Path]:
-    def rank(p: Path) -> int:
-        digits = p.stem.removeprefix("rank")
-        return int(digits) if digits.isdigit() else 1 << 30
-
-    return sorted(disk.glob("rank*.slab"), key=rank)
-
-
 def _require_manifest(disk: Path) -> Manifest:
-    manifest = load_manifest(disk) if os.path.lexists(disk / MANIFEST_NAME) else None
+    manifest = load_manifest(disk) if os.path.lexists(manifest_path(disk)) else None
     if manifest is None:
         raise UsageError(
             f"{disk}: no readable {MANIFEST_NAME}; not a tieredkv disk tier, or its manifest is "
@@ -123,12 +115,12 @@ def _inspect_args(parser: argparse.ArgumentParser) -> None:
 @subcommand("inspect", "show what a disk tier holds", configure=_inspect_args)
 def inspect_cmd(args: argparse.Namespace) -> int:
     disk = _disk_dir(args.path)
-    has_manifest = os.path.lexists(disk / MANIFEST_NAME)
+    has_manifest = os.path.lexists(manifest_path(disk))
     manifest = load_manifest(disk) if has_manifest else None
-    files = _rank_files(disk)
-    if manifest is None and not files and not os.path.lexists(disk / JOURNAL_NAME):
+    files = slab_files(disk)
+    if manifest is None and not files and not os.path.lexists(journal_path(disk)):
         raise UsageError(f"{disk}: not a tieredkv disk tier (no manifest, journal or slab files)")
-    replay = Journal.replay(disk / JOURNAL_NAME)
+    replay = Journal.replay(journal_path(disk))
     holder = DiskLock.holder(disk)
     slabs = []
     for file in files:
@@ -218,7 +210,7 @@ def verify_cmd(args: argparse.Namespace) -> int:
 
 def _verify(disk: Path, manifest: Manifest, args: argparse.Namespace, lock: DiskLock | None) -> int:
     fingerprint = bytes.fromhex(manifest.fingerprint)
-    entries = Journal.replay(disk / JOURNAL_NAME).entries
+    entries = Journal.replay(journal_path(disk)).entries
     bad: dict[bytes, tuple[int, int, SlabError]] = {}  # key -> (slot, rank, first failure)
     out = bytearray(manifest.payload_bytes)
     for rank in range(manifest.world_size):
@@ -295,7 +287,7 @@ def _drop(disk: Path, manifest: Manifest, fingerprint: bytes,
                         print(f"warning: could not invalidate slot {slot} on rank {rank}: {exc}",
                               file=sys.stderr)
             slab.sync()
-    with Journal(disk / JOURNAL_NAME) as journal:
+    with Journal(journal_path(disk)) as journal:
         for key in bad:
             journal.record_remove(key)
         journal.flush()

@@ -14,6 +14,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from tieredkv.protocol import BackendName
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -42,7 +44,7 @@ DISK_ADMISSION_MAX = 1000  # disk_admission in [1, 1000]
 METRICS_PORT_MAX = 65535  # metrics_port in [0, 65535]
 
 EVICTION_POLICIES = ("lru", "arc")
-COPY_BACKENDS = ("auto", "native", "torch", "cupy", "vllm")
+COPY_BACKENDS = tuple(b.value for b in BackendName)
 # Auto chunk size: big enough for large sequential copies and disk I/O, small enough that
 # prompts of a few hundred tokens still get stored.
 CHUNK_TOKENS_TARGET = 256

@@ -119,19 +119,18 @@ class PromoteJob:
 @dataclass(frozen=True)
 class LoadChunk:
     """One chunk of a load: slot positions ``[first_block, first_block + len(block_ids))``
-    go to device blocks ``block_ids`` (a hit may start mid-chunk). With ``disk_slot`` set the
-    chunk is first read (verified) from disk into ``host_slot``."""
+    go to device blocks ``block_ids`` (a hit may start mid-chunk). The chunk is in host slot
+    ``host_slot``: a disk hit is promoted there (:class:`PromoteJob`) before it is loaded."""
 
     key: bytes
     host_slot: int
     first_block: int
     block_ids: tuple[int, ...]
-    disk_slot: int | None = None
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """A request's chunks, in prefix order; disk reads and h2d copies overlap across chunks."""
+    """A request's chunks, in prefix order, each copied host -> device."""
 
     job_id: int
     req_id: str

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/serve_bench.py and benchmarks/soak.py: imports and pure helpers.
+"""Smoke test of benchmarks.serve_bench and benchmarks.soak: imports and pure helpers.
 
 No vLLM server is started; everything here runs in well under a second.
 """
@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import serve_bench  # noqa: E402
-import soak  # noqa: E402
+from benchmarks import common, serve_bench, soak
+from tieredkv.disk.layout import payload_offset, slab_path, slot_stride
 
 # ---------------------------------------------------------------------------- serve_bench
 
@@ -56,8 +51,10 @@ def test_prompt_lengths_and_device_sizing():
     assert serve_bench.exceeds_device(spec, 3, n, 32)
     assert serve_bench.exceeds_device(spec, 4, n, 32)
     assert serve_bench.chunks_of(spec, 1, 256) == spec.prompt_tokens(3) // 256
-    assert serve_bench.kv_bytes_per_token({"hidden_size": 256, "num_layers": 4, "num_heads": 4,
-                                           "num_kv_heads": 2}, 4) == 4096
+    assert common.kv_bytes_per_token({"hidden_size": 256, "num_layers": 4, "num_heads": 4,
+                                      "num_kv_heads": 2}, 4) == 4096
+    assert common.kv_bytes_per_token(serve_bench.MODEL, serve_bench.DTYPE_BYTES) == 4096
+    assert common.kv_bytes_per_token(soak.MODEL, soak.DTYPE_BYTES) == 4096
 
 
 def test_percentile_math():
@@ -201,21 +198,21 @@ def test_leak_check_undecided_is_not_a_pass():
 
 
 def test_flip_payload_bytes(tmp_path):
-    stride, payload = 4096 + 8192, 8192
-    slab = tmp_path / "rank0.slab"
+    payload = 8192
+    stride = slot_stride(payload)
+    slab = slab_path(tmp_path, 0)
     slab.write_bytes(bytes(3 * stride))
     offsets = soak.flip_payload_bytes(slab, 1, stride, payload, 16, random.Random(0))
     data = slab.read_bytes()
     changed = [i for i, b in enumerate(data) if b]
     assert len(offsets) == 16 and len(changed) == 16
-    base = stride + soak.HEADER_BYTES
+    base = payload_offset(1, stride)
     assert all(base <= i < base + payload for i in changed)  # payload of slot 1 only
     assert changed == [base + o for o in offsets]
 
 
 def test_leak_rules_cover_every_plotted_series():
     assert set(soak.LEAK_RULES) == set(soak.SERIES_UNITS)
-    assert soak.journal_path(Path("/x")).name == "journal.bin"
 
 
 def test_pool_without_shared_prefixes_and_idle_verdict():

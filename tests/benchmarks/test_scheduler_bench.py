@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/scheduler_bench.py: its smallest profile, in-process.
+"""Smoke test of benchmarks.scheduler_bench: its smallest profile, in-process.
 
 Builds both scheduler halves (tieredkv and vLLM's OffloadingConnector) from real vLLM
 configs, runs every measurement once or a few times, and checks that the rows are sane
@@ -7,29 +7,17 @@ and the results files are written. Timings themselves are not judged here.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_bench.py"
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("scheduler_bench_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load_bench()
+    # Imported here, not at collection: the module sets VLLM_LOGGING_LEVEL when imported.
+    return importlib.import_module("benchmarks.scheduler_bench")
 
 
 def test_smoke_profile_gives_sane_rows(bench, tmp_path):

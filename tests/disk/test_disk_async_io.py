@@ -13,6 +13,7 @@ import pytest
 
 from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.errors import SlabError
+from tieredkv.disk.layout import slab_path
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO
@@ -27,7 +28,7 @@ def faulty() -> FaultyFileIO:
 
 @pytest.fixture
 def slab(tmp_path: Path, fp: bytes, faulty: FaultyFileIO):
-    slab = SlabFile.open(tmp_path / "rank0.slab", 8, PAYLOAD, fp, io=faulty)
+    slab = SlabFile.open(slab_path(tmp_path, 0), 8, PAYLOAD, fp, io=faulty)
     yield slab
     faulty.release_all()
     slab.close()

@@ -10,10 +10,19 @@ from pathlib import Path
 import pytest
 
 from tieredkv.config import ConfigError
-from tieredkv.disk.catalog import JOURNAL_NAME, DiskCatalog
+from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.format import HEADER_BYTES
-from tieredkv.disk.journal import FILE_HEADER_BYTES, RECORD_BYTES, Journal
+from tieredkv.disk.journal import Journal
+from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES
+from tieredkv.disk.layout import (
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    manifest_path,
+    payload_offset,
+    slab_path,
+    slot_stride,
+)
 from tieredkv.disk.manifest import load_manifest
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
@@ -44,16 +53,16 @@ def test_fresh_tier_layout_and_permissions(tmp_path: Path, fp: bytes) -> None:
     os.chmod(disk, 0o755)
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert catalog.recovered == {} and catalog.reset_reason == "new disk tier"
-        assert catalog.slab_path(1) == disk / "rank1.slab"
+        assert catalog.slab_path(1) == slab_path(disk, 1)
         with pytest.raises(IndexError):
             catalog.slab_path(2)
         assert disk.stat().st_mode & 0o777 == 0o700
-        for name in ("manifest.json", JOURNAL_NAME, "lock"):
+        for name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME):
             assert (disk / name).stat().st_mode & 0o777 == 0o600, name
         manifest = load_manifest(disk)
         assert manifest is not None
         assert (manifest.fingerprint, manifest.world_size, manifest.num_slots) == (fp.hex(), 2, SLOTS)
-        assert manifest.slot_stride == HEADER_BYTES + PAYLOAD
+        assert manifest.slot_stride == slot_stride(PAYLOAD)
 
 
 def test_restart_recovers_verified_entries(tmp_path: Path, fp: bytes, key, payload) -> None:
@@ -117,7 +126,7 @@ def test_manifest_mismatch_starts_empty(
     assert len(lines) == 1 and reason in lines[0].getMessage()
     assert Journal.recover(disk / JOURNAL_NAME) == {}
     if change.get("world_size") == 1:
-        assert not (disk / "rank1.slab").exists()  # a rank that no longer exists
+        assert not slab_path(disk, 1).exists()  # a rank that no longer exists
     # Going back to the original engine finds nothing either: the reset was recorded.
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert catalog.recovered == {}
@@ -126,7 +135,7 @@ def test_manifest_mismatch_starts_empty(
 def test_corrupted_manifest_starts_empty(tmp_path: Path, fp: bytes, key, payload) -> None:
     disk = tmp_path / "tier"
     populate(disk, fp, key, payload)
-    (disk / "manifest.json").write_text('{"format_version": 1, "fingerprint": ')
+    manifest_path(disk).write_text('{"format_version": 1, "fingerprint": ')
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert catalog.recovered == {} and catalog.reset_reason == "unreadable manifest"
     assert load_manifest(disk) is not None  # rewritten
@@ -144,8 +153,8 @@ def test_fewer_slots_drops_entries_beyond(tmp_path: Path, fp: bytes, key, payloa
 def test_recovery_drops_bad_slots_by_kind(tmp_path: Path, fp: bytes, other_fp: bytes, key, payload) -> None:
     disk = tmp_path / "tier"
     written = populate(disk, fp, key, payload)
-    stride = HEADER_BYTES + PAYLOAD
-    rank0, rank1 = disk / "rank0.slab", disk / "rank1.slab"
+    stride = slot_stride(PAYLOAD)
+    rank0, rank1 = slab_path(disk, 0), slab_path(disk, 1)
     # slot 0: header bit flip on rank 1 only (one bad rank is enough to drop the entry)
     with open(rank1, "r+b") as f:
         f.seek(0 * stride + 50)
@@ -175,7 +184,7 @@ def test_recovery_drops_bad_slots_by_kind(tmp_path: Path, fp: bytes, other_fp: b
 def test_deleted_slab_file_drops_everything(tmp_path: Path, fp: bytes, key, payload) -> None:
     disk = tmp_path / "tier"
     populate(disk, fp, key, payload)
-    (disk / "rank1.slab").unlink()
+    slab_path(disk, 1).unlink()
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert catalog.recovered == {}
         assert catalog.dropped_at_recovery == {FailureCause.MISSING: 8}
@@ -198,8 +207,8 @@ def test_every_recovered_entry_still_verifies_on_read(tmp_path: Path, fp: bytes,
     """A payload flip passes header verification at start-up but never passes a read."""
     disk = tmp_path / "tier"
     populate(disk, fp, key, payload)
-    with open(disk / "rank0.slab", "r+b") as f:
-        f.seek(2 * (HEADER_BYTES + PAYLOAD) + HEADER_BYTES + 1234)
+    with open(slab_path(disk, 0), "r+b") as f:
+        f.seek(payload_offset(2, slot_stride(PAYLOAD)) + 1234)
         f.write(b"\x00" if payload(key(2), 0, PAYLOAD)[1234] else b"\x01")
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
         assert key(2) in catalog.recovered

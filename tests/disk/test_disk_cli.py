@@ -13,7 +13,16 @@ from tests.disk.test_disk_lock import SlowProbeFcntl
 from tieredkv import cli
 from tieredkv.disk import lock as lock_module
 from tieredkv.disk.catalog import DiskCatalog
-from tieredkv.disk.format import HEADER_BYTES, align_up
+from tieredkv.disk.layout import (
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    payload_offset,
+    rank_lock_name,
+    slab_name,
+    slab_path,
+    slot_stride,
+)
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.slab import SlabFile
 
@@ -45,17 +54,17 @@ def test_inspect_text_and_json(tier: Path, fp: bytes, run_py) -> None:
     out = result.stdout
     assert fp.hex() in out and "world size 2" in out and f"{SLOTS} slots per rank" in out
     assert "5 entries" in out and f"5 / {SLOTS}" in out and "lock        free" in out
-    assert "rank0.slab" in out and "rank1.slab" in out
+    assert slab_name(0) in out and slab_name(1) in out
     result = tkv(run_py, "inspect", "--json", str(tier))
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["manifest"]["fingerprint"] == fp.hex()
-    assert info["manifest"]["slot_stride"] == HEADER_BYTES + align_up(PAYLOAD)
+    assert info["manifest"]["slot_stride"] == slot_stride(PAYLOAD)
     assert info["journal"] == {"entries": 5, "records": 5, "bad_tail_bytes": 0}
     assert info["slots_used"] == 5 and info["slots_capacity"] == SLOTS
     assert info["payload_bytes_used"] == 5 * PAYLOAD * WORLD
     assert info["lock_holder_pid"] is None
-    assert [s["file"] for s in info["slab_files"]] == ["rank0.slab", "rank1.slab"]
+    assert [s["file"] for s in info["slab_files"]] == [slab_name(0), slab_name(1)]
 
 
 def test_inspect_reports_the_lock_holder_without_taking_it(tier: Path, fp: bytes, run_py) -> None:
@@ -74,11 +83,11 @@ def test_verify_good_tier(tier: Path, run_py) -> None:
 
 
 def test_verify_flipped_payload_byte_then_drop(tier: Path, fp: bytes, key, run_py) -> None:
-    stride = HEADER_BYTES + align_up(PAYLOAD)
-    with open(tier / "rank1.slab", "r+b") as f:
-        f.seek(3 * stride + HEADER_BYTES + 999)
+    stride = slot_stride(PAYLOAD)
+    with open(slab_path(tier, 1), "r+b") as f:
+        f.seek(payload_offset(3, stride) + 999)
         old = f.read(1)[0]
-        f.seek(3 * stride + HEADER_BYTES + 999)
+        f.seek(payload_offset(3, stride) + 999)
         f.write(bytes([old ^ 0x01]))
     result = tkv(run_py, "verify", str(tier))
     assert result.returncode == 1, result.stderr
@@ -99,14 +108,14 @@ def test_verify_flipped_payload_byte_then_drop(tier: Path, fp: bytes, key, run_p
     with DiskCatalog.open(tier, fp, PAYLOAD, SLOTS, WORLD) as catalog:
         assert key(3) not in catalog.recovered and len(catalog.recovered) == 4
         assert catalog.dropped_at_recovery == {}
-    with SlabFile.open(tier / "rank0.slab", SLOTS, PAYLOAD, fp, create=False) as slab:
+    with SlabFile.open(slab_path(tier, 0), SLOTS, PAYLOAD, fp, create=False) as slab:
         with pytest.raises(Exception) as err:
             slab.read_header(3)
         assert "missing" in str(err.value)  # invalidated on every rank, not only the bad one
 
 
 def test_verify_missing_slab_file(tier: Path, run_py) -> None:
-    (tier / "rank0.slab").unlink()
+    slab_path(tier, 0).unlink()
     result = tkv(run_py, "verify", "--json", str(tier))
     assert result.returncode == 1
     assert json.loads(result.stdout)["bad"] == {"missing": 5}
@@ -118,7 +127,7 @@ def test_usage_errors(tmp_path: Path, run_py) -> None:
     empty = tkv(run_py, "inspect", str(tmp_path))
     assert empty.returncode == 2 and "not a tieredkv disk tier" in empty.stderr
     no_manifest = tkv(run_py, "verify", str(tmp_path))
-    assert no_manifest.returncode == 2 and "manifest.json" in no_manifest.stderr
+    assert no_manifest.returncode == 2 and MANIFEST_NAME in no_manifest.stderr
     (tmp_path / "file").write_text("x")
     not_dir = tkv(run_py, "verify", str(tmp_path / "file"))
     assert not_dir.returncode == 2 and "not a directory" in not_dir.stderr
@@ -158,7 +167,7 @@ def test_inspect_beside_an_engine_starting_never_makes_it_fail(
     try:
         for _ in range(40):
             DiskCatalog.open(tier, fp, PAYLOAD, SLOTS, WORLD).close()
-            DiskLock(tier, name="rank0.lock").close()
+            DiskLock(tier, name=rank_lock_name(0)).close()
     finally:
         stop.set()
         thread.join(30)
@@ -166,7 +175,7 @@ def test_inspect_beside_an_engine_starting_never_makes_it_fail(
     assert runs and set(runs) == {0}
 
 
-@pytest.mark.parametrize("name", ["journal.bin", "manifest.json", "lock"])
+@pytest.mark.parametrize("name", [JOURNAL_NAME, MANIFEST_NAME, LOCK_NAME])
 def test_commands_refuse_a_symlinked_file_and_leave_its_target_alone(
     tier: Path, tmp_path: Path, run_py, name: str
 ) -> None:

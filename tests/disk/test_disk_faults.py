@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.format import HEADER_BYTES
+from tieredkv.disk.layout import HEADER_BYTES, payload_offset, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO
@@ -52,7 +52,7 @@ def faulty() -> FaultyFileIO:
 
 @pytest.fixture
 def slab(tmp_path: Path, fp: bytes, faulty: FaultyFileIO):
-    slab = open_slab(tmp_path / "rank0.slab", fp, faulty)
+    slab = open_slab(slab_path(tmp_path, 0), fp, faulty)
     yield slab
     faulty.release_all()
     slab.close()
@@ -142,10 +142,10 @@ def _write_all(path: Path, fp: bytes) -> None:
 
 
 def test_truncated_slab_file(tmp_path: Path, fp: bytes) -> None:
-    path = tmp_path / "rank0.slab"
+    path = slab_path(tmp_path, 0)
     _write_all(path, fp)
-    stride = HEADER_BYTES + 20480
-    os.truncate(path, 2 * stride + HEADER_BYTES + 100)  # slot 2 cut mid-payload
+    stride = slot_stride(PAYLOAD)
+    os.truncate(path, payload_offset(2, stride) + 100)  # slot 2 cut mid-payload
     with open_slab(path, fp, create=False) as slab:
         assert read(slab, 1, K[1]) == data(K[1])
         assert kind_of(lambda: read(slab, 2, K[2])) is FailureCause.SHORT_READ
@@ -158,11 +158,11 @@ def test_truncated_slab_file(tmp_path: Path, fp: bytes) -> None:
 
 @pytest.mark.parametrize("where", ["magic", "fingerprint", "key", "length", "checksum_field", "payload"])
 def test_flipped_byte_in_the_file(tmp_path: Path, fp: bytes, where: str) -> None:
-    path = tmp_path / "rank0.slab"
+    path = slab_path(tmp_path, 0)
     _write_all(path, fp)
     offset = {"magic": 3, "fingerprint": 20, "key": 50, "length": 78, "checksum_field": 88,
               "payload": HEADER_BYTES + 12345}[where]
-    stride = HEADER_BYTES + 20480
+    stride = slot_stride(PAYLOAD)
     with open(path, "r+b") as f:
         f.seek(stride + offset)
         old = f.read(1)[0]
@@ -174,7 +174,7 @@ def test_flipped_byte_in_the_file(tmp_path: Path, fp: bytes, where: str) -> None
 
 
 def test_slab_file_deleted_between_runs(tmp_path: Path, fp: bytes) -> None:
-    path = tmp_path / "rank0.slab"
+    path = slab_path(tmp_path, 0)
     _write_all(path, fp)
     path.unlink()
     assert kind_of(lambda: open_slab(path, fp, create=False)) is FailureCause.MISSING
@@ -183,7 +183,7 @@ def test_slab_file_deleted_between_runs(tmp_path: Path, fp: bytes) -> None:
 
 
 def test_slab_file_deleted_while_open_keeps_serving_its_inode(tmp_path: Path, fp: bytes) -> None:
-    path = tmp_path / "rank0.slab"
+    path = slab_path(tmp_path, 0)
     with open_slab(path, fp) as slab:
         slab.write_slot(0, K[0], data(K[0]))
         path.unlink()
@@ -231,7 +231,7 @@ _OPS = st.lists(
 def test_any_fault_sequence_never_returns_wrong_bytes(tmp_path_factory, fp: bytes, ops) -> None:
     """Whatever faults hit whatever writes, a successful read returns exactly the key's bytes."""
     io = FaultyFileIO()
-    path = tmp_path_factory.mktemp("prop") / "rank0.slab"
+    path = slab_path(tmp_path_factory.mktemp("prop"), 0)
     with open_slab(path, fp, io, direct=False) as slab:
         last_good: dict[int, bytes] = {}
         for op, slot, key_index, fault in ops:
@@ -264,9 +264,9 @@ def test_any_fault_sequence_never_returns_wrong_bytes(tmp_path_factory, fp: byte
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(position=st.integers(0, SLOTS * (HEADER_BYTES + 20480) - 1), bit=st.integers(0, 7))
+@given(position=st.integers(0, SLOTS * slot_stride(PAYLOAD) - 1), bit=st.integers(0, 7))
 def test_any_flipped_bit_in_the_file_is_caught_or_harmless(tmp_path_factory, fp: bytes, position: int, bit: int) -> None:
-    path = tmp_path_factory.mktemp("flip") / "rank0.slab"
+    path = slab_path(tmp_path_factory.mktemp("flip"), 0)
     _write_all(path, fp)
     with open(path, "r+b") as f:
         f.seek(position)
@@ -280,4 +280,4 @@ def test_any_flipped_bit_in_the_file_is_caught_or_harmless(tmp_path_factory, fp:
             except SlabError as exc:
                 assert exc.kind in (FailureCause.CHECKSUM, FailureCause.WRONG_NAMESPACE,
                                     FailureCause.WRONG_KEY, FailureCause.MISSING)
-                assert position // (HEADER_BYTES + 20480) == slot  # only the damaged slot fails
+                assert position // slot_stride(PAYLOAD) == slot  # only the damaged slot fails

@@ -13,17 +13,15 @@ from hypothesis import strategies as st
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import (
     FORMAT_VERSION,
-    HEADER_BYTES,
     HEADER_USED,
     MAGIC,
     MAX_HEADER_ALIASES,
-    align_up,
     pack_header,
     pack_header_into,
     payload_checksum,
-    slot_stride,
     unpack_header,
 )
+from tieredkv.disk.layout import HEADER_BYTES, slab_path
 from tieredkv.keys import KEY_PART_BYTES
 from tieredkv.protocol import FailureCause
 
@@ -114,7 +112,7 @@ def test_pack_into_overwrites_stale_bytes() -> None:
 
 def test_zeroed_header_is_missing() -> None:
     with pytest.raises(SlabError) as err:
-        unpack_header(bytes(HEADER_BYTES), slot=5, path="/x/rank0.slab")
+        unpack_header(bytes(HEADER_BYTES), slot=5, path=slab_path("/x", 0))
     assert err.value.kind is FailureCause.MISSING
     assert "slot 5" in str(err.value) and "/x/rank0.slab" in str(err.value)
 
@@ -172,9 +170,3 @@ def test_payload_checksum_is_xxh3_64() -> None:
     data = bytes(range(256)) * 100
     assert payload_checksum(memoryview(data)) == xxhash.xxh3_64_intdigest(data)
     assert payload_checksum(data) != payload_checksum(data[:-1] + b"\x00")
-
-
-def test_geometry() -> None:
-    assert align_up(1) == 4096 and align_up(4096) == 4096 and align_up(4097) == 8192
-    assert slot_stride(512 * 1024) == 4096 + 512 * 1024
-    assert slot_stride(1000) == 8192

@@ -12,13 +12,9 @@ from pathlib import Path
 import pytest
 
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.journal import (
-    FILE_HEADER_BYTES,
-    RECORD_BYTES,
-    Journal,
-    Op,
-    encode_record,
-)
+from tieredkv.disk.journal import Journal
+from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES, Op, encode_record
+from tieredkv.disk.layout import JOURNAL_NAME, journal_path
 from tieredkv.protocol import FailureCause
 
 
@@ -27,7 +23,7 @@ def k(i: int) -> bytes:
 
 
 def test_records_replay_in_order(tmp_path: Path) -> None:
-    path = tmp_path / "j" / "journal.bin"
+    path = journal_path(tmp_path / "j")
     with Journal(path) as journal:
         journal.record_add(k(1), 10)
         journal.record_add(k(2), 11)
@@ -46,7 +42,7 @@ def test_records_replay_in_order(tmp_path: Path) -> None:
 
 
 def test_latest_add_to_a_slot_wins(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         journal.record_add(k(1), 5)
         journal.record_add(k(2), 5)  # the REMOVE of k(1) was lost: slot 5 holds k(2) now
@@ -56,7 +52,7 @@ def test_latest_add_to_a_slot_wins(tmp_path: Path) -> None:
 
 
 def test_appends_are_batched_not_blocking(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path, flush_interval_s=0.05) as journal:
         start = time.perf_counter()
         for i in range(2000):
@@ -74,7 +70,7 @@ def test_appends_are_batched_not_blocking(tmp_path: Path) -> None:
 
 
 def test_concurrent_recorders(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         def add(base: int) -> None:
             for i in range(base, base + 250):
@@ -89,7 +85,7 @@ def test_concurrent_recorders(tmp_path: Path) -> None:
 
 
 def test_torn_tail_is_ignored_counted_and_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         for i in range(5):
             journal.record_add(k(i), i)
@@ -107,7 +103,7 @@ def test_torn_tail_is_ignored_counted_and_cut(tmp_path: Path, caplog: pytest.Log
 
 
 def test_crc_mismatch_stops_replay(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         for i in range(6):
             journal.record_add(k(i), i)
@@ -120,7 +116,7 @@ def test_crc_mismatch_stops_replay(tmp_path: Path) -> None:
 
 
 def test_replayed_sequence_must_increase(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         journal.record_add(k(1), 1)
         journal.record_add(k(2), 2)
@@ -131,7 +127,7 @@ def test_replayed_sequence_must_increase(tmp_path: Path) -> None:
 
 
 def test_bad_file_header_starts_over(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     path.write_bytes(b"not a journal at all" * 10)
     replay = Journal.replay(path)
     assert not replay.header_ok and replay.entries == {}
@@ -147,7 +143,7 @@ def test_missing_or_empty_journal(tmp_path: Path) -> None:
 
 
 def test_compaction_rewrites_atomically(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         for i in range(100):
             journal.record_add(k(i), i)
@@ -159,7 +155,7 @@ def test_compaction_rewrites_atomically(tmp_path: Path) -> None:
         assert path.stat().st_ino != inode  # renamed over, never rewritten in place
         assert path.stat().st_size == FILE_HEADER_BYTES + 2 * RECORD_BYTES < before
         assert path.stat().st_mode & 0o777 == 0o600
-        assert not (tmp_path / "journal.bin.tmp").exists()
+        assert not (tmp_path / (JOURNAL_NAME + ".tmp")).exists()
         journal.record_add(k(500), 500)  # appends continue after the rewrite
     replay = Journal.replay(path)
     assert replay.entries == {k(99): 99, k(42): 1, k(500): 500}
@@ -167,10 +163,10 @@ def test_compaction_rewrites_atomically(tmp_path: Path) -> None:
 
 
 def test_leftover_tmp_from_crashed_compaction_is_harmless(tmp_path: Path) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path) as journal:
         journal.record_add(k(1), 1)
-    (tmp_path / "journal.bin.tmp").write_bytes(b"half a compaction")
+    (tmp_path / (JOURNAL_NAME + ".tmp")).write_bytes(b"half a compaction")
     assert Journal.recover(path) == {k(1): 1}
     with Journal(path) as journal:
         journal.compact({k(2): 2})
@@ -178,7 +174,7 @@ def test_leftover_tmp_from_crashed_compaction_is_harmless(tmp_path: Path) -> Non
 
 
 def test_failed_fsync_is_reported_then_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     with Journal(path, flush_interval_s=0.02) as journal:
         real = os.fsync
         failures = {"left": 1}
@@ -201,7 +197,7 @@ def test_failed_fsync_is_reported_then_retried(tmp_path: Path, monkeypatch: pyte
 
 
 def test_record_after_close_and_bad_key(tmp_path: Path) -> None:
-    journal = Journal(tmp_path / "journal.bin")
+    journal = Journal(journal_path(tmp_path))
     with pytest.raises(ValueError):
         journal.record_add(b"short", 1)
     journal.close()
@@ -210,7 +206,7 @@ def test_record_after_close_and_bad_key(tmp_path: Path) -> None:
     journal.record_add(k(1), 1)
     journal.record_remove(k(1))
     assert journal.dropped_after_close == 2
-    assert Journal.replay(tmp_path / "journal.bin").entries == {}
+    assert Journal.replay(journal_path(tmp_path)).entries == {}
 
 
 def test_record_layout(tmp_path: Path) -> None:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.disk import journal as journal_mod
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.journal import RECORD_BYTES, Journal, JournalFiles
+from tieredkv.disk.journal import Journal
+from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES, JournalFiles
+from tieredkv.disk.layout import JOURNAL_NAME, journal_path
 from tieredkv.protocol import FailureCause
 
 ONE_ATTEMPT_PER_FLUSH = 3600.0
@@ -172,7 +173,7 @@ APPEND_FAULTS = {
 
 @pytest.mark.parametrize("faults", APPEND_FAULTS.values(), ids=APPEND_FAULTS.keys())
 def test_a_failed_append_is_retried_without_losing_or_doubling(tmp_path: Path, faults: list[Fault]) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     files = FaultyJournalFiles()
     with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files) as journal:
         model = Model(journal)
@@ -208,7 +209,7 @@ COMPACTION_FAULTS = {
 
 @pytest.mark.parametrize(("fault", "reported"), COMPACTION_FAULTS.values(), ids=COMPACTION_FAULTS.keys())
 def test_a_failed_compaction_loses_nothing_after_it(tmp_path: Path, fault: Fault, reported: bool) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     files = FaultyJournalFiles()
     with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files) as journal:
         model = Model(journal)
@@ -225,7 +226,7 @@ def test_a_failed_compaction_loses_nothing_after_it(tmp_path: Path, fault: Fault
         model.add(100, 10)  # the next appends must reach the file the journal path names
         model.remove(1, 101)
         flush_until_durable(journal, attempts=2)
-        assert not path.with_name("journal.bin.tmp").exists()
+        assert not path.with_name(JOURNAL_NAME + ".tmp").exists()
         assert_replays(path, model.entries)
         journal.compact(dict(model.entries))  # and the journal can still be rewritten
         model.add(200, 3)
@@ -237,7 +238,7 @@ def test_a_failed_compaction_loses_nothing_after_it(tmp_path: Path, fault: Fault
 def test_nothing_after_an_unsynced_rename_is_reported_durable_until_the_directory_syncs(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "journal.bin"
+    path = journal_path(tmp_path)
     files = FaultyJournalFiles()
     with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files) as journal:
         model = Model(journal)
@@ -272,7 +273,7 @@ def _fill(directory: Path) -> Path:
 
 
 def test_real_enospc_in_mid_batch_loses_nothing(small_tmpfs: Path) -> None:
-    path = small_tmpfs / "journal.bin"
+    path = journal_path(small_tmpfs)
     with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH) as journal:
         model = Model(journal)
         model.add(0, 10)
@@ -282,7 +283,7 @@ def test_real_enospc_in_mid_batch_loses_nothing(small_tmpfs: Path) -> None:
         with pytest.raises(SlabError) as err:
             journal.flush(timeout=30)
         assert err.value.kind is FailureCause.NO_SPACE
-        assert path.stat().st_size > journal_mod.FILE_HEADER_BYTES + 10 * RECORD_BYTES  # torn
+        assert path.stat().st_size > FILE_HEADER_BYTES + 10 * RECORD_BYTES  # torn
         filler.unlink()
         model.add(210, 10)
         journal.flush(timeout=30)

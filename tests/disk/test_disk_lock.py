@@ -15,6 +15,7 @@ import pytest
 
 from tieredkv.config import ConfigError
 from tieredkv.disk import lock as lock_module
+from tieredkv.disk.layout import lock_path
 from tieredkv.disk.lock import DiskLock
 
 HOLD = """
@@ -39,10 +40,10 @@ def _child_holding(path: Path) -> subprocess.Popen[str]:
 def test_lock_file_holds_pid_and_is_0600(tmp_path: Path) -> None:
     with DiskLock(tmp_path) as lock:
         assert lock.held
-        assert (tmp_path / "lock").read_text().strip() == str(os.getpid())
-        assert (tmp_path / "lock").stat().st_mode & 0o777 == 0o600
+        assert lock_path(tmp_path).read_text().strip() == str(os.getpid())
+        assert lock_path(tmp_path).stat().st_mode & 0o777 == 0o600
     assert not lock.held
-    assert (tmp_path / "lock").read_text() == ""
+    assert lock_path(tmp_path).read_text() == ""
     lock.close()  # idempotent
 
 
@@ -93,7 +94,7 @@ def test_a_probe_holding_a_shared_flock_does_not_block_an_engine(tmp_path: Path)
     holding, done = threading.Event(), threading.Event()
 
     def probe() -> None:
-        fd = os.open(tmp_path / "lock", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(lock_path(tmp_path), os.O_RDONLY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             holding.set()
@@ -191,7 +192,7 @@ def _hold_raw(path: Path, release_after: float | None) -> tuple[threading.Thread
 
 
 def test_a_holder_without_a_pid_yet_is_waited_for_briefly(tmp_path: Path) -> None:
-    thread, _ = _hold_raw(tmp_path / "lock", release_after=0.3)
+    thread, _ = _hold_raw(lock_path(tmp_path), release_after=0.3)
     try:
         with DiskLock(tmp_path) as lock:  # taken once the pid-less holder let go
             assert lock.held
@@ -203,7 +204,7 @@ def test_a_holder_without_a_pid_is_reported_after_the_bounded_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(lock_module, "_UNKNOWN_HOLDER_WAIT_S", 0.2)
-    thread, release = _hold_raw(tmp_path / "lock", release_after=None)
+    thread, release = _hold_raw(lock_path(tmp_path), release_after=None)
     try:
         with pytest.raises(ConfigError) as err:
             DiskLock(tmp_path)

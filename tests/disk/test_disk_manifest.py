@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from tieredkv.disk.format import FORMAT_VERSION
+from tieredkv.disk.layout import MANIFEST_NAME, manifest_path, slot_stride
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 
 
 def make(fp: bytes, **kw: object) -> Manifest:
-    args = dict(payload_bytes=1 << 20, slot_stride=(1 << 20) + 4096, num_slots=64, world_size=2)
+    args = dict(payload_bytes=1 << 20, slot_stride=slot_stride(1 << 20), num_slots=64, world_size=2)
     args.update(kw)
     return Manifest.new(fp, **args)  # type: ignore[arg-type]
 
@@ -21,13 +22,13 @@ def make(fp: bytes, **kw: object) -> Manifest:
 def test_roundtrip_json_0600(tmp_path: Path, fp: bytes) -> None:
     manifest = make(fp)
     write_manifest(tmp_path, manifest)
-    file = tmp_path / "manifest.json"
+    file = manifest_path(tmp_path)
     assert file.stat().st_mode & 0o777 == 0o600
     raw = json.loads(file.read_text())
     assert raw["fingerprint"] == fp.hex() and raw["format_version"] == FORMAT_VERSION
     assert load_manifest(tmp_path) == manifest
     assert load_manifest(file) == manifest
-    assert not (tmp_path / "manifest.json.tmp").exists()
+    assert not (tmp_path / (MANIFEST_NAME + ".tmp")).exists()
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,7 @@ def test_roundtrip_json_0600(tmp_path: Path, fp: bytes) -> None:
 def test_corrupt_manifest_is_none_with_warning(
     tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    (tmp_path / "manifest.json").write_bytes(content)
+    manifest_path(tmp_path).write_bytes(content)
     with caplog.at_level(logging.WARNING):
         assert load_manifest(tmp_path) is None
     assert "unreadable manifest" in caplog.text
@@ -50,7 +51,7 @@ def test_missing_manifest_is_none(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 
 def test_mismatch_reasons(fp: bytes, other_fp: bytes) -> None:
     manifest = make(fp)
-    stride = (1 << 20) + 4096
+    stride = slot_stride(1 << 20)
     assert manifest.mismatch(fp, 1 << 20, stride, 2) is None
     assert "fingerprint" in (manifest.mismatch(other_fp, 1 << 20, stride, 2) or "")
     assert "payload_bytes" in (manifest.mismatch(fp, 1 << 19, stride, 2) or "")

@@ -18,10 +18,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from tieredkv.disk.catalog import JOURNAL_NAME, DiskCatalog
+from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.journal import Journal
+from tieredkv.disk.layout import (
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    lock_path,
+    rank_lock_name,
+    slab_name,
+    slab_path,
+    slot_stride,
+)
 from tieredkv.disk.lock import DiskLock
-from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest, write_manifest
+from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import UntrustedPathError
 from tieredkv.disk.slab import SlabFile
 
@@ -68,7 +78,7 @@ def refused(exc: pytest.ExceptionInfo[BaseException], name: str) -> None:
 
 
 def new_manifest(fp: bytes) -> Manifest:
-    return Manifest.new(fp, PAYLOAD, 4096 + 12288, SLOTS, 1)
+    return Manifest.new(fp, PAYLOAD, slot_stride(PAYLOAD), SLOTS, 1)
 
 
 # -- slab files -------------------------------------------------------------------------
@@ -76,10 +86,10 @@ def new_manifest(fp: bytes) -> Manifest:
 
 @pytest.mark.parametrize("direct", [None, False], ids=["probed", "buffered"])
 def test_symlinked_slab_is_refused(disk: Path, victim, fp: bytes, direct: bool | None) -> None:
-    plant(disk / "rank0.slab", victim.path)
+    plant(slab_path(disk, 0), victim.path)
     with pytest.raises(UntrustedPathError) as err:
-        SlabFile.open(disk / "rank0.slab", SLOTS, PAYLOAD, fp, direct=direct)
-    refused(err, "rank0.slab")
+        SlabFile.open(slab_path(disk, 0), SLOTS, PAYLOAD, fp, direct=direct)
+    refused(err, slab_name(0))
     assert "symlink" in str(err.value)
     victim.unchanged()
 
@@ -89,30 +99,30 @@ def test_symlinked_slab_is_refused_by_readers(
     disk: Path, victim, fp: bytes, readonly: bool
 ) -> None:
     """The catalog's header check and ``tieredkv verify [--drop]`` open existing slabs."""
-    plant(disk / "rank0.slab", victim.path)
+    plant(slab_path(disk, 0), victim.path)
     with pytest.raises(UntrustedPathError) as err:
         SlabFile.open(
-            disk / "rank0.slab", SLOTS, PAYLOAD, fp, direct=False, create=False, readonly=readonly
+            slab_path(disk, 0), SLOTS, PAYLOAD, fp, direct=False, create=False, readonly=readonly
         )
-    refused(err, "rank0.slab")
+    refused(err, slab_name(0))
     victim.unchanged()
 
 
 def test_dangling_slab_symlink_is_refused_not_missing(disk: Path, tmp_path: Path, fp: bytes) -> None:
     target = tmp_path / "outside-new-file"
-    plant(disk / "rank0.slab", target)
+    plant(slab_path(disk, 0), target)
     for create in (True, False):
         with pytest.raises(UntrustedPathError) as err:
-            SlabFile.open(disk / "rank0.slab", SLOTS, PAYLOAD, fp, direct=False, create=create)
-        refused(err, "rank0.slab")
+            SlabFile.open(slab_path(disk, 0), SLOTS, PAYLOAD, fp, direct=False, create=create)
+        refused(err, slab_name(0))
     assert not target.exists(), "nothing was created through the link"
 
 
 def test_hard_linked_slab_is_refused(disk: Path, victim, fp: bytes) -> None:
-    os.link(victim.path, disk / "rank0.slab")
+    os.link(victim.path, slab_path(disk, 0))
     with pytest.raises(UntrustedPathError) as err:
-        SlabFile.open(disk / "rank0.slab", SLOTS, PAYLOAD, fp, direct=False)
-    refused(err, "rank0.slab")
+        SlabFile.open(slab_path(disk, 0), SLOTS, PAYLOAD, fp, direct=False)
+    refused(err, slab_name(0))
     assert "hard links" in str(err.value)
     victim.unchanged()
 
@@ -121,7 +131,7 @@ def test_symlinked_o_direct_probe_file_is_not_followed(disk: Path, victim, fp: b
     """The probe's name is predictable (pid and thread id): a link there is replaced."""
     probe = disk / f".odirect-probe-{os.getpid()}-{threading.get_ident()}"
     plant(probe, victim.path)
-    with SlabFile.open(disk / "rank0.slab", SLOTS, PAYLOAD, fp) as slab:
+    with SlabFile.open(slab_path(disk, 0), SLOTS, PAYLOAD, fp) as slab:
         assert slab.num_slots == SLOTS
     victim.unchanged()
     assert not os.path.lexists(probe), "probe (and the planted link) removed"
@@ -203,7 +213,7 @@ def test_symlinked_manifest_temp_file_is_not_followed(disk: Path, victim, fp: by
 # -- lock ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["lock", "rank0.lock"])
+@pytest.mark.parametrize("name", [LOCK_NAME, rank_lock_name(0)])
 def test_symlinked_lock_is_refused(disk: Path, victim, name: str) -> None:
     plant(disk / name, victim.path)
     with pytest.raises(UntrustedPathError) as err:
@@ -213,18 +223,18 @@ def test_symlinked_lock_is_refused(disk: Path, victim, name: str) -> None:
 
 
 def test_lock_holder_query_refuses_symlinked_lock(disk: Path, victim) -> None:
-    plant(disk / "lock", victim.path)
+    plant(lock_path(disk), victim.path)
     with pytest.raises(UntrustedPathError) as err:
         DiskLock.holder(disk)
-    refused(err, "lock")
+    refused(err, LOCK_NAME)
     victim.unchanged()
 
 
 def test_catalog_refuses_symlinked_lock(disk: Path, victim, fp: bytes) -> None:
-    plant(disk / "lock", victim.path)
+    plant(lock_path(disk), victim.path)
     with pytest.raises(UntrustedPathError) as err:
         DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 1)
-    refused(err, "lock")
+    refused(err, LOCK_NAME)
     victim.unchanged()
 
 
@@ -235,8 +245,8 @@ def _every_opener(path: Path, fp: bytes):
     """Each way into a disk tier, as (name, call); each must refuse an unsafe directory."""
     return [
         ("catalog", lambda: DiskCatalog.open(path, fp, PAYLOAD, SLOTS, 1)),
-        ("worker lock", lambda: DiskLock(path, name="rank0.lock")),
-        ("slab", lambda: SlabFile.open(path / "rank0.slab", SLOTS, PAYLOAD, fp)),
+        ("worker lock", lambda: DiskLock(path, name=rank_lock_name(0))),
+        ("slab", lambda: SlabFile.open(slab_path(path, 0), SLOTS, PAYLOAD, fp)),
         ("journal", lambda: Journal(path / JOURNAL_NAME)),
     ]
 
@@ -286,27 +296,27 @@ def test_missing_directory_is_created_0700_and_files_0600(tmp_path: Path, fp: by
     old_umask = os.umask(0)  # the modes must not depend on a friendly umask
     try:
         with DiskCatalog.open(path, fp, PAYLOAD, SLOTS, 1):
-            with DiskLock(path, name="rank0.lock"), SlabFile.open(
-                path / "rank0.slab", SLOTS, PAYLOAD, fp
+            with DiskLock(path, name=rank_lock_name(0)), SlabFile.open(
+                slab_path(path, 0), SLOTS, PAYLOAD, fp
             ):
                 pass
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     names = sorted(p.name for p in path.iterdir())
-    assert names == sorted([MANIFEST_NAME, JOURNAL_NAME, "lock", "rank0.lock", "rank0.slab"])
+    assert names == sorted([MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME, rank_lock_name(0), slab_name(0)])
     for name in names:
         info = os.lstat(path / name)
         assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, name
 
 
 def test_existing_files_of_ours_are_tightened_to_0600(disk: Path, fp: bytes) -> None:
-    for name in ("lock", "rank0.lock", "rank0.slab"):
+    for name in (LOCK_NAME, rank_lock_name(0), slab_name(0)):
         (disk / name).write_bytes(b"")
         os.chmod(disk / name, 0o644)
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 1):
-        with DiskLock(disk, name="rank0.lock"), SlabFile.open(disk / "rank0.slab", SLOTS, PAYLOAD, fp):
-            for name in ("lock", "rank0.lock", "rank0.slab"):
+        with DiskLock(disk, name=rank_lock_name(0)), SlabFile.open(slab_path(disk, 0), SLOTS, PAYLOAD, fp):
+            for name in (LOCK_NAME, rank_lock_name(0), slab_name(0)):
                 assert stat.S_IMODE(os.stat(disk / name).st_mode) == 0o600, name
 
 
@@ -362,17 +372,17 @@ def test_worker_refuses_a_world_writable_disk_path_before_any_open(tmp_path: Pat
 
 
 def test_worker_refuses_a_symlinked_slab(disk: Path, victim) -> None:
-    plant(disk / "rank0.slab", victim.path)
+    plant(slab_path(disk, 0), victim.path)
     with pytest.raises(UntrustedPathError) as err:
         _register(disk)
-    refused(err, "rank0.slab")
+    refused(err, slab_name(0))
     victim.unchanged()
     assert DiskLock.holder(disk) is None
 
 
 def test_worker_refuses_a_symlinked_rank_lock(disk: Path, victim) -> None:
-    plant(disk / "rank0.lock", victim.path)
+    plant(disk / rank_lock_name(0), victim.path)
     with pytest.raises(UntrustedPathError) as err:
         _register(disk)
-    refused(err, "rank0.lock")
+    refused(err, rank_lock_name(0))
     victim.unchanged()

@@ -15,7 +15,7 @@ import torch
 
 from tieredkv.disk import slab as slab_mod
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.format import HEADER_BYTES, align_up
+from tieredkv.disk.layout import slab_name, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO
@@ -30,12 +30,12 @@ def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def open_slab(tmp_path: Path, fp: bytes, num_slots: int = 4, **kw: object) -> SlabFile:
-    return SlabFile.open(tmp_path / "tier" / "rank0.slab", num_slots, PAYLOAD, fp, **kw)  # type: ignore[arg-type]
+    return SlabFile.open(slab_path(tmp_path / "tier", 0), num_slots, PAYLOAD, fp, **kw)  # type: ignore[arg-type]
 
 
 def test_create_geometry_and_permissions(tmp_path: Path, fp: bytes) -> None:
     with open_slab(tmp_path, fp, num_slots=5) as slab:
-        assert slab.slot_stride == HEADER_BYTES + align_up(PAYLOAD) == 106496
+        assert slab.slot_stride == slot_stride(PAYLOAD) == 106496
         assert slab.num_slots == 5 and slab.payload_bytes == PAYLOAD
         assert slab.slot_offset(3) == 3 * 106496
         assert slab.path.stat().st_size == 5 * 106496
@@ -113,7 +113,7 @@ def test_verification_kinds(tmp_path: Path, fp: bytes, other_fp: bytes) -> None:
         with pytest.raises(SlabError) as err:
             slab.read_slot_into(0, b"x" * 32, out)
         assert err.value.kind is FailureCause.WRONG_KEY
-        assert "slot 0" in str(err.value) and "rank0.slab" in str(err.value)
+        assert "slot 0" in str(err.value) and slab_name(0) in str(err.value)
         assert slab.read_header(0, b"k" * 32).key == b"k" * 32
         with pytest.raises(SlabError) as err:
             slab.read_header(0, b"x" * 32)
@@ -127,7 +127,7 @@ def test_verification_kinds(tmp_path: Path, fp: bytes, other_fp: bytes) -> None:
         with pytest.raises(SlabError) as err:
             other.read_slot_into(0, b"k" * 32, out)
         assert err.value.kind is FailureCause.WRONG_NAMESPACE
-    with SlabFile.open(tmp_path / "tier" / "rank0.slab", 4, PAYLOAD - 1, fp, create=False) as bad:
+    with SlabFile.open(slab_path(tmp_path / "tier", 0), 4, PAYLOAD - 1, fp, create=False) as bad:
         with pytest.raises(SlabError) as err:  # another geometry: length does not match
             bad.read_header(0)
         assert err.value.kind is FailureCause.WRONG_NAMESPACE
@@ -154,7 +154,7 @@ def test_existing_only_and_readonly(tmp_path: Path, fp: bytes) -> None:
     data = os.urandom(PAYLOAD)
     with open_slab(tmp_path, fp) as slab:
         slab.write_slot(3, b"k" * 32, data)
-    with SlabFile.open(tmp_path / "tier" / "rank0.slab", 4, PAYLOAD, fp, create=False,
+    with SlabFile.open(slab_path(tmp_path / "tier", 0), 4, PAYLOAD, fp, create=False,
                        readonly=True) as ro:
         out = bytearray(PAYLOAD)
         ro.read_slot_into(3, b"k" * 32, out)
@@ -230,7 +230,7 @@ def test_probe_falls_back_when_open_refuses_o_direct(
             out = bytearray(PAYLOAD)
             slab.read_slot_into(0, b"k" * 32, out)
             assert out == data
-        with SlabFile.open(tmp_path / "tier" / "rank1.slab", 2, PAYLOAD, fp, io=io) as again:
+        with SlabFile.open(slab_path(tmp_path / "tier", 1), 2, PAYLOAD, fp, io=io) as again:
             assert again.direct is False
     warnings = [r for r in caplog.records if "O_DIRECT unavailable" in r.getMessage()]
     assert len(warnings) == 1, "the fallback is said once"
@@ -255,7 +255,7 @@ def test_direct_false_skips_the_probe(tmp_path: Path, fp: bytes) -> None:
 
 def test_tmpfs_works_whatever_it_says_about_o_direct(small_tmpfs: Path, fp: bytes) -> None:
     data = os.urandom(PAYLOAD)
-    with SlabFile.open(small_tmpfs / "rank0.slab", 4, PAYLOAD, fp) as slab:
+    with SlabFile.open(slab_path(small_tmpfs, 0), 4, PAYLOAD, fp) as slab:
         slab.write_slot(2, b"k" * 32, data)
         out = bytearray(PAYLOAD)
         slab.read_slot_into(2, b"k" * 32, out)

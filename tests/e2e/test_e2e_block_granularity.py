@@ -32,6 +32,7 @@ from tests.e2e.conftest import (
     run_engine,
     tieredkv_config,
 )
+from tieredkv.disk.layout import slab_path
 
 pytestmark = pytest.mark.vllm
 
@@ -187,4 +188,4 @@ def test_tensor_parallel_two_ranks_hit_what_vllm_prefix_cache_hits(tiny_model, b
     check_history(result["phases"], names, floor, tp_cold)
     counters = result["phases"][-1]["counters"]
     assert served(counters, "host") + served(counters, "disk") == sum(floor.values())
-    assert (tmp_path / "tier" / "rank1.slab").exists()
+    assert slab_path(tmp_path / "tier", 1).exists()

@@ -22,6 +22,7 @@ from tests.e2e.conftest import (
     run_engine_with_options,
     tieredkv_config,
 )
+from tieredkv.disk.layout import journal_path
 
 pytestmark = pytest.mark.vllm
 
@@ -33,10 +34,9 @@ ROPE_5000 = {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}}
 
 
 def _journaled_chunks(disk: Path) -> int:
-    from tieredkv.disk.catalog import JOURNAL_NAME
     from tieredkv.disk.journal import Journal
 
-    return len(Journal.recover(disk / JOURNAL_NAME))
+    return len(Journal.recover(journal_path(disk)))
 
 
 def _fill(model: str, disk: Path, **options) -> dict[str, list[int]]:

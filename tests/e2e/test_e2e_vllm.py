@@ -27,6 +27,7 @@ from tests.e2e.conftest import (
     run_engine,
     tieredkv_config,
 )
+from tieredkv.disk.layout import journal_path, manifest_path, payload_offset, slab_path
 
 pytestmark = pytest.mark.vllm
 
@@ -115,26 +116,23 @@ def written_tier(tiny_model, tmp_path_factory) -> Path:
         [generate("p1"), generate("p2"), generate("p3"), DRAIN],
         host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="128MiB",
     ))
-    assert (disk / "rank0.slab").exists()
+    assert slab_path(disk, 0).exists()
     return disk
 
 
 def _journal_slots(disk: Path) -> list[int]:
     """Disk slots the journal says hold chunks (what a restarted engine will find)."""
-    from tieredkv.disk.catalog import JOURNAL_NAME
     from tieredkv.disk.journal import Journal
 
-    return sorted(Journal.recover(disk / JOURNAL_NAME).values())
+    return sorted(Journal.recover(journal_path(disk)).values())
 
 
 def _flip_payload_bytes(disk: Path, slots: list[int]) -> None:
-    from tieredkv.vllm.scheduler_side import DISK_HEADER_BYTES
-
-    manifest = json.loads((disk / "manifest.json").read_text())
+    manifest = json.loads(manifest_path(disk).read_text())
     stride = int(manifest["slot_stride"])
-    with open(disk / "rank0.slab", "r+b") as slab:
+    with open(slab_path(disk, 0), "r+b") as slab:
         for slot in slots:
-            offset = slot * stride + DISK_HEADER_BYTES + 1000
+            offset = payload_offset(slot, stride) + 1000
             slab.seek(offset)
             byte = slab.read(1)
             slab.seek(offset)
@@ -152,11 +150,11 @@ def test_corruption_between_runs_is_a_miss_never_wrong(tiny_model, reference, wr
         # Every third slot, from the second: each prompt (12 entries: 11 chunks and its tail,
         # spilled in order) keeps an intact first chunk, so undamaged chunks still serve.
         _flip_payload_bytes(disk, slots[1::3])
-        slab = disk / "rank0.slab"
-        manifest = json.loads((disk / "manifest.json").read_text())
+        slab = slab_path(disk, 0)
+        manifest = json.loads(manifest_path(disk).read_text())
         os.truncate(slab, (slots[-3]) * int(manifest["slot_stride"]) + 100)
     else:
-        (disk / "rank0.slab").unlink()
+        slab_path(disk, 0).unlink()
     result = run_engine(spec(
         tiny_model, [generate("p1", "p2", "p3")],
         host_bytes=SMALL_HOST, disk_path=str(disk), disk_bytes="128MiB", policy=policy,
@@ -256,7 +254,7 @@ def test_tensor_parallel_two_ranks(tiny_model, reference, tmp_path):
     )
     warm = result["phases"][-1]
     assert_same_as_reference(warm, ["p1", "p2"], reference)
-    assert (disk / "rank0.slab").exists() and (disk / "rank1.slab").exists()
+    assert slab_path(disk, 0).exists() and slab_path(disk, 1).exists()
     hits = warm["counters"].get("hit_tokens_host", 0) + warm["counters"].get("hit_tokens_disk", 0)
     assert hits > 0, warm["counters"]
 

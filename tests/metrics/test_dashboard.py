@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tieredkv.metrics.exporter import METRIC_SPECS
+from tieredkv.metrics.specs import METRIC_SPECS
 
 GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
 DASHBOARD = GRAFANA / "tieredkv.json"

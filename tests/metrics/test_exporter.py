@@ -9,13 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tieredkv.metrics.exporter import (
-    FAILURE_CAUSES,
-    HISTOGRAM,
-    METRIC_SPECS,
-    build_exporter_metrics,
-    start_exporter,
-)
+from tieredkv.metrics.exporter import build_exporter_metrics, start_exporter
+from tieredkv.metrics.specs import HISTOGRAM, METRIC_SPECS
+from tieredkv.protocol import FAILURE_CAUSES
 
 PAYLOAD = {
     "scheduler": {
@@ -39,7 +35,7 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 
 def test_exporter_does_not_import_vllm() -> None:
     code = (
-        "import sys, tieredkv.metrics.exporter\n"
+        "import sys, tieredkv.metrics.exporter, tieredkv.metrics.snapshot\n"
         "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
         "assert not bad, bad\n"
     )

@@ -12,17 +12,17 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from tieredkv.metrics.exporter import (
+from tieredkv.metrics.exporter import registry_classes
+from tieredkv.metrics.specs import (
     COUNTER,
     DIRECTIONS,
-    FAILURE_CAUSES,
     HISTOGRAM,
     JOB_KINDS,
     METRIC_SPECS,
     QUEUES,
     TIERS,
-    registry_classes,
 )
+from tieredkv.protocol import FAILURE_CAUSES
 
 pytestmark = pytest.mark.vllm
 
@@ -77,10 +77,9 @@ def stats_payload(scheduler: dict | None = None, workers: dict | None = None) ->
     return total.to_dict()
 
 
-def test_failure_causes_match_stats_module(vllm_modules) -> None:
-    from tieredkv.vllm import stats
-
-    assert FAILURE_CAUSES == stats.FAILURE_CAUSES
+def test_failure_metrics_label_every_failure_cause() -> None:
+    for key in ("load_failures", "store_failures", "spill_failures", "disk_reads_retried"):
+        assert METRIC_SPECS[key].values == tuple(FAILURE_CAUSES), key
 
 
 def test_connector_builds_tieredkv_metrics(connector_prom) -> None:

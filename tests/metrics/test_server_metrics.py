@@ -32,19 +32,23 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.metrics.exporter import FAILURE_CAUSES, METRIC_SPECS
-from tieredkv.tools.demo import Server, free_port
+from tieredkv.disk.format import MAGIC
+from tieredkv.disk.layout import manifest_path, payload_offset, slab_path, slot_offset, slot_stride
+from tieredkv.metrics.specs import METRIC_SPECS
+from tieredkv.protocol import FAILURE_CAUSES
+from tieredkv.testing.ports import free_port
+from tieredkv.testing.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "tiny"  # the demo Server's --served-model-name
-BLOCK_TOKENS = 32
+MODEL = SERVED_MODEL_NAME
+BLOCK_TOKENS = BLOCK_SIZE  # the Server's --block-size
 CHUNK_BLOCKS = 4
 CHUNK_TOKENS = BLOCK_TOKENS * CHUNK_BLOCKS
 BLOCK_BYTES = 4 * 2 * BLOCK_TOKENS * 2 * 64 * 2  # layers x (K, V) x tokens x kv heads x dim x bf16
 CHUNK_BYTES = BLOCK_BYTES * CHUNK_BLOCKS
 HOST_SLOTS = (1 << 20) // CHUNK_BYTES
-DISK_SLOTS = (64 << 20) // (4096 + CHUNK_BYTES)
+DISK_SLOTS = (64 << 20) // slot_stride(CHUNK_BYTES)
 PROMPT_TOKENS = 1500
 FULL_CHUNKS = PROMPT_TOKENS // CHUNK_TOKENS  # 11 whole chunks a request can store ...
 # ... and its tail: the 2 full blocks past them (1,408 + 64 of 1,500 tokens), one more entry.
@@ -491,19 +495,19 @@ def inspect_disk_tier(disk_path: Path) -> dict:
 
 def corrupt_slot_payloads(disk_path: Path) -> int:
     """Flip bytes in the payload of every written slot of rank 0; headers stay intact."""
-    manifest = json.loads((disk_path / "manifest.json").read_text())
+    manifest = json.loads(manifest_path(disk_path).read_text())
     stride, slots = manifest["slot_stride"], manifest["num_slots"]
-    header = 4096
     corrupted = 0
-    with open(disk_path / "rank0.slab", "r+b") as slab:
+    with open(slab_path(disk_path, 0), "r+b") as slab:
         for slot in range(slots):
-            slab.seek(slot * stride)
-            if slab.read(8) != b"TKVSLAB1":
+            slab.seek(slot_offset(slot, stride))
+            if slab.read(len(MAGIC)) != MAGIC:
                 continue
-            for offset in (header, header + manifest["payload_bytes"] // 2):
-                slab.seek(slot * stride + offset)
+            payload = payload_offset(slot, stride)
+            for offset in (payload, payload + manifest["payload_bytes"] // 2):
+                slab.seek(offset)
                 byte = slab.read(1)
-                slab.seek(slot * stride + offset)
+                slab.seek(offset)
                 slab.write(bytes([byte[0] ^ 0xFF]))
             corrupted += 1
     return corrupted
@@ -516,7 +520,7 @@ def test_corrupted_disk_tier_counts_checksum_failures_after_restart(
     server.stop()
     disk_path = workdir / "tier"
     layout = inspect_disk_tier(disk_path)
-    assert layout["manifest"]["slot_stride"] == 4096 + CHUNK_BYTES
+    assert layout["manifest"]["slot_stride"] == slot_stride(CHUNK_BYTES)
     assert layout["slots_used"] >= HOST_SLOTS  # B's chunks, spilled after the reset
     assert corrupt_slot_payloads(disk_path) >= layout["slots_used"]
 

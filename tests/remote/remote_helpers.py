@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tieredkv.remote.codec import encode, remote_key
-from tieredkv.tools.ports import free_port as free_loopback_port
+from tieredkv.testing.ports import free_port as free_loopback_port
 
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/remote namespace").digest()
 OTHER_FINGERPRINT = hashlib.sha256(b"another engine's namespace").digest()

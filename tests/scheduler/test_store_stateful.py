@@ -48,7 +48,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.format import HEADER_BYTES, HEADER_USED, payload_checksum, unpack_header
+from tieredkv.disk.format import HEADER_USED, payload_checksum, unpack_header
+from tieredkv.disk.layout import HEADER_BYTES
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.scheduler.tier_index import SlotState, TierIndex

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from transfer_helpers import CHUNK_BLOCKS, FINGERPRINT, layout_caches, recording_io
 
-from tieredkv.transfer.copy_ops import CopyBackend, TorchCopyBackend
+from tieredkv.disk.layout import slab_path
+from tieredkv.transfer.backends.base import CopyBackend
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -36,7 +38,7 @@ def fio() -> Iterator[object]:
 def slab(tmp_path: Path, host: HostPool, fio: object) -> Iterator[object]:
     from tieredkv.disk.slab import SlabFile  # disk-tier imports stay out of GPU-only runs
 
-    slab = SlabFile.open(tmp_path / "rank0.slab", 16, host.payload_bytes, FINGERPRINT, io=fio)
+    slab = SlabFile.open(slab_path(tmp_path, 0), 16, host.payload_bytes, FINGERPRINT, io=fio)
     yield slab
     slab.close()
 

@@ -14,12 +14,10 @@ import torch
 from transfer_helpers import layout_caches, make_key, results_by_id, slot_block
 
 from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
-from tieredkv.transfer.copy_ops import (
-    CupyCopyBackend,
-    TorchCopyBackend,
-    VllmCopyBackend,
-    select_backend,
-)
+from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
+from tieredkv.transfer.backends.select import select_backend
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
+from tieredkv.transfer.backends.vllm_backend import VllmCopyBackend
 from tieredkv.transfer.engine import TransferEngine
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews

@@ -63,7 +63,8 @@ from vllm_cuda_layouts import (
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import FailureCause, LoadChunk, LoadJob, StepPlan, StoreJob
-from tieredkv.transfer.copy_ops import CopyBackend, CupyCopyBackend
+from tieredkv.transfer.backends.base import CopyBackend
+from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.vllm import sleep_hook
 
@@ -651,16 +652,16 @@ class Timeline(CopyBackend):
             return event
         return time.perf_counter()
 
-    def _run(self, direction: str, *args: Any) -> None:
+    def _run(self, direction: str, copy: Callable[..., None], *args: Any) -> None:
         start = self._mark()
-        getattr(self.inner, direction)(*args)
+        copy(*args)
         self.spans.append((direction, start, self._mark()))
 
     def d2h(self, *args: Any) -> None:
-        self._run("d2h", *args)
+        self._run("d2h", self.inner.d2h, *args)
 
     def h2d(self, *args: Any) -> None:
-        self._run("h2d", *args)
+        self._run("h2d", self.inner.h2d, *args)
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:

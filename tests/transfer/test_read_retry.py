@@ -14,8 +14,9 @@ import torch
 from transfer_helpers import CHUNK_BLOCKS, make_key, results_by_id
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.disk.layout import HEADER_BYTES
 from tieredkv.keys import chunk_keys
-from tieredkv.protocol import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+from tieredkv.protocol import PromoteJob
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 
@@ -132,7 +133,7 @@ def test_a_wrong_byte_is_never_read_again(host, slab, fio, make_engine, fault) -
     job, plan = promote(engine, planner)
     at = slab.slot_offset(job.disk_slot)
     if fault == "checksum":
-        fio.flip_read_bit(4096 + 100, at=at, times=1)  # a payload byte: a second read would pass
+        fio.flip_read_bit(HEADER_BYTES + 100, at=at, times=1)  # a payload byte: a second read would pass
     else:
         plan.promotes[0] = job = PromoteJob(job.job_id, make_key(99), job.disk_slot, job.host_slot)
     engine.take_stats()
@@ -164,29 +165,6 @@ def test_a_timed_out_read_is_read_again_once_its_stuck_call_returned(host, slab,
     stats = engine.take_stats()
     assert stats["reads_retried"] == {"timeout": 1}
     assert stats["reads_recovered"] == 1 and stats["failures"] == {}
-
-
-# ---------------------------------------------------------------------------- loads
-
-
-def test_a_load_reads_a_chunk_again_within_its_deadline(kv, host, slab, fio, make_engine) -> None:
-    engine = make_engine()
-    ids = (1, 2, 3, 4)
-    engine.submit([StoreJob(1, make_key(0), 0, ids)])
-    assert results_by_id(engine, 1)[1].ok
-    engine.submit([SpillJob(2, make_key(0), 0, 3)])
-    assert results_by_id(engine, 1)[2].ok
-    want = [kv.rows[layer][b].clone() for layer in range(kv.num_layers) for b in ids]
-    fio.fail_reads(at=slab.slot_offset(3), times=1)
-    engine.take_stats()
-
-    targets = (20, 21, 22, 23)
-    engine.submit([LoadJob(3, "r", (LoadChunk(make_key(0), 5, 0, targets, disk_slot=3),))])
-    assert results_by_id(engine, 1)[3].ok
-    got = [kv.rows[layer][b] for layer in range(kv.num_layers) for b in targets]
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    stats = engine.take_stats()
-    assert stats["reads_retried"] == {"io_error": 1} and stats["failures"] == {}
 
 
 def test_retries_reach_the_reported_stats(host, slab, fio, make_engine) -> None:

@@ -19,8 +19,8 @@ import pytest
 import torch
 from transfer_helpers import layout_caches
 
-from tieredkv.transfer import _rowcopy, copy_ops
-from tieredkv.transfer.copy_ops import NativeCopyBackend
+from tieredkv.transfer.backends import _rowcopy, native_backend
+from tieredkv.transfer.backends.native_backend import NativeCopyBackend
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
@@ -240,7 +240,7 @@ def test_native_backend_passes_the_counts(monkeypatch: pytest.MonkeyPatch) -> No
     chunk = 2
     host = HostPool(3, kv.slot_payload_bytes(chunk), pin=False)
     host.buffer.fill_(7)
-    monkeypatch.setattr(copy_ops, "check_pairs", lambda *args: None)
+    monkeypatch.setattr(native_backend, "check_pairs", lambda *args: None)
     backend = NativeCopyBackend()
     assert backend._plan(kv, host)[1] == chunk
     with pytest.raises(ValueError, match=r"position 2 out of range 0\.\.1 of a chunk"):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tieredkv.transfer.copy_ops import TorchCopyBackend, VllmCopyBackend, select_backend
+from tieredkv.transfer.backends.select import select_backend
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
+from tieredkv.transfer.backends.vllm_backend import VllmCopyBackend
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tieredkv.transfer.copy_ops import CopyBackend, Pair, TorchCopyBackend
+from tieredkv.transfer.backends.base import CopyBackend, Pair
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -96,7 +97,7 @@ class SlowBackend(CopyBackend):
         self.gates[direction] = threading.Event()
         return self.gates[direction]
 
-    def _run(self, direction: str, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _run(self, direction: str, copy, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         start = time.monotonic()
         self.started[direction].set()
         gate = self.gates.get(direction)
@@ -104,14 +105,14 @@ class SlowBackend(CopyBackend):
             gate.wait(10)
         if self.delay[direction]:
             time.sleep(self.delay[direction])
-        getattr(self.inner, direction)(dev, host, pairs)
+        copy(dev, host, pairs)
         self.log.append((direction, start, time.monotonic(), list(pairs)))
 
     def d2h(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
-        self._run("d2h", dev, host, pairs)
+        self._run("d2h", self.inner.d2h, dev, host, pairs)
 
     def h2d(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
-        self._run("h2d", dev, host, pairs)
+        self._run("h2d", self.inner.h2d, dev, host, pairs)
 
 
 def recording_io():

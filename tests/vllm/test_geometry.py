@@ -125,3 +125,22 @@ def test_lora_digest_follows_the_adapter_files(tmp_path, attr):
     replacement.replace(weights)
     assert digests.digest(request) != first
     assert digests.digest(None) == b""
+
+
+def test_engine_geometry_resolves_the_config_once_for_everyone(tmp_path):
+    from tieredkv.config import TieredKVConfig
+
+    spec = SimpleNamespace(block_size=32, num_kv_heads=2, head_size=64, page_size_bytes=4096)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_layout="LBHNC",
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])],
+    )
+    vllm_config = _vllm_config(str(_model_dir(tmp_path)), "h1")
+    vllm_config.model_config.dtype = "float32"
+    vllm_config.parallel_config.tensor_parallel_size = 1
+    vllm_config.parallel_config.pipeline_parallel_size = 1
+    auto = TieredKVConfig.from_dict({})  # chunk_blocks 0: auto
+    geometry = geo.engine_geometry(vllm_config, kv_cache_config, auto)
+    assert geometry.config == auto.resolved(32) and geometry.config.chunk_blocks == 8
+    assert geometry.chunk_blocks == geometry.config.chunk_blocks
+    assert geometry.chunk_payload_bytes == 4096 * 2 * 8

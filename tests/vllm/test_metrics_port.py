@@ -6,8 +6,8 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-from tests.vllm.test_worker_side import fake_configs
 
+from tests.vllm.test_worker_side import fake_configs
 from tieredkv.config import ConfigError, TieredKVConfig
 from tieredkv.protocol import JobResult
 from tieredkv.vllm.scheduler_side import SchedulerHalf

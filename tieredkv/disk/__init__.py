@@ -1,15 +1,17 @@
 """The NVMe tier: self-verifying slab slots, their I/O, and the index that survives restarts.
 
 Worker side: :class:`SlabFile` (one per rank) driven by :class:`SlabExecutor`. Scheduler
-side: :class:`DiskCatalog` (lock, manifest, journal, verified recovery). Every failure is a
-:class:`SlabError` with a :class:`tieredkv.protocol.FailureCause`.
+side: :class:`DiskCatalog` (lock, manifest, journal, verified recovery). File names and slot
+geometry: :mod:`tieredkv.disk.layout`. Every failure is a :class:`SlabError` with a
+:class:`tieredkv.protocol.FailureCause`.
 """
 
 from tieredkv.disk.async_io import SlabExecutor
-from tieredkv.disk.catalog import DiskCatalog, slab_path
+from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.format import HEADER_BYTES, SlotHeader, slot_stride
+from tieredkv.disk.format import SlotHeader
+from tieredkv.disk.layout import HEADER_BYTES, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 
 __all__ = [

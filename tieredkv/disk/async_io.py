@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tieredkv.daemon_calls import STOP, serve_calls
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import SlotHeader
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
-from tieredkv.transfer.daemon_calls import STOP, serve_calls
 
 logger = logging.getLogger(__name__)
 

@@ -24,30 +24,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.format import slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
+from tieredkv.disk.layout import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.lock import DiskLock
-from tieredkv.disk.manifest import MANIFEST_NAME, Manifest, load_manifest, write_manifest
+from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import ensure_private_dir, restrict_dir
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 
 logger = logging.getLogger(__name__)
-
-JOURNAL_NAME = "journal.bin"
-_RANK_FILE = re.compile(r"^rank(\d+)\.slab$")
-
-
-def slab_path(disk_path: Path, rank: int) -> Path:
-    """Where rank ``rank`` keeps its slab file."""
-    return Path(disk_path) / f"rank{rank}.slab"
 
 
 def verify_headers(
@@ -183,9 +174,9 @@ class DiskCatalog:
         world_size: int, io: FileIO | None, lock: DiskLock,
     ) -> DiskCatalog:
         stride = slot_stride(payload_bytes)
-        journal_path = disk_path / JOURNAL_NAME
+        journal_file = journal_path(disk_path)
         # lexists: a dangling link at manifest.json is refused by load_manifest, not ignored.
-        has_manifest = os.path.lexists(disk_path / MANIFEST_NAME)
+        has_manifest = os.path.lexists(manifest_path(disk_path))
         old = load_manifest(disk_path) if has_manifest else None
         if old is None:
             reason: str | None = "unreadable manifest" if has_manifest else "new disk tier"
@@ -196,7 +187,7 @@ class DiskCatalog:
         dropped: Counter[FailureCause] = Counter()
         replay = JournalReplay()
         if reason is None:
-            replay = Journal.replay(journal_path)
+            replay = Journal.replay(journal_file)
             entries = dict(replay.entries)
             out_of_range = [k for k, slot in entries.items() if slot >= num_slots]
             for key in out_of_range:
@@ -214,11 +205,11 @@ class DiskCatalog:
                 ", ".join(f"{k.value}={n}" for k, n in sorted(dropped.items())) or "none",
             )
         else:
-            journal_path.unlink(missing_ok=True)
+            journal_file.unlink(missing_ok=True)
             _remove_stale_ranks(disk_path, world_size)
             log = logger.info if reason == "new disk tier" else logger.warning
             log("tieredkv disk tier %s: starting empty (%s)", disk_path, reason)
-        journal = Journal(journal_path, replay=replay)
+        journal = Journal(journal_file, replay=replay)
         try:
             journal.compact(recovered)
             manifest = Manifest.new(
@@ -242,7 +233,7 @@ class DiskCatalog:
 
     @property
     def journal_path(self) -> Path:
-        return self.disk_path / JOURNAL_NAME
+        return journal_path(self.disk_path)
 
     def record_written(self, key: bytes, slot: int) -> None:
         """Journal ``key`` at ``slot``: call only after *every* rank confirmed its write."""
@@ -282,8 +273,8 @@ class DiskCatalog:
 def _remove_stale_ranks(disk_path: Path, world_size: int) -> None:
     """Delete slab files of ranks this engine does not have (a smaller TP size than before)."""
     for entry in disk_path.iterdir():
-        match = _RANK_FILE.match(entry.name)
-        if match and int(match.group(1)) >= world_size:
+        rank = slab_rank(entry.name)
+        if rank is not None and rank >= world_size:
             try:
                 entry.unlink()
             except OSError as exc:

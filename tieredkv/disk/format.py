@@ -5,7 +5,8 @@ Every slot says what it holds (namespace fingerprint, key, length) and how to ch
 without trusting any index. Fixed little-endian ``struct`` fields only: nothing on disk is
 ever unpickled or otherwise interpreted as code.
 
-Header layout (all little-endian), padded with zeros to ``HEADER_BYTES``::
+Header layout (all little-endian), padded with zeros to ``HEADER_BYTES`` (one page, from
+:mod:`tieredkv.disk.layout`, which also says where slots and files are)::
 
     offset size  field
          0    8  magic              b"TKVSLAB1"
@@ -39,33 +40,18 @@ from dataclasses import dataclass
 import xxhash
 
 from tieredkv.disk.errors import SlabError
+from tieredkv.disk.layout import HEADER_BYTES
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_PART_BYTES, key_from_part, key_part
 from tieredkv.protocol import FailureCause
 
 MAGIC = b"TKVSLAB1"
 FORMAT_VERSION = 2
-PAGE_BYTES = 4096
-HEADER_BYTES = 4096
 _FIELDS = struct.Struct(f"<8sHH{FINGERPRINT_BYTES}s{KEY_BYTES}sQQQHH")
 _CRC = struct.Struct("<I")
 HEADER_USED = _FIELDS.size + _CRC.size  # the fixed part; the alias table follows
 MAX_HEADER_ALIASES = (HEADER_BYTES - HEADER_USED) // KEY_PART_BYTES
 _V1_FIELDS = 100  # version 1: crc32 of bytes 0..99 at offset 100
 _ZEROS = bytes(HEADER_BYTES)
-
-
-def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
-    """Round up to a multiple of ``alignment``.
-
-    Same rule as ``tieredkv.transfer.host_pool.align_up``; repeated here so that the disk tier and the
-    ``tieredkv`` command do not import torch just to round a number.
-    """
-    return (value + alignment - 1) // alignment * alignment
-
-
-def slot_stride(payload_bytes: int) -> int:
-    """Bytes one slot occupies in a slab file: the header plus the 4 KiB-padded payload."""
-    return HEADER_BYTES + align_up(payload_bytes)
 
 
 @dataclass(frozen=True)

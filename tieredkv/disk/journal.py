@@ -30,11 +30,8 @@ What must not happen is losing records that :meth:`Journal.flush` reported durab
   whatever had its name), so a planted link makes the journal refuse with
   :class:`~tieredkv.disk.private_files.UntrustedPathError` instead of writing elsewhere.
 
-File format (little-endian): a 16-byte file header (magic ``TKVJRNL1``, version, reserved),
-then fixed 56-byte records ``op:u8, pad:3, key:32s, slot:u64, sequence:u64, crc32:u32``, the
-crc covering the 52 bytes before it. Replay stops at the first record that is torn, fails its
-crc or does not continue the sequence: everything after it is ignored (counted and logged)
-and cut off the next time the journal is opened for writing.
+The file format and its replay are in :mod:`tieredkv.disk.journal_records`; a torn or corrupt
+tail that replay ignored is cut off the next time the journal is opened for writing.
 """
 
 from __future__ import annotations
@@ -44,30 +41,30 @@ import concurrent.futures as cf
 import errno
 import logging
 import os
-import struct
 import threading
-import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
-from tieredkv.disk.private_files import create_private_exclusive, ensure_private_dir, open_private
+from tieredkv.disk.journal_records import (
+    FILE_HEADER_BYTES,
+    NO_KEY,
+    JournalFiles,
+    JournalReplay,
+    Op,
+    apply_record,
+    encode_record,
+    file_header,
+    replay_journal,
+)
+from tieredkv.disk.private_files import ensure_private_dir
 from tieredkv.keys import KEY_BYTES
 from tieredkv.protocol import FailureCause
 
 logger = logging.getLogger(__name__)
 
-JOURNAL_MAGIC = b"TKVJRNL1"
-JOURNAL_VERSION = 1
-_FILE_HEADER = struct.Struct("<8sII")
-_BODY = struct.Struct(f"<B3x{KEY_BYTES}sQQ")
-_CRC = struct.Struct("<I")
-FILE_HEADER_BYTES = _FILE_HEADER.size
-RECORD_BYTES = _BODY.size + _CRC.size
-_NO_KEY = bytes(KEY_BYTES)
 _T = TypeVar("_T")
 _AFTER_FAILURE = {
     "append": "its records stay queued and are retried",
@@ -78,123 +75,6 @@ _AFTER_FAILURE = {
 # A running journal is rewritten once it holds this many records since its last rewrite
 # (or 4x the live entries, whichever is more): bounded size, rare rewrites.
 COMPACT_MIN_RECORDS = 1024
-
-
-class Op(IntEnum):
-    ADD = 1
-    REMOVE = 2
-    CLEAR = 3
-
-
-def _file_header() -> bytes:
-    return _FILE_HEADER.pack(JOURNAL_MAGIC, JOURNAL_VERSION, 0)
-
-
-def encode_record(op: Op, key: bytes, slot: int, sequence: int) -> bytes:
-    body = _BODY.pack(op, key, slot, sequence)
-    return body + _CRC.pack(zlib.crc32(body))
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class JournalFiles:
-    """Every system call the journal makes on its files, one method per step.
-
-    Opens go through :mod:`tieredkv.disk.private_files`; ``O_NONBLOCK`` makes a FIFO planted
-    at the path fail at once instead of blocking the open (it means nothing for a regular
-    file). Tests subclass this to fail one step (write, fsync, rename, directory fsync,
-    reopen) with a real errno against real files.
-    """
-
-    def open_log(self, path: Path) -> int:
-        """The journal itself, for appending (created 0600 if missing)."""
-        return open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
-
-    def open_read(self, path: Path) -> int:
-        return open_private(path, os.O_RDONLY | os.O_NONBLOCK)
-
-    def create_temp(self, path: Path) -> int:
-        """A fresh compaction file; whatever had the name (a planted link) is replaced."""
-        return create_private_exclusive(path, os.O_WRONLY | os.O_NONBLOCK)
-
-    def write(self, fd: int, data: bytes) -> None:
-        """Write all of ``data`` (a short write is continued; its error, if any, is raised)."""
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            if written <= 0:
-                raise OSError(errno.EIO, "write accepted no bytes")
-            view = view[written:]
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
-    def size(self, fd: int) -> int:
-        return os.fstat(fd).st_size
-
-    def truncate(self, fd: int, size: int) -> None:
-        os.ftruncate(fd, size)
-
-    def replace(self, src: Path, dst: Path) -> None:
-        os.replace(src, dst)  # renames a link at dst itself, never its target
-
-    def fsync_dir(self, directory: Path) -> None:
-        fsync_dir(directory)
-
-    def unlink(self, path: Path) -> None:
-        os.unlink(path)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-
-@dataclass
-class JournalReplay:
-    """The index a journal describes, and how much of the file could be trusted."""
-
-    entries: dict[bytes, int] = field(default_factory=dict)
-    records: int = 0
-    valid_bytes: int = 0
-    bad_tail_bytes: int = 0
-    last_sequence: int = 0
-    header_ok: bool = True
-
-
-def _apply(entries: dict[bytes, int], owners: dict[int, bytes], op: int, key: bytes, slot: int) -> None:
-    if op == Op.ADD:
-        old_slot = entries.get(key)
-        if old_slot is not None:
-            owners.pop(old_slot, None)
-        # A slot holds one key: the latest ADD to a slot wins even if a REMOVE was lost.
-        previous = owners.get(slot)
-        if previous is not None and previous != key:
-            entries.pop(previous, None)
-        entries[key] = slot
-        owners[slot] = key
-    elif op == Op.REMOVE:
-        old_slot = entries.pop(key, None)
-        if old_slot is not None:
-            owners.pop(old_slot, None)
-    else:
-        entries.clear()
-        owners.clear()
-
-
-def _read_journal(path: Path) -> bytes:
-    """The journal's bytes, read without following a link (b"" if there is none)."""
-    try:
-        fd = JournalFiles().open_read(path)
-    except FileNotFoundError:
-        return b""
-    with open(fd, "rb", closefd=True) as file:
-        return file.read()
 
 
 class Journal:
@@ -255,47 +135,8 @@ class Journal:
 
     @staticmethod
     def replay(path: Path) -> JournalReplay:
-        """Replay a journal file into ``key -> slot`` and report how much of it was valid.
-
-        Raises UntrustedPathError if ``path`` is a link or not our own regular file.
-        """
-        path = Path(path)
-        result = JournalReplay()
-        data = _read_journal(path)
-        if not data:
-            return result
-        header = data[:FILE_HEADER_BYTES]
-        if len(header) < FILE_HEADER_BYTES or _FILE_HEADER.unpack(header)[:2] != (
-            JOURNAL_MAGIC, JOURNAL_VERSION,
-        ):
-            result.header_ok = False
-            result.bad_tail_bytes = len(data)
-            logger.warning("tieredkv journal %s: unrecognised file header; ignoring it", path)
-            return result
-        owners: dict[int, bytes] = {}
-        offset = FILE_HEADER_BYTES
-        last = 0
-        while offset + RECORD_BYTES <= len(data):
-            body = data[offset : offset + _BODY.size]
-            (crc,) = _CRC.unpack_from(data, offset + _BODY.size)
-            if zlib.crc32(body) != crc:
-                break
-            op, key, slot, sequence = _BODY.unpack(body)
-            if op not in (Op.ADD, Op.REMOVE, Op.CLEAR) or sequence <= last:
-                break
-            _apply(result.entries, owners, op, key, slot)
-            last = sequence
-            result.records += 1
-            offset += RECORD_BYTES
-        result.valid_bytes = offset
-        result.last_sequence = last
-        result.bad_tail_bytes = len(data) - offset
-        if result.bad_tail_bytes:
-            logger.warning(
-                "tieredkv journal %s: ignored a torn or corrupt tail of %d bytes after %d records",
-                path, result.bad_tail_bytes, result.records,
-            )
-        return result
+        """Replay a journal file into ``key -> slot`` (see :func:`replay_journal`)."""
+        return replay_journal(path)
 
     @staticmethod
     def recover(path: Path) -> dict[bytes, int]:
@@ -326,7 +167,7 @@ class Journal:
         without limit on a long-running server (the caller never waits for it)."""
         if not self._queue((op, key, slot)):
             return
-        _apply(self._live, self._owners, op, key, slot)
+        apply_record(self._live, self._owners, op, key, slot)
         self._since_compaction += 1
         if self._since_compaction >= max(COMPACT_MIN_RECORDS, 4 * len(self._live)):
             self._since_compaction = 0
@@ -346,7 +187,7 @@ class Journal:
         self._record(Op.REMOVE, key, 0)
 
     def record_clear(self) -> None:
-        self._record(Op.CLEAR, _NO_KEY, 0)
+        self._record(Op.CLEAR, NO_KEY, 0)
 
     def _kick(self) -> None:
         loop, wake = self._loop, self._wake
@@ -485,7 +326,7 @@ class Journal:
             os.fchmod(fd, 0o600)
             if not replay.header_ok or replay.valid_bytes == 0:
                 self._files.truncate(fd, 0)
-                self._files.write(fd, _file_header())
+                self._files.write(fd, file_header())
                 self._files.fsync(fd)
                 self._size = FILE_HEADER_BYTES
             else:
@@ -597,7 +438,7 @@ class Journal:
         self.records_written += len(batch)
 
     def _compact(self, entries: dict[bytes, int]) -> None:
-        data = bytearray(_file_header())
+        data = bytearray(file_header())
         for sequence, (key, slot) in enumerate(sorted(entries.items(), key=lambda kv: kv[1]), 1):
             data += encode_record(Op.ADD, key, slot, sequence)
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 
 from tieredkv.config import ConfigError
+from tieredkv.disk.layout import LOCK_NAME, lock_path
 from tieredkv.disk.private_files import ensure_private_dir, open_private
-
-LOCK_NAME = "lock"
 
 # struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid; the kernel's
 # struct is padded to 32 bytes, so the argument buffer is passed that long.
@@ -138,7 +137,7 @@ class DiskLock:
         holder's pid is unreadable. Raises UntrustedPathError if the lock file is a link or not
         our own regular file.
         """
-        path = Path(disk_path) / LOCK_NAME
+        path = lock_path(disk_path)
         try:
             fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:

@@ -21,11 +21,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tieredkv.disk.format import FORMAT_VERSION
+from tieredkv.disk.layout import manifest_path
 from tieredkv.disk.private_files import UntrustedPathError, create_private_exclusive, open_private
 
 logger = logging.getLogger(__name__)
-
-MANIFEST_NAME = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class Manifest:
 
 def _file(path: Path) -> Path:
     path = Path(path)
-    return path / MANIFEST_NAME if path.is_dir() else path
+    return manifest_path(path) if path.is_dir() else path
 
 
 def load_manifest(path: Path) -> Manifest | None:

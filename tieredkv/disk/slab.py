@@ -1,7 +1,7 @@
 """One rank's slab file: a preallocated array of fixed, self-describing disk slots.
 
 Slot ``i`` starts at ``i * slot_stride`` and holds a 4 KiB header (see ``format``) followed by
-the payload padded to 4 KiB. Fixed slots mean no allocator on disk, no fragmentation and no
+the payload padded to 4 KiB (offsets, strides and file names: ``layout``). Fixed slots mean no allocator on disk, no fragmentation and no
 metadata to keep consistent: which key lives in which slot is the scheduler's index (and its
 journal); the slot itself only has to prove, on every read, that it holds exactly that key's
 bytes for this namespace.
@@ -25,16 +25,8 @@ from pathlib import Path
 
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.format import (
-    HEADER_BYTES,
-    PAGE_BYTES,
-    SlotHeader,
-    align_up,
-    pack_header_into,
-    payload_checksum,
-    slot_stride,
-    unpack_header,
-)
+from tieredkv.disk.format import SlotHeader, pack_header_into, payload_checksum, unpack_header
+from tieredkv.disk.layout import HEADER_BYTES, PAGE_BYTES, align_up, slot_offset, slot_stride
 from tieredkv.disk.private_files import ensure_private_dir
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 from tieredkv.protocol import FailureCause
@@ -246,7 +238,7 @@ class SlabFile:
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of ``slot``'s header in the file."""
-        return slot * self.slot_stride
+        return slot_offset(slot, self.slot_stride)
 
     def _check(self, slot: int, key: bytes | None = None) -> None:
         if not 0 <= slot < self.num_slots:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tieredkv.transfer.copy_ops import CopyBackend, Pair
+from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 

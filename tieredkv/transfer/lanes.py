@@ -9,7 +9,8 @@ stalling the compute stream or the host.
 Completion without busy-spinning: the lane thread blocks in ``event.synchronize()`` on an
 event created with ``blocking=True`` (cudaEventBlockingSync: the thread sleeps on an OS
 primitive instead of polling the GPU), and the blocking call releases the GIL. The asyncio
-loop awaits the lane thread's future, so it keeps serving disk I/O and other jobs meanwhile.
+loop awaits the d2h lane thread's future, so it keeps serving disk I/O and other jobs
+meanwhile; a load runs on the h2d lane thread start to end (``TransferEngine.submit``).
 One thread per direction keeps a direction's batches in order and lets its staging buffers
 be reused without locks; d2h and h2d still overlap, each on its own stream.
 
@@ -30,9 +31,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from tieredkv.daemon_calls import STOP, serve_calls
 from tieredkv.protocol import FailureCause
-from tieredkv.transfer.copy_ops import Pair
-from tieredkv.transfer.daemon_calls import STOP, serve_calls
+from tieredkv.transfer.backends.base import Pair
 
 logger = logging.getLogger(__name__)
 
@@ -185,13 +186,17 @@ class CopyRequest:
 
 
 class CopyLane:
-    """A direction (``d2h`` or ``h2d``): stream, thread, and batching of queued requests."""
+    """A direction (``d2h`` or ``h2d``): stream, thread, and batching of queued requests.
+
+    ``copy_fn`` copies one batch for :meth:`copy`; a lane without one (the h2d lane: loads
+    call into its thread with :meth:`call` and :meth:`run`) batches nothing.
+    """
 
     def __init__(
         self,
         name: str,
         device: torch.device,
-        copy_fn: Callable[[list[Pair]], None],
+        copy_fn: Callable[[list[Pair]], None] | None,
         max_batch_pairs: int = 512,
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
@@ -255,9 +260,11 @@ class CopyLane:
         for request in live:
             if request.after is not None and all(request.after is not e for e in after):
                 after.append(request.after)
+        copy_fn = self._copy_fn
+        assert copy_fn is not None, f"the {self.name} lane has no batch copy"
         ok = True
         try:
-            self.run(lambda: self._copy_fn(pairs), after)
+            self.run(lambda: copy_fn(pairs), after)
         except Exception as exc:  # noqa: BLE001 - reported per job as copy_error
             ok = False
             logger.error("tieredkv: %s copy of %d chunk(s) failed: %r", self.name, len(pairs), exc)

@@ -78,6 +78,9 @@ class EngineGeometry:
     num_layers: int
     world_size: int
     stable_hashes: bool
+    # The tieredkv config resolved for this engine (chunk_blocks fixed): resolved here, once,
+    # and taken from here by both halves and the planner.
+    config: TieredKVConfig
 
 
 # ---------------------------------------------------------------------------- files
@@ -278,7 +281,9 @@ class AdapterDigests:
 
 
 def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> EngineGeometry:
-    """Derive namespace and sizes; refuse configurations tieredkv cannot serve correctly."""
+    """Derive namespace and sizes, and resolve ``config`` for them (the one place it is
+    resolved: see ``EngineGeometry.config``); refuse configurations tieredkv cannot serve
+    correctly."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -325,4 +330,5 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
         num_layers=num_layers,
         world_size=world_size,
         stable_hashes=stable,
+        config=config,
     )

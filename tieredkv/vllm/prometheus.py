@@ -6,10 +6,12 @@ label names (``model_name``, ``engine``) and each engine's label values; then, f
 step that produced :class:`~tieredkv.vllm.stats.TieredKVStats`, it calls :meth:`observe` with the
 step's payload (``TieredKVStats.data``: counter deltas, latest gauges, latency samples).
 
-The metric definitions and the way a payload becomes samples live in
-:mod:`tieredkv.metrics.exporter` (shared with the standalone exporter, which must work without vLLM).
-Every name starts with ``vllm:``, so vLLM's ``unregister_vllm_metrics`` removes these
-collectors from the global registry before it builds the next stat logger.
+Everything but that interface lives in :mod:`tieredkv.metrics` (shared with the standalone
+exporter, which must work without vLLM): the metric definitions in
+:mod:`~tieredkv.metrics.specs`, the way a payload becomes samples in
+:class:`~tieredkv.metrics.recorder.TieredKVMetrics`. Every name starts with ``vllm:``, so
+vLLM's ``unregister_vllm_metrics`` removes these collectors from the global registry before it
+builds the next stat logger.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from tieredkv.metrics.exporter import COUNTER, GAUGE, HISTOGRAM, METRIC_SPECS, TieredKVMetrics
+from tieredkv.metrics.recorder import TieredKVMetrics
+from tieredkv.metrics.specs import COUNTER, GAUGE, HISTOGRAM
 
-__all__ = ["METRIC_SPECS", "TieredKVPromMetrics"]
+__all__ = ["TieredKVPromMetrics"]
 
 
 class TieredKVPromMetrics(KVConnectorPromMetrics):

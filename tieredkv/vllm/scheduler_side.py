@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.disk.layout import slot_stride
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.scheduler.planner import Planner
 from tieredkv.transfer.host_pool import align_up
@@ -19,19 +20,13 @@ from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 
 logger = logging.getLogger("tieredkv")
 
-DISK_HEADER_BYTES = 4096
-
-
-def disk_slot_stride(payload_bytes: int) -> int:
-    return DISK_HEADER_BYTES + align_up(payload_bytes)
-
 
 def slot_counts(config: TieredKVConfig, payload_bytes: int, world_size: int) -> tuple[int, int]:
     """Host and disk slots per rank; the same formula runs in both halves."""
     host = config.host_bytes_per_rank(world_size) // align_up(payload_bytes)
     disk = 0
     if config.has_disk:
-        disk = config.disk_bytes_per_rank(world_size) // disk_slot_stride(payload_bytes)
+        disk = config.disk_bytes_per_rank(world_size) // slot_stride(payload_bytes)
     return host, disk
 
 
@@ -44,7 +39,7 @@ def _finished_normally(request: Any) -> bool:
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
         self.geometry = geometry = engine_geometry(vllm_config, kv_cache_config, config)
-        self.config = config = config.resolved(geometry.block_size)
+        self.config = config = geometry.config
         hash_block = getattr(kv_cache_config, "hash_block_size", None) or geometry.block_size
         if (geometry.block_size * config.chunk_blocks) % hash_block:
             raise ValueError(

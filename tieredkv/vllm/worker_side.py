@@ -49,7 +49,7 @@ def _worker_rank() -> int:
 class WorkerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, config: TieredKVConfig) -> None:
         self.geometry = engine_geometry(vllm_config, kv_cache_config, config)
-        self.config = config = config.resolved(self.geometry.block_size)
+        self.config = config = self.geometry.config
         self.num_blocks = kv_cache_config.num_blocks
         self.rank = _worker_rank()
         self.engine = None
@@ -77,7 +77,7 @@ class WorkerHalf:
         self._vllm_copy_op = copy_operation
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from tieredkv.transfer.copy_ops import select_backend
+        from tieredkv.transfer.backends.select import select_backend
         from tieredkv.transfer.engine import TransferEngine
         from tieredkv.transfer.kv_views import KVViews
 
@@ -92,14 +92,15 @@ class WorkerHalf:
         host_slots, disk_slots = slot_counts(self.config, payload, self.geometry.world_size)
         self.host = HostPool(host_slots, payload)
         if disk_slots:
+            from tieredkv.disk.layout import rank_lock_name, slab_path
             from tieredkv.disk.lock import DiskLock
             from tieredkv.disk.slab import SlabFile
 
             assert self.config.disk_path is not None
             # DiskLock checks (and creates 0700) disk_path before this worker opens any file.
-            self._slab_lock = DiskLock(self.config.disk_path, name=f"rank{self.rank}.lock")
+            self._slab_lock = DiskLock(self.config.disk_path, name=rank_lock_name(self.rank))
             self.slab = SlabFile.open(
-                self.config.disk_path / f"rank{self.rank}.slab",
+                slab_path(self.config.disk_path, self.rank),
                 num_slots=disk_slots,
                 payload_bytes=payload,
                 fingerprint=self.geometry.fingerprint,

@@ -9,16 +9,14 @@ import pytest
 import torch
 from transfer_helpers import assert_slot_holds, expected_slot, layout_caches, slot_block
 
-from tieredkv.transfer import copy_ops
-from tieredkv.transfer.copy_ops import (
-    CupyCopyBackend,
-    NativeCopyBackend,
-    TorchCopyBackend,
-    VllmCopyBackend,
-    check_pairs,
-    segment_table,
-    select_backend,
-)
+from tieredkv.transfer.backends import native_backend
+from tieredkv.transfer.backends import select as backend_select
+from tieredkv.transfer.backends.base import check_pairs
+from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend, segment_table
+from tieredkv.transfer.backends.native_backend import NativeCopyBackend
+from tieredkv.transfer.backends.select import select_backend
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
+from tieredkv.transfer.backends.vllm_backend import VllmCopyBackend
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
@@ -217,16 +215,17 @@ def test_auto_falls_back_to_numpy_with_a_warning_when_native_is_not_built(
 ) -> None:
     kv = _views("LBHNC")
     host = HostPool(2, kv.slot_payload_bytes(C), pin=False)
-    monkeypatch.setattr(copy_ops, "_import_rowcopy", lambda: (None, "not built (test)"))
+    monkeypatch.setattr(native_backend, "_import_rowcopy", lambda: (None, "not built (test)"))
     # Listen on the module's logger itself: vLLM's logging set-up, run by other tests in this
     # process, may have changed how records reach the root logger.
-    monkeypatch.setattr(copy_ops.logger, "disabled", False)
-    copy_ops.logger.addHandler(caplog.handler)
+    logger = backend_select.logger
+    monkeypatch.setattr(logger, "disabled", False)
+    logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level("WARNING", logger=copy_ops.logger.name):
+        with caplog.at_level("WARNING", logger=logger.name):
             assert isinstance(select_backend("auto", kv=kv, host=host), TorchCopyBackend)
     finally:
-        copy_ops.logger.removeHandler(caplog.handler)
+        logger.removeHandler(caplog.handler)
     assert "slower numpy path: not built (test)" in caplog.text
     with pytest.raises(ValueError, match="copy_backend='native' is not available here"):
         select_backend("native", kv=kv, host=host)

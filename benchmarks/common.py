@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmark scripts: machine name, results files, progress, plots.
+"""Shared helpers for the benchmarks: machine name, KV geometry, results files, progress, plots.
 
 Every benchmark writes ``benchmarks/results/<name>.json`` (everything measured, machine
 included) and ``<name>.md`` (the same as a Markdown table), and optionally a PNG plot drawn
@@ -121,6 +121,20 @@ def git_revision(path: Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return rev + ("+dirty" if dirty else "")
+
+
+# ---------------------------------------------------------------------------- model
+
+
+def kv_bytes_per_token(model: Mapping[str, int], dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes in a Llama-style model: K and V, every layer, every KV head.
+
+    ``model`` holds ``hidden_size``, ``num_layers``, ``num_heads`` and ``num_kv_heads`` (the
+    arguments of ``tieredkv.tools.tiny_model.make_tiny_llama``); ``dtype_bytes`` is the KV
+    cache's element size (2 for bf16, 4 for float32).
+    """
+    head_dim = model["hidden_size"] // model["num_heads"]
+    return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
 
 
 # ---------------------------------------------------------------------------- statistics

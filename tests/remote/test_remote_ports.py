@@ -7,7 +7,7 @@ from pathlib import Path
 
 from remote_helpers import RedisServer
 
-from tieredkv.tools.ports import ephemeral_range, free_port
+from tieredkv.testing.ports import ephemeral_range, free_port
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:

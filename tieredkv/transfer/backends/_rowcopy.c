@@ -355,7 +355,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tieredkv.transfer._rowcopy",
+    PyModuleDef_HEAD_INIT, "tieredkv.transfer.backends._rowcopy",
     "Native segment copies for tieredkv's CPU copy path.", -1, methods,
 };
 

@@ -1,0 +1,139 @@
+"""The layering ARCHITECTURE.md describes, checked by walking every import in the package.
+
+A module may import its own part of the package or a part on a lower floor, never a higher
+one; only ``tieredkv/vllm/`` imports vLLM; production code never imports ``tieredkv.testing``
+(one exception: the worker side's fault-injection hook, imported only when
+``TIEREDKV_FAULTS`` is set). Function-level (lazy) imports count like module-level ones.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tieredkv"
+
+# Floors, lowest first. A part may import parts on strictly lower floors (and itself).
+FLOORS: dict[str, int] = {
+    "protocol": 0, "daemon_calls": 0,
+    "config": 1, "keys": 1,
+    "disk": 2, "metrics": 2,
+    "remote": 3, "transfer": 3,
+    "scheduler": 4,
+    "vllm": 5,
+    "connector": 6,
+    "testing": 7,
+    "tools": 8,
+    "cli": 9,
+}
+PRODUCTION = {part for part, floor in FLOORS.items() if floor <= FLOORS["connector"]}
+# (importing module, imported module): documented exceptions.
+ALLOWED = {
+    # Fault injection for e2e tests and soak runs, imported only when TIEREDKV_FAULTS is set.
+    ("tieredkv.vllm.worker_side", "tieredkv.testing.fault_backend"),
+}
+
+
+def _allowed(source: str, target: str) -> bool:
+    return any(source == s and (target == t or target.startswith(t + ".")) for s, t in ALLOWED)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "tieredkv"
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every import in ``path``, TYPE_CHECKING blocks included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: relative import (use absolute ones)"
+            assert node.module is not None
+            found.append((node.module, node.lineno))
+            # ``from tieredkv.x import y`` may name a submodule y: check it as one.
+            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names
+                      if node.module.startswith("tieredkv")]
+    return found
+
+
+def _modules() -> list[Path]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 40, "the walk found too few modules"
+    return files
+
+
+def test_every_part_of_the_package_has_a_floor() -> None:
+    parts = {_part(_module_name(f)) for f in _modules()} - {"tieredkv"}
+    assert parts <= set(FLOORS), f"add these to FLOORS (and ARCHITECTURE.md): {parts - set(FLOORS)}"
+
+
+def test_no_import_reaches_a_higher_floor() -> None:
+    wrong = []
+    for path in _modules():
+        source = _module_name(path)
+        src = _part(source)
+        for target, line in _imports(path):
+            if not target.startswith("tieredkv.") or _allowed(source, target):
+                continue
+            dst = _part(target)
+            if dst == src or dst not in FLOORS or src == "tieredkv":
+                continue
+            if FLOORS[dst] >= FLOORS[src]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({src}) imports {target} ({dst})")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_only_the_vllm_adapter_imports_vllm() -> None:
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for path in _modules() if _part(_module_name(path)) != "vllm"
+        for target, line in _imports(path)
+        if target == "vllm" or target.startswith("vllm.")
+    ]
+    assert not wrong, "only tieredkv/vllm/ may import vLLM:\n" + "\n".join(wrong)
+
+
+def test_production_code_never_imports_the_testing_package() -> None:
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for path in _modules() if _part(_module_name(path)) in PRODUCTION
+        for target, line in _imports(path)
+        if target.startswith("tieredkv.testing") and not _allowed(_module_name(path), target)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_fault_hook_is_imported_only_under_its_environment_variable() -> None:
+    source = (PACKAGE / "vllm" / "worker_side.py").read_text()
+    guard = source.index('if os.environ.get("TIEREDKV_FAULTS"):')
+    hook = source.index("from tieredkv.testing.fault_backend import")
+    assert guard < hook < guard + 200, "the fault hook must sit right under its env-var guard"
+    assert source.count("tieredkv.testing") == 1
+
+
+def test_the_check_itself_catches_a_violation(tmp_path: Path) -> None:
+    """The walk sees lazy imports, so a wrong one inside a function would be caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    import vllm.config\n    from tieredkv.vllm import connector\n")
+    assert [name for name, _ in _imports(bad)] == ["vllm.config", "tieredkv.vllm", "tieredkv.vllm.connector"]
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_outgrows_one_job() -> None:
+    """Small modules with one job each: past ~500 lines a module is doing two."""
+    big = {
+        str(path.relative_to(PACKAGE.parent)): lines
+        for path in _modules()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not big, f"split these (limit {MAX_MODULE_LINES} lines): {big}"

@@ -1,0 +1,114 @@
+"""The job ledger: every job in flight, the request it serves, and the step plan being built.
+
+A job is issued once (an id, the keys it names, the request it serves, one report expected
+from every rank) and appended to this step's :class:`StepPlan`. :meth:`JobLedger.apply` folds
+the ranks' reports in; once every rank has reported a job, its completion handler, chosen by
+its :class:`JobKind` in the table the planner installs, brings the indexes up to date, and the
+job is detached from its request (which is forgotten when finished with nothing in flight).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from tieredkv.protocol import JobKind, JobResult, StepPlan
+from tieredkv.scheduler.requests import RequestState, RequestTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class JobRecord:
+    job_id: int
+    kind: JobKind
+    keys: tuple[bytes, ...]
+    req_id: str | None
+    remaining: int  # ranks yet to report
+    outcome: JobResult | None = None  # every rank's report so far, merged
+    # store and load jobs: device block ids per chunk (fences; failed blocks -> keys)
+    chunk_blocks: tuple[tuple[int, ...], ...] = ()
+    started: float = field(default_factory=time.monotonic)
+
+
+# Called once every rank has reported the job, with the merged outcome.
+CompletionHandler = Callable[[JobRecord, JobResult], None]
+
+
+class JobLedger:
+    """Jobs in flight (one planner), each awaited from ``world_size`` ranks."""
+
+    def __init__(self, world_size: int, requests: RequestTable) -> None:
+        self.world_size = world_size
+        self._requests = requests
+        self._ids = itertools.count(1)
+        self._jobs: dict[int, JobRecord] = {}
+        self._handlers: dict[JobKind, CompletionHandler] = {}
+        self.plan = StepPlan()
+
+    def set_handlers(self, handlers: Mapping[JobKind, CompletionHandler]) -> None:
+        """Install the completion table: one handler for every :class:`JobKind`."""
+        missing = [kind.value for kind in JobKind if kind not in handlers]
+        if missing:
+            raise ValueError(f"tieredkv: no completion handler for job kinds {missing}")
+        self._handlers = dict(handlers)
+
+    # ------------------------------------------------------------------ issuing
+
+    def issue(
+        self,
+        kind: JobKind,
+        keys: tuple[bytes, ...],
+        req_id: str | None,
+        chunk_blocks: tuple[tuple[int, ...], ...] = (),
+    ) -> int:
+        """Record a new job; the caller adds it to :attr:`plan` under the id returned."""
+        job_id = next(self._ids)
+        self._jobs[job_id] = JobRecord(
+            job_id, kind, keys, req_id, remaining=self.world_size, chunk_blocks=chunk_blocks
+        )
+        return job_id
+
+    def take_plan(self) -> StepPlan:
+        plan, self.plan = self.plan, StepPlan()
+        return plan
+
+    def fence_stores(self, state: RequestState) -> None:
+        """The request's blocks were freed: this step fences the blocks its stores read."""
+        for job_id in state.store_jobs:
+            for blocks in self._jobs[job_id].chunk_blocks:
+                self.plan.fence_block_ids.extend(blocks)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    # ------------------------------------------------------------------ results
+
+    def apply(self, results: Iterable[JobResult]) -> None:
+        """Fold the ranks' reports in; a job completes once every rank has reported it."""
+        for result in results:
+            job_id = result.job_id
+            job = self._jobs.get(job_id)
+            if job is None:
+                logger.debug("tieredkv: result for unknown job %d ignored", job_id)
+                continue
+            job.outcome = result if job.outcome is None else job.outcome.merged(result)
+            job.remaining -= result.ok + result.failed
+            if job.remaining > 0:
+                continue
+            del self._jobs[job_id]
+            self._handlers[job.kind](job, job.outcome)
+            self._detach(job)
+
+    def _detach(self, job: JobRecord) -> None:
+        state = self._requests.get(job.req_id) if job.req_id else None
+        if state is None:
+            return
+        state.store_jobs.discard(job.job_id)
+        state.promote_jobs.discard(job.job_id)
+        if state.load_job == job.job_id:
+            state.load_job = None
+        self._requests.maybe_forget(state)

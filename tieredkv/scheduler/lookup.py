@@ -1,0 +1,398 @@
+"""Lookups: a prompt's chunk keys -> a hit of READY host chunks, or a round of promotions.
+
+* Only ``READY`` host chunks are promised. Chunks of the lower tier are first promoted into
+  host slots (verified by checksum on the worker) while the lookup answers ``None``.
+* A hit ends at the last block held, not at a chunk boundary: an entry holds the first ``n``
+  blocks of one chunk and is found by the key of any block it holds (see ``TierIndex``).
+* The promised chunks stay pinned until vLLM allocates device blocks (:meth:`Lookup.on_alloc`
+  turns them into a load job) or the hit is let go; every chunk a load reads stays pinned
+  until every rank reported the load, and a chunk whose load failed is dropped.
+* Allocation failure is a miss, never a wait; promotion is given up after
+  ``MAX_PROMOTE_ROUNDS`` rounds or ``load_timeout_s``, serving what is in host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.protocol import JobKind, JobResult, LoadChunk, LoadJob, PromoteJob
+from tieredkv.scheduler.ledger import JobLedger, JobRecord
+from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.placement import Placer, count_evictions
+from tieredkv.scheduler.requests import HitEpoch, PendingHit, RequestState, RequestTable
+from tieredkv.scheduler.tier_index import TierIndex
+
+logger = logging.getLogger(__name__)
+
+MAX_PROMOTE_ROUNDS = 3
+# Where a block of a hit comes from (see Lookup._block_source).
+HOST, PENDING, LOWER = "host", "pending", "lower"
+# The hit source reported (always 0 tokens) without a lower tier: the sources stay the same.
+NO_LOWER_TIER = "disk"
+
+
+class Lookup:
+    """Answers lookups, promotes lower-tier chunks into host, turns hits into load jobs."""
+
+    def __init__(
+        self,
+        *,
+        config: TieredKVConfig,
+        block_size: int,
+        host: TierIndex,
+        lower: LowerTier | None,
+        requests: RequestTable,
+        ledger: JobLedger,
+        epoch: HitEpoch,
+        counters: Counter[str],
+        placer: Placer,
+    ) -> None:
+        self.block_size = block_size
+        self.chunk_blocks = config.chunk_blocks
+        self.chunk_tokens = block_size * config.chunk_blocks
+        self.load_timeout_s = config.load_timeout_s
+        self.host = host
+        self.lower = lower
+        self._lower_name = lower.name if lower is not None else NO_LOWER_TIER
+        self._requests = requests
+        self._ledger = ledger
+        self._epoch = epoch
+        self.counters = counters
+        self._placer = placer
+        self._promotions: dict[bytes, int] = {}  # key -> promote job in flight (any request)
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(
+        self, req_id: str, keys: Sequence[bytes], num_computed_tokens: int, num_tokens: int
+    ) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded from the host tier.
+
+        Returns None while lower-tier chunks of the hit are being promoted into host slots.
+        Pins the promised host chunks until :meth:`on_alloc` turns them into a load (or they
+        are let go).
+        """
+        state = self._requests.ensure(req_id)
+        cached = state.pending_hit
+        if (
+            cached is not None
+            and cached.epoch == self._epoch.value
+            and cached.start_token == num_computed_tokens
+            and cached.num_tokens == num_tokens
+        ):
+            # Asked again in the same state: the pinned chunks cannot have gone anywhere.
+            return cached.end_token - num_computed_tokens
+        if cached is not None:
+            self.release_hit(state)
+        if state.load_job is not None:
+            return 0
+        limit = (num_tokens - 1) // self.block_size * self.block_size
+        first = num_computed_tokens // self.chunk_tokens
+        host_ready = self.host.is_ready
+        lower_ready = self.lower.is_ready if self.lower is not None else None
+        lower_chunks: list[bytes] = []
+        pending = False
+        last = min(len(keys), -(-limit // self.chunk_tokens))
+        request_keys = keys  # the keys object (block keys too); ``keys`` may become its list
+        materialize = getattr(keys, "materialize", None)
+        head = materialize(first + 1) if materialize is not None and first < last else keys
+        if first < last and host_ready(head[first]):  # one key derived to tell a miss
+            # A hit: derive the keys in one batch, then scan the resident run in one loop.
+            if materialize is not None:
+                keys = materialize(last)
+            resident = self.host.ready_prefix(keys, first, last)
+            run = list(keys[first : first + resident])
+        else:
+            run = []
+        i = first + len(run)
+        promotions = self._promotions
+        while i < last:
+            key = keys[i]
+            if host_ready(key):
+                run.append(key)
+            elif key in promotions:
+                # Being promoted, for this request or another one sharing the prefix: wait.
+                pending = True
+                run.append(key)
+            elif self.host.present(key):
+                break  # being stored right now: not loadable yet, and not promotable
+            elif lower_ready is not None and lower_ready(key):
+                lower_chunks.append(key)
+                run.append(key)
+            else:
+                break
+            i += 1
+        # The run of whole chunks ends at chunk i: the hit may go on into chunk i, up to the
+        # last of its blocks some entry holds (this prompt's tail, or a chunk of another
+        # prompt sharing these blocks).
+        partial_key: bytes | None = None
+        partial_blocks = 0
+        if i * self.chunk_tokens < limit and getattr(request_keys, "block_granular", False):
+            found = self._partial_source(request_keys, i, num_computed_tokens, limit)
+            if found is not None:
+                partial_key, kind, partial_blocks = found
+                run.append(partial_key)
+                if kind == LOWER:
+                    lower_chunks.append(partial_key)
+                elif kind == PENDING:
+                    pending = True
+        timed_out = False
+        if state.promote_deadline or lower_chunks or pending:
+            now = time.monotonic()
+            timed_out = bool(state.promote_deadline) and now > state.promote_deadline
+            if timed_out and (pending or lower_chunks):
+                logger.warning("tieredkv: promotion for %s timed out; serving what is in memory",
+                               req_id)
+                state.promote_rounds = MAX_PROMOTE_ROUNDS
+            if lower_chunks and state.promote_rounds < MAX_PROMOTE_ROUNDS:
+                run = self._promote(state, run, lower_chunks)
+            if not timed_out and any(key in promotions for key in run):
+                if not state.promote_deadline:
+                    state.promote_deadline = now + self.load_timeout_s
+                return None
+        if not state.looked_up:
+            # Counted once per request, when it gets its answer (not each "ask me later").
+            state.looked_up = True
+            self.counters["lookups"] += 1
+            self.counters["lookup_tokens"] += max(0, limit - num_computed_tokens)
+        if lower_chunks or pending:
+            # Only the leading READY host chunks can be promised.
+            ready: list[bytes] = []
+            for key in run:
+                if not host_ready(key):
+                    break
+                ready.append(key)
+        else:
+            ready = run
+        partial = partial_key is not None and bool(ready) and ready[-1] == partial_key
+        if partial:
+            end_block = (first + len(ready) - 1) * self.chunk_blocks + partial_blocks
+        else:
+            end_block = (first + len(ready)) * self.chunk_blocks
+        end = min(end_block * self.block_size, limit)
+        hit = max(0, end - num_computed_tokens)
+        if hit == 0:
+            return 0
+        self.host.pin_all(ready)
+        promoted = state.promoted_keys
+        state.pending_hit = PendingHit(
+            num_computed_tokens, end, first, ready,
+            lower_keys=promoted.intersection(ready) if promoted else set(),
+            num_tokens=num_tokens, epoch=self._epoch.value, partial=partial,
+        )
+        return hit
+
+    def _partial_source(
+        self, keys, chunk: int, num_computed_tokens: int, limit: int
+    ) -> tuple[bytes, str, int] | None:
+        """The entry holding the most leading blocks of ``chunk`` of this request (fewer than
+        a whole chunk), as ``(entry key, HOST | PENDING | LOWER, blocks)``, or None.
+
+        An entry holding block ``b`` holds every block of its chunk before ``b`` (chained
+        hashes), so "some entry holds block b" is true for the first blocks of a chunk and
+        false after. The first block this request could use answers a miss (one key, a dict
+        probe per tier); the last one a repeated prompt (its own tail); a binary search
+        between them anything else.
+        """
+        C, bs = self.chunk_blocks, self.block_size
+        base = chunk * C
+        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
+        lo = num_computed_tokens // bs - base + 1
+        if lo < 1:
+            lo = 1
+        if lo > hi:
+            return None
+        block_key = keys.block_key
+        first_key = block_key(base + lo - 1)
+        host, lower = self.host, self.lower
+        if not host.holds(first_key) and (lower is None or not lower.holds(first_key)):
+            return None
+        source = self._block_source
+        if hi > lo:
+            key = block_key(base + hi - 1)
+            holder = host.ready_holder(key)
+            if holder is not None:
+                return holder, HOST, hi
+            found = source(key, host_checked=True)
+            if found is not None:
+                return found[0], found[1], hi
+        best = source(first_key)
+        if best is None:
+            return None
+        good, bad = lo, hi
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            found = source(block_key(base + mid - 1))
+            if found is None:
+                bad = mid
+            else:
+                good, best = mid, found
+        return best[0], best[1], good
+
+    def _block_source(self, key: bytes, host_checked: bool = False) -> tuple[bytes, str] | None:
+        """Where the block named ``key`` can come from: a READY host entry holding it (unless
+        the caller just looked), one being promoted, or a READY lower-tier entry to promote."""
+        host = self.host
+        if not host_checked:
+            holder = host.ready_holder(key)
+            if holder is not None:
+                return holder, HOST
+        promotions = self._promotions
+        if promotions:
+            for holder in host.holders(key):
+                if holder in promotions:
+                    return holder, PENDING
+        lower = self.lower
+        if lower is not None and lower.holds(key):
+            for holder in lower.holders(key):
+                if lower.is_ready(holder) and holder not in host and not host.is_doomed(holder):
+                    return holder, LOWER
+        return None
+
+    # ------------------------------------------------------------------ promotions
+
+    def _promote(self, state: RequestState, run: list[bytes], lower_chunks: list[bytes]) -> list[bytes]:
+        """Queue lower -> host promotions for the lower-tier chunks of a run; trims the run on
+        a miss.
+
+        The run's host-resident chunks are pinned meanwhile, so making room for chunk i never
+        evicts chunk j < i of the same prefix.
+        """
+        resident = [key for key in run if self.host.is_ready(key)]
+        for key in resident:
+            self.host.pin(key)
+        try:
+            return self._promote_run(state, run, lower_chunks)
+        finally:
+            for key in resident:
+                self.host.unpin(key)
+
+    def _promote_run(self, state: RequestState, run: list[bytes], lower_chunks: list[bytes]) -> list[bytes]:
+        lower = self.lower
+        assert lower is not None
+        issued = False
+        for pos, key in enumerate(run):
+            if key not in lower_chunks:
+                continue
+            if key in self.host or self.host.is_doomed(key) or key in self._promotions:
+                return run[:pos]  # never allocate a key twice; someone else holds it now
+            entry = lower.get(key)
+            assert entry is not None
+            allocation = self.host.allocate(key, entry.aliases)
+            if allocation is None:
+                self.counters["promote_no_host_slot"] += 1
+                if issued:
+                    state.promote_rounds += 1
+                    state.promote_deadline = time.monotonic() + self.load_timeout_s
+                return run[:pos]
+            host_slot, evicted = allocation
+            count_evictions(self.counters, "host", evicted)
+            lower.pin(key)
+            job_id = self._ledger.issue(JobKind.PROMOTE, (key,), state.req_id)
+            self._ledger.plan.promotes.append(
+                PromoteJob(job_id, key, entry.slot, host_slot, req_id=state.req_id)
+            )
+            self._promotions[key] = job_id
+            state.promote_jobs.add(job_id)
+            state.promoted_keys.add(key)
+            issued = True
+        if issued:
+            state.promote_rounds += 1
+            state.promote_deadline = time.monotonic() + self.load_timeout_s
+        return run
+
+    def complete_promote(self, job: JobRecord, outcome: JobResult) -> None:
+        (key,) = job.keys
+        if self._promotions.get(key) == job.job_id:
+            del self._promotions[key]
+        lower = self.lower
+        assert lower is not None
+        lower.unpin(key)
+        if outcome.failed:
+            self.host.abort(key)
+            lower.remove(key)  # nothing that failed is ever promised again
+            self.counters[f"{lower.name}_read_failed_{outcome.failure or 'unknown'}"] += 1
+        elif self.host.mark_ready(key):
+            self.counters["promoted_chunks"] += 1
+            self._placer.settle(self.host, key)
+
+    # ------------------------------------------------------------------ hits -> loads
+
+    def release_hit(self, state: RequestState) -> None:
+        hit = state.pending_hit
+        if hit is None:
+            return
+        for key in hit.keys:
+            self.host.unpin(key)
+        state.pending_hit = None
+
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated device blocks: turn the pending hit into a load job."""
+        state = self._requests.ensure(req_id)
+        state.block_ids = list(block_ids)
+        hit = state.pending_hit
+        if hit is None or num_external_tokens <= 0:
+            self.release_hit(state)
+            return
+        state.pending_hit = None
+        C = self.chunk_blocks
+        start_block = hit.start_token // self.block_size
+        end_block = (hit.start_token + num_external_tokens) // self.block_size
+        chunks: list[LoadChunk] = []
+        keep: list[bytes] = []
+        for offset, key in enumerate(hit.keys):
+            chunk = hit.first_chunk + offset
+            lo = max(chunk * C, start_block)
+            hi = min((chunk + 1) * C, end_block)
+            if lo >= hi:
+                self.host.unpin(key)
+                continue
+            keep.append(key)
+            placement = self.host.get(key)
+            assert placement is not None
+            chunks.append(
+                LoadChunk(
+                    key=key,
+                    host_slot=placement.slot,
+                    first_block=lo - chunk * C,
+                    block_ids=tuple(block_ids[lo:hi]),
+                )
+            )
+        if not chunks:
+            return
+        if hit.partial and keep[-1] == hit.keys[-1]:
+            self.counters["partial_hits"] += 1  # a hit that ended inside a chunk
+        job_id = self._ledger.issue(
+            JobKind.LOAD, tuple(keep), req_id, chunk_blocks=tuple(c.block_ids for c in chunks)
+        )
+        self._ledger.plan.loads.append(LoadJob(job_id, req_id, tuple(chunks)))
+        state.load_job = job_id
+        tokens = end_block * self.block_size - hit.start_token
+        lower_tokens = sum(
+            len(c.block_ids) * self.block_size for c in chunks if c.key in hit.lower_keys
+        )
+        state.hit_tokens = {self._lower_name: lower_tokens, "host": tokens - lower_tokens}
+        self.counters["hit_tokens_host"] += tokens - lower_tokens
+        self.counters[f"hit_tokens_{self._lower_name}"] += lower_tokens
+        for key in keep:
+            self.host.touch(key)
+            self._placer.note_seen(key)
+
+    def hit_tokens(self, req_id: str) -> dict[str, int]:
+        state = self._requests.get(req_id)
+        return dict(state.hit_tokens) if state else {}
+
+    def complete_load(self, job: JobRecord, outcome: JobResult) -> None:
+        failed_blocks = set(outcome.failed_block_ids)
+        if outcome.failed:
+            self.counters[f"load_failed_{outcome.failure or 'unknown'}"] += 1  # per load
+        for key, blocks in zip(job.keys, job.chunk_blocks, strict=True):
+            self.host.unpin(key)
+            if outcome.failed and failed_blocks.intersection(blocks):
+                self.host.remove(key)
+                self._epoch.bump()
+                self.counters["chunks_dropped_by_failed_loads"] += 1

@@ -1,0 +1,242 @@
+"""Where computed chunks go: stores into host, spills to the lower tier, one copy per tier.
+
+* Stores: every whole chunk a request computed that no tier holds yet becomes a host slot
+  (WRITING) and a store job; with ``tail``, the full blocks past the last whole chunk too, as
+  an entry holding the first blocks of its chunk. A chunk some tier holds already is touched
+  (it is hot) and counted as a sighting instead.
+* Spills: a store that completes, or a chunk seen often enough, is queued for the lower tier
+  if the tier admits it; :meth:`Placer.plan_spills` gives the queue lower-tier slots when the
+  step's plan is taken.
+* Settle/supersede: an entry that becomes READY drops the shorter entries of its tier whose
+  blocks it holds, or is dropped itself when a longer READY entry holds all of its blocks
+  (a prompt's tail that grew leaves one copy, not two).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.protocol import JobKind, JobResult, SpillJob, StoreJob
+from tieredkv.scheduler.ledger import JobLedger, JobRecord
+from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.requests import HitEpoch, RequestState, RequestTable
+from tieredkv.scheduler.tier_index import TierIndex
+
+
+def count_evictions(counters: Counter[str], tier: str, evicted: Iterable[tuple[bytes, int]]) -> None:
+    for _ in evicted:
+        counters[f"evictions_{tier}"] += 1
+
+
+class Placer:
+    """Plans stores and spills and keeps each tier free of redundant entries."""
+
+    def __init__(
+        self,
+        *,
+        config: TieredKVConfig,
+        block_size: int,
+        host: TierIndex,
+        lower: LowerTier | None,
+        requests: RequestTable,
+        ledger: JobLedger,
+        epoch: HitEpoch,
+        counters: Counter[str],
+    ) -> None:
+        self.block_size = block_size
+        self.chunk_blocks = config.chunk_blocks
+        self.chunk_tokens = block_size * config.chunk_blocks
+        self.host = host
+        self.lower = lower
+        self._requests = requests
+        self._ledger = ledger
+        self._epoch = epoch
+        self.counters = counters
+        self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
+
+    # ------------------------------------------------------------------ stores
+
+    def plan_stores(
+        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False
+    ) -> None:
+        """Store every full chunk below ``storable_tokens`` not stored yet; with ``tail``, also
+        the full blocks after the last full chunk, as an entry holding part of its chunk.
+
+        ``tail`` is for the end of a prompt (and, with ``store_generated``, of a request):
+        a tail stored on every step would be stored again each time it grows by a block.
+        """
+        state = self._requests.ensure(req_id)
+        C = self.chunk_blocks
+        host, lower = self.host, self.lower
+        n_chunks = min(storable_tokens // self.chunk_tokens, len(keys))
+        n_chunks = min(n_chunks, len(state.block_ids) // C)
+        granular = getattr(keys, "block_granular", False)
+        for chunk in range(state.next_store_chunk, n_chunks):
+            key = keys[chunk]
+            if key in host or host.is_doomed(key):
+                # Another request computed the same prefix: it is hot, keep it resident.
+                host.touch(key)
+                self.note_seen(key)
+                continue
+            if lower is not None and key in lower:
+                lower.touch(key)
+                self.note_seen(key)
+                continue
+            aliases = keys.block_keys(chunk * C, chunk * C + C - 1) if granular else ()  # type: ignore[attr-defined]
+            self._store(state, key, aliases, state.block_ids[chunk * C : (chunk + 1) * C])
+        state.next_store_chunk = max(state.next_store_chunk, n_chunks)
+        if tail and granular and n_chunks == state.next_store_chunk:
+            held = min(storable_tokens // self.block_size, len(state.block_ids),
+                       keys.num_blocks)  # type: ignore[attr-defined]
+            count = held - n_chunks * C
+            if 0 < count < C:
+                self._store_tail(state, keys, n_chunks, count)
+
+    def finish_tail(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
+        """A request finished normally: store what its last steps computed (generated text
+        included, with ``store_generated``) before its blocks are freed. Not for a request
+        whose blocks are gone (preempted) or still being loaded into."""
+        state = self._requests.get(req_id)
+        if state is None or state.load_job is not None or not state.block_ids:
+            return
+        self.plan_stores(req_id, keys, storable_tokens, tail=True)
+
+    def _store_tail(self, state: RequestState, keys, chunk: int, count: int) -> None:
+        """Store the first ``count`` blocks of ``chunk`` unless an entry already holds them."""
+        base = chunk * self.chunk_blocks
+        key = keys.block_key(base + count - 1)
+        for tier in (self.host, self.lower):
+            if tier is None:
+                continue
+            if tier.holds(key) or tier.is_doomed(key):
+                # Held already (this prompt's tail stored before, or a longer entry).
+                for holder in tier.holders(key):
+                    tier.touch(holder)
+                self.note_seen(key)
+                return
+        self._store(state, key, keys.block_keys(base, base + count - 1),
+                    state.block_ids[base : base + count])
+        self.counters["stored_partial_chunks"] += 1
+
+    def _store(self, state: RequestState, key: bytes, aliases: tuple[bytes, ...],
+               blocks: Sequence[int]) -> None:
+        allocation = self.host.allocate(key, aliases)
+        if allocation is None:
+            self.counters["store_skipped_host_full"] += 1
+            return
+        slot, evicted = allocation
+        count_evictions(self.counters, "host", evicted)
+        blocks = tuple(blocks)
+        job_id = self._ledger.issue(JobKind.STORE, (key,), state.req_id, chunk_blocks=(blocks,))
+        self._ledger.plan.stores.append(StoreJob(job_id, key, slot, blocks, req_id=state.req_id))
+        state.store_jobs.add(job_id)
+        self.note_seen(key)
+
+    def complete_store(self, job: JobRecord, outcome: JobResult) -> None:
+        (key,) = job.keys
+        if outcome.failed:
+            self.host.abort(key)
+            self.counters[f"store_failed_{outcome.failure or 'unknown'}"] += 1
+        elif self.host.mark_ready(key):
+            self.counters["stored_chunks"] += 1
+            lower = self.lower
+            if self.settle(self.host, key) and lower is not None:
+                if lower.admits(key):
+                    self._spill_queue[key] = None
+                else:
+                    self.counters[f"{lower.name}_admission_rejected"] += 1
+
+    # ------------------------------------------------------------------ spills
+
+    def note_seen(self, key: bytes) -> None:
+        """A sighting of ``key``: once the lower tier admits it, a READY host copy is queued."""
+        lower = self.lower
+        if lower is not None and lower.note_seen(key) and self.host.is_ready(key) and key not in lower:
+            self._spill_queue[key] = None
+
+    def plan_spills(self) -> None:
+        """Give the queued spills their lower-tier slots (in this step's plan)."""
+        lower, host = self.lower, self.host
+        if lower is None:
+            self._spill_queue.clear()
+            return
+        while self._spill_queue:
+            key, _ = self._spill_queue.popitem(last=False)
+            if not host.is_ready(key) or lower.holds(key) or lower.is_doomed(key):
+                continue  # there already (or a longer entry there holds its blocks)
+            placement = host.get(key)
+            assert placement is not None
+            allocation = lower.allocate(key, placement.aliases)
+            if allocation is None:
+                self.counters[f"spill_skipped_{lower.name}_full"] += 1
+                continue
+            lower_slot, evicted = allocation
+            count_evictions(self.counters, lower.name, evicted)
+            host.pin(key)
+            job_id = self._ledger.issue(JobKind.SPILL, (key,), None)
+            # The written copy lists the entry's block keys, so a restart finds them again
+            # (beyond what the tier keeps, only the entry's own key survives it).
+            aliases = placement.aliases if len(placement.aliases) <= lower.max_aliases else ()
+            self._ledger.plan.spills.append(
+                SpillJob(job_id, key, placement.slot, lower_slot, aliases=aliases)
+            )
+
+    def complete_spill(self, job: JobRecord, outcome: JobResult) -> None:
+        (key,) = job.keys
+        self.host.unpin(key)
+        lower = self.lower
+        assert lower is not None
+        if outcome.failed:
+            lower.abort(key)
+            self.counters[f"spill_failed_{outcome.failure or 'unknown'}"] += 1
+            return
+        if lower.mark_ready(key):
+            self.counters["spilled_chunks"] += 1
+            if lower.covering(key):
+                # A longer entry got there first: this one is redundant there.
+                lower.remove(key, recorded=False)
+                self.counters[f"superseded_{lower.name}"] += 1
+                return
+            lower.record_written(key)
+            self.settle(lower, key)
+
+    def clear_spill_queue(self) -> None:
+        self._spill_queue.clear()
+
+    @property
+    def spills_queued(self) -> bool:
+        return bool(self._spill_queue)
+
+    # ------------------------------------------------------------------ one copy per tier
+
+    def settle(self, tier: TierIndex | LowerTier, key: bytes) -> bool:
+        """``key`` just became READY in ``tier``: keep one copy of its blocks in this tier.
+
+        A longer READY entry holding all of its blocks makes it redundant (dropped, False);
+        otherwise the shorter entries whose blocks it holds are dropped (a prompt's tail that
+        grew: the next turn of a chat stored the whole chunk or a longer tail). A dropped
+        entry still being read keeps its slot until the read ends (doomed). True: kept.
+        """
+        if tier.covering(key):
+            self._drop_superseded(tier, key)
+            return False
+        placement = tier.get(key)
+        if placement is not None:
+            for alias in placement.aliases:
+                if alias in tier:
+                    self._drop_superseded(tier, alias)
+        return True
+
+    def _drop_superseded(self, tier: TierIndex | LowerTier, key: bytes) -> None:
+        placement = tier.get(key)
+        if placement is None:
+            return
+        tier.remove(key)
+        if tier is self.host:
+            if placement.pins:
+                self._epoch.bump()  # a cached pending hit may name it: recompute that hit
+            self.counters["superseded_host"] += 1
+        else:
+            self.counters[f"superseded_{tier.name}"] += 1

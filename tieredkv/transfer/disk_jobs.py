@@ -1,0 +1,293 @@
+"""Disk jobs: spill (host slot -> disk slot) and promote (disk slot -> host slot).
+
+Both run as coroutines on the engine's event loop, which awaits the slab executor's bounded
+pool of I/O threads (``io_threads``), so a slow or hung disk never holds a copy lane or vLLM's
+thread. Spills go through a bounded queue in front of a few spill workers: a slow disk drops
+spills (counted) instead of delaying stores, loads or promotions.
+
+A transient read failure (I/O error, short read, timeout) is read again once before the
+promotion fails; a wrong byte (checksum, key, namespace) or a missing file is not. A timed-out
+disk call may still write into (or read from) its host slot: the slot stays reserved until that
+call really returns, so it can never corrupt the slot's next tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tieredkv.protocol import FailureCause, JobResult, PromoteJob, SpillJob
+from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.slot_guard import SlotGuard
+from tieredkv.transfer.transfer_stats import Finish, TransferStats
+
+logger = logging.getLogger(__name__)
+
+# Disk read failures worth a second read: the bytes may well be there. A checksum, key or
+# namespace mismatch says they are not; so does a missing file.
+_TRANSIENT_READ_FAILURES = frozenset({"io_error", "short_read", "timeout"})
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The failure name of an exception: a SlabError's kind, else a best-effort kind."""
+    kind = getattr(exc, "kind", None)
+    if kind is not None:
+        return str(getattr(kind, "value", kind))
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, FileNotFoundError):
+        return "missing"
+    return "io_error"
+
+
+def _transient(exc: BaseException) -> bool:
+    """A disk read failure that a second read may not hit again (a SlabError's kind says)."""
+    kind = getattr(exc, "kind", None)
+    return kind is not None and str(getattr(kind, "value", kind)) in _TRANSIENT_READ_FAILURES
+
+
+class DiskJobs:
+    """Spills and promotions of one engine; without a slab (no disk tier) both fail ``missing``."""
+
+    def __init__(
+        self,
+        host: HostPool,
+        slab: Any | None,
+        guard: SlotGuard,
+        stats: TransferStats,
+        finish: Finish,
+        *,
+        io_threads: int,
+        spill_queue_depth: int,
+        timeout_s: float,
+        on_death: Callable[[str, BaseException], None],
+    ) -> None:
+        self.host = host
+        self.slab = slab
+        self.io_threads = io_threads
+        self.spill_queue_depth = spill_queue_depth
+        self.timeout_s = timeout_s  # a spill's write; a promotion's read and its retry, each
+        self._guard = guard
+        self._stats = stats
+        self._finish = finish
+        self._on_death = on_death
+        # Leave one I/O thread to reads: a burst of spill writes never queues a promotion's
+        # read behind more than one write.
+        self._spill_workers_n = max(1, io_threads - 1)
+        self._executor: Any | None = None
+        self._spill_queue: asyncio.Queue[tuple[int, SpillJob, float]] | None = None
+        self._spill_workers: list[asyncio.Task[Any]] = []
+
+    def start(self) -> None:
+        """On the engine's event loop thread, before any disk job arrives."""
+        self._spill_queue = asyncio.Queue(maxsize=self.spill_queue_depth)
+        if self.slab is None:
+            return
+        # Imported here: disk-tier modules stay out of GPU-only runs.
+        from tieredkv.disk.async_io import SlabExecutor
+
+        self._executor = SlabExecutor(self.io_threads, on_death=self._on_death)
+        loop = asyncio.get_event_loop()
+        self._spill_workers = [
+            loop.create_task(self._spill_worker()) for _ in range(self._spill_workers_n)
+        ]
+
+    @property
+    def queued_spills(self) -> int:
+        queue = self._spill_queue
+        return queue.qsize() if queue is not None else 0
+
+    @property
+    def workers(self) -> list[asyncio.Task[Any]]:
+        return self._spill_workers
+
+    def cancel_queued_spills(self) -> None:
+        """Shutting down: spills not started yet are cancelled (event loop thread)."""
+        queue = self._spill_queue
+        if queue is None:
+            return
+        while not queue.empty():
+            seq, job, t0 = queue.get_nowait()
+            queue.task_done()
+            self._finish(seq, JobResult.fail(job.job_id, FailureCause.CANCELLED), t0)
+
+    def stop(self, wait_s: float) -> None:
+        """Stop the I/O threads, waiting up to ``wait_s`` for calls still running."""
+        if self._executor is not None:
+            self._executor.shutdown(wait_s=wait_s)
+
+    # ------------------------------------------------------------------ spills
+
+    def enqueue_spill(self, seq: int, job: SpillJob, t0: float) -> None:
+        if self.slab is None:
+            self._finish(seq, JobResult.fail(job.job_id, FailureCause.MISSING), t0)
+            return
+        assert self._spill_queue is not None
+        try:
+            self._spill_queue.put_nowait((seq, job, t0))
+        except asyncio.QueueFull:
+            self._finish(seq, JobResult.fail(job.job_id, FailureCause.DROPPED), t0)
+
+    async def _spill_worker(self) -> None:
+        assert self._spill_queue is not None
+        while True:
+            seq, job, t0 = await self._spill_queue.get()
+            try:
+                await self._spill(seq, job, t0)
+            finally:
+                self._spill_queue.task_done()
+
+    async def _spill(self, seq: int, job: SpillJob, t0: float) -> None:
+        result = JobResult.fail(job.job_id, FailureCause.CANCELLED)
+        holding, pending = False, None
+        try:
+            if not 0 <= job.host_slot < self.host.num_slots:
+                result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
+                return
+            if not self._guard.try_read(job.host_slot):
+                result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
+                return
+            holding = True
+            assert self._executor is not None
+            await self._executor.write(
+                self.slab, job.disk_slot, job.key, self.host.slot_memoryview(job.host_slot),
+                timeout=self.timeout_s, aliases=job.aliases,
+            )
+            self._stats.moved("spill", self.host.payload_bytes)
+            result = JobResult.done(job.job_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a result
+            pending = getattr(exc, "pending", None)
+            result = JobResult.fail(job.job_id, failure_kind(exc))
+            logger.debug("tieredkv: spill %d failed: %s", job.job_id, exc)
+        finally:
+            if holding:
+                self._release_after(job.host_slot, False, pending)
+            self._finish(seq, result, t0)
+
+    # ------------------------------------------------------------------ promotions
+
+    async def promote(self, seq: int, job: PromoteJob, t0: float) -> None:
+        result = JobResult.fail(job.job_id, FailureCause.CANCELLED)
+        try:
+            if self.slab is None:
+                result = JobResult.fail(job.job_id, FailureCause.MISSING)
+                return
+            if not 0 <= job.host_slot < self.host.num_slots:
+                result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
+                return
+            if not self._guard.try_write(job.host_slot):
+                result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
+                return
+            # Nobody waits on a promotion past the scheduler's own deadline (it then serves
+            # what is in memory), so a retry gets a budget of its own: a timed-out read can
+            # be read again once its stuck call returned.
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
+            failure = await self._read_slot(job.key, job.disk_slot, job.host_slot, deadline,
+                                            retry_s=self.timeout_s)
+            if failure is None:
+                self._guard.release(job.host_slot, True)
+                result = JobResult.done(job.job_id)
+            else:
+                result = JobResult.fail(job.job_id, failure)
+        finally:
+            self._finish(seq, result, t0)
+
+    async def _read_slot(self, key: bytes, disk_slot: int, host_slot: int, deadline: float,
+                         retry_s: float | None = None) -> str | None:
+        """Read and verify a disk slot into a host slot the caller holds for writing, by
+        ``deadline`` (loop time).
+
+        A transient failure (I/O error, short read, timeout) gets one more read, by
+        ``deadline`` or, with ``retry_s``, within that long after the failure. A timed-out
+        read is read again only once its stuck call has returned (two reads never share a
+        slot): this waits for it within the same budget. Retries are counted
+        (``reads_retried``, ``reads_recovered``); a failure after them is the job's result.
+
+        Returns None on success or the failure name. On failure the guard is released (or
+        kept until a timed-out read really returns); on success the caller still holds it.
+        """
+        loop = asyncio.get_running_loop()
+        pending: Any = None
+        try:
+            failure, again, pending = await self._read_once(key, disk_slot, host_slot,
+                                                            deadline - loop.time())
+            if again:
+                end = deadline if retry_s is None else loop.time() + retry_s
+                if await self._call_returned(pending, end - loop.time()) and loop.time() < end:
+                    assert failure is not None
+                    self._stats.read_retried(failure)
+                    logger.debug("tieredkv: reading disk slot %d again after %s", disk_slot, failure)
+                    failure, _, pending = await self._read_once(key, disk_slot, host_slot,
+                                                                end - loop.time())
+                    if failure is None:
+                        self._stats.read_recovered()
+        except asyncio.CancelledError:
+            self._release_after(host_slot, True, pending)
+            raise
+        if failure is not None:
+            self._release_after(host_slot, True, pending)
+            return failure
+        self._stats.moved("restore", self.host.payload_bytes)
+        return None
+
+    async def _read_once(self, key: bytes, disk_slot: int, host_slot: int,
+                         timeout: float) -> tuple[str | None, bool, Any]:
+        """One verified read: (failure or None, worth another read, the timed-out call that
+        may still write into the slot or None)."""
+        assert self._executor is not None
+        try:
+            await self._executor.read_into(
+                self.slab, disk_slot, key, self.host.slot_memoryview(host_slot),
+                timeout=max(0.0, timeout),
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a result
+            logger.debug("tieredkv: disk slot %d -> host slot %d failed: %s", disk_slot,
+                         host_slot, exc)
+            return failure_kind(exc), _transient(exc), getattr(exc, "pending", None)
+        return None, False, None
+
+    @staticmethod
+    async def _call_returned(call: Any, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a timed-out disk call to return; True once it has
+        (or when there is none)."""
+        if not isinstance(call, cf.Future) or call.done():
+            return True
+        if timeout <= 0:
+            return False
+        loop = asyncio.get_running_loop()
+        returned = asyncio.Event()
+
+        def _wake(_: cf.Future[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(returned.set)
+            except RuntimeError:
+                pass  # the loop is gone
+
+        call.add_done_callback(_wake)
+        try:
+            await asyncio.wait_for(returned.wait(), timeout)
+        except TimeoutError:
+            pass
+        return call.done()
+
+    def _release_after(self, slot: int, write: bool, pending: object | None) -> None:
+        """Release a slot now, or once a timed-out disk call that still uses it returns."""
+        if not isinstance(pending, cf.Future) or pending.done():
+            self._guard.release(slot, write)
+            return
+        loop = asyncio.get_running_loop()
+        logger.warning("tieredkv: host slot %d stays reserved until a timed-out disk call returns",
+                       slot)
+
+        def _later(_: cf.Future[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(self._guard.release, slot, write)
+            except RuntimeError:
+                pass  # the loop is gone; so is the guard's meaning
+
+        pending.add_done_callback(_later)
