@@ -14,7 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from tieredkv.protocol import BackendName
+from tieredkv.protocol import BackendName, PolicyName
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -43,7 +43,7 @@ SPILL_QUEUE_DEPTH_MAX = 65536  # spill_queue_depth in [1, 65536]
 DISK_ADMISSION_MAX = 1000  # disk_admission in [1, 1000]
 METRICS_PORT_MAX = 65535  # metrics_port in [0, 65535]
 
-EVICTION_POLICIES = ("lru", "arc")
+EVICTION_POLICIES = tuple(p.value for p in PolicyName)
 COPY_BACKENDS = tuple(b.value for b in BackendName)
 # Auto chunk size: big enough for large sequential copies and disk I/O, small enough that
 # prompts of a few hundred tokens still get stored.

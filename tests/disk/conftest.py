@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import make_key
+
 REPO = Path(__file__).resolve().parents[2]
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/disk namespace").digest()
 OTHER_FINGERPRINT = hashlib.sha256(b"another namespace").digest()
-
-
-def make_key(i: int) -> bytes:
-    return hashlib.sha256(f"key-{i}".encode()).digest()
 
 
 def payload_for(key: bytes, rank: int, size: int) -> bytes:

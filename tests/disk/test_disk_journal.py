@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wide_key as k
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES, Op, encode_record
 from tieredkv.disk.layout import JOURNAL_NAME, journal_path
 from tieredkv.protocol import FailureCause
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(32, "big")
 
 
 def test_records_replay_in_order(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wide_key as k
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES, JournalFiles
@@ -24,10 +25,6 @@ from tieredkv.disk.layout import JOURNAL_NAME, journal_path
 from tieredkv.protocol import FailureCause
 
 ONE_ATTEMPT_PER_FLUSH = 3600.0
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(32, "big")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import make_key
 from tieredkv.remote.codec import encode, remote_key
 from tieredkv.testing.ports import free_port as free_loopback_port
 
@@ -33,10 +34,6 @@ SETUP_HINT = (
     "run scripts/setup_env.sh (as root it installs Debian's redis-server package), "
     "or `sudo apt-get install -y redis-server`"
 )
-
-
-def make_key(i: int) -> bytes:
-    return hashlib.sha256(f"chunk-{i}".encode()).digest()
 
 
 def payload_for(key: bytes, rank: int, size: int) -> bytes:

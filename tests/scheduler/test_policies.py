@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import short_key as k
 from tieredkv.scheduler.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(4, "big")
 
 
 def always(_key: bytes) -> bool:

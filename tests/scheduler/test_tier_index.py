@@ -15,12 +15,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tests.helpers import short_key as k
 from tieredkv.scheduler.policies import ARCPolicy, LRUPolicy
 from tieredkv.scheduler.tier_index import Placement, SlotState, TierIndex
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(4, "big")
 
 
 def filled(num_slots: int, policy: str = "lru") -> TierIndex:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tests.helpers import make_key  # noqa: F401 - re-exported to the transfer tests
 from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
@@ -20,10 +21,6 @@ from tieredkv.transfer.kv_views import KVViews
 
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/transfer namespace").digest()
 _DIMS = "LBHNC"
-
-
-def make_key(i: int) -> bytes:
-    return hashlib.sha256(f"transfer-key-{i}".encode()).digest()
 
 
 def layout_caches(

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-POLICY_NAMES = ("lru", "arc")
+from tieredkv.protocol import PolicyName
 
 
 def _first_evictable(
@@ -219,10 +219,10 @@ class ARCPolicy(EvictionPolicy):
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """Build the policy called ``name`` (``"lru"`` or ``"arc"``) for ``capacity`` slots."""
     normalized = name.strip().lower() if isinstance(name, str) else name
-    if normalized == "lru":
+    if normalized == PolicyName.LRU:
         return LRUPolicy(capacity)
-    if normalized == "arc":
+    if normalized == PolicyName.ARC:
         return ARCPolicy(capacity)
     raise ValueError(
-        f"tieredkv: unknown eviction policy {name!r}; expected one of {', '.join(POLICY_NAMES)}"
+        f"tieredkv: unknown eviction policy {name!r}; expected one of {', '.join(PolicyName)}"
     )

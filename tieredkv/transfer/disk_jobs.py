@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tieredkv.protocol import FailureCause, JobResult, PromoteJob, SpillJob
+from tieredkv.protocol import Direction, FailureCause, JobResult, PromoteJob, SpillJob
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.transfer_stats import Finish, TransferStats
@@ -156,7 +156,7 @@ class DiskJobs:
                 self.slab, job.disk_slot, job.key, self.host.slot_memoryview(job.host_slot),
                 timeout=self.timeout_s, aliases=job.aliases,
             )
-            self._stats.moved("spill", self.host.payload_bytes)
+            self._stats.moved(Direction.SPILL, self.host.payload_bytes)
             result = JobResult.done(job.job_id)
         except asyncio.CancelledError:
             raise
@@ -232,7 +232,7 @@ class DiskJobs:
         if failure is not None:
             self._release_after(host_slot, True, pending)
             return failure
-        self._stats.moved("restore", self.host.payload_bytes)
+        self._stats.moved(Direction.RESTORE, self.host.payload_bytes)
         return None
 
     async def _read_once(self, key: bytes, disk_slot: int, host_slot: int,

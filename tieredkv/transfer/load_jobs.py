@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from tieredkv.protocol import FailureCause, JobResult, LoadJob
+from tieredkv.protocol import Direction, FailureCause, JobResult, LoadJob
 from tieredkv.transfer.backends.base import Pair, check_pairs
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -100,7 +100,7 @@ class LoadJobs:
                 failure, failed_from = FailureCause.COPY_ERROR, 0
             else:
                 moved = sum(len(ids) for _, _, ids in pairs) * self.kv.total_block_bytes
-                self._stats.moved("h2d", moved, ops=len(pairs))
+                self._stats.moved(Direction.H2D, moved, ops=len(pairs))
         finally:
             for slot in held:
                 self._guard.release(slot, False)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from tieredkv.protocol import FailureCause, JobResult, StoreJob
+from tieredkv.protocol import Direction, FailureCause, JobResult, StoreJob
 from tieredkv.transfer.backends.base import check_pairs
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -178,7 +178,7 @@ class StoreJobs:
             assert self._lane is not None
             outcome = await self._lane.copy(request)
             if outcome is None and not ticket.late:
-                self._stats.moved("d2h", len(job.block_ids) * self.kv.total_block_bytes)
+                self._stats.moved(Direction.D2H, len(job.block_ids) * self.kv.total_block_bytes)
                 result = JobResult.done(job.job_id)
             elif outcome is None or outcome == FailureCause.CANCELLED:
                 result = JobResult.fail(job.job_id, FailureCause.CANCELLED)

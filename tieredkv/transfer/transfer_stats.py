@@ -64,7 +64,7 @@ class TransferStats:
         self.reads_recovered = 0  # retried reads that then succeeded
         self.latency: dict[str, list[float]] = {kind: [] for kind in JOB_KINDS}
 
-    def moved(self, direction: str, nbytes: int, ops: int = 1) -> None:
+    def moved(self, direction: Direction, nbytes: int, ops: int = 1) -> None:
         with self._lock:
             self.bytes[direction] += nbytes
             self.ops[direction] += ops

@@ -60,7 +60,7 @@ class NativeCopyBackend(CopyBackend):
             raise ValueError(f"copy_backend='native' is not available here: {why}")
         self._copy = module.copy_blocks
         self.nontemporal = nontemporal
-        self._plans: dict[tuple[int, int], tuple[np.ndarray, int, tuple[int, int, int, int]]] = {}
+        self._layouts: dict[tuple[int, int], tuple[np.ndarray, int, tuple[int, int, int, int]]] = {}
 
     @staticmethod
     def available(device: torch.device) -> tuple[bool, str]:
@@ -69,10 +69,10 @@ class NativeCopyBackend(CopyBackend):
         module, why = _import_rowcopy()
         return module is not None, why
 
-    def _plan(self, dev: KVViews, host: HostPool) -> tuple[np.ndarray, int, tuple[int, ...]]:
+    def _layout(self, dev: KVViews, host: HostPool) -> tuple[np.ndarray, int, tuple[int, ...]]:
         key = (id(dev), id(host))
-        plan = self._plans.get(key)
-        if plan is None:
+        layout = self._layouts.get(key)
+        if layout is None:
             if dev.device.type != "cpu":
                 raise ValueError("copy_backend='native' copies CPU tensors only")
             chunk_blocks = dev.chunk_blocks_for(host.payload_bytes)
@@ -87,13 +87,13 @@ class NativeCopyBackend(CopyBackend):
             host_lo = host.buffer.data_ptr()
             bounds = (min(layer.rows.data_ptr() for layer in dev.layers), max(ends),
                       host_lo, host_lo + host.buffer.numel())
-            plan = self._plans[key] = (layers, chunk_blocks, bounds)
-        return plan
+            layout = self._layouts[key] = (layers, chunk_blocks, bounds)
+        return layout
 
     def _run(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair], to_host: bool) -> None:
         if not pairs:
             return
-        layers, chunk_blocks, bounds = self._plan(dev, host)
+        layers, chunk_blocks, bounds = self._layout(dev, host)
         check_pairs(dev, host, chunk_blocks, pairs)
         items = array("q")
         for slot, first, ids in pairs:

@@ -25,7 +25,7 @@ def _consecutive(ids: Sequence[int]) -> bool:
     return ids[-1] - first == len(ids) - 1 and all(b == first + j for j, b in enumerate(ids))
 
 
-class _Plan:
+class _CopyLayout:
     """Views of one (device caches, host pool) combination, computed once.
 
     Index ops run on the widest integer dtype that divides every size, stride and offset
@@ -88,27 +88,27 @@ class TorchCopyBackend(CopyBackend):
     name = BackendName.TORCH
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[int, int], _Plan] = {}
+        self._layouts: dict[tuple[int, int], _CopyLayout] = {}
         # One staging buffer per direction: the d2h and h2d lanes run concurrently.
         self._staging: dict[str, torch.Tensor] = {}
 
-    def plan(self, dev: KVViews, host: HostPool) -> _Plan:
+    def layout(self, dev: KVViews, host: HostPool) -> _CopyLayout:
         key = (id(dev), id(host))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _Plan(dev, host)
-        return plan
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _CopyLayout(dev, host)
+        return layout
 
     # ------------------------------------------------------------------ CPU
 
     def d2h(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         if not pairs:
             return
-        plan = self.plan(dev, host)
-        check_pairs(dev, host, plan.chunk_blocks, pairs)
-        if not plan.on_cpu:
-            return self._d2h_cuda(plan, dev, host, pairs)
-        stacked, pool, take = plan.np_stacked, plan.np_pool, plan.take_stacked
+        layout = self.layout(dev, host)
+        check_pairs(dev, host, layout.chunk_blocks, pairs)
+        if not layout.on_cpu:
+            return self._d2h_cuda(layout, dev, host, pairs)
+        stacked, pool, take = layout.np_stacked, layout.np_pool, layout.take_stacked
         for slot, first, ids in pairs:
             n = len(ids)
             if n == 0:
@@ -122,29 +122,29 @@ class TorchCopyBackend(CopyBackend):
                     # ids were range-checked above; "wrap" skips numpy's buffered bounds mode
                     np.take(stacked, ids, axis=1, out=out, mode="wrap")
                 else:
-                    torch.index_select(plan.stacked, 1, torch.tensor(ids),
-                                       out=plan.pool[slot, :, first : first + n])
+                    torch.index_select(layout.stacked, 1, torch.tensor(ids),
+                                       out=layout.pool[slot, :, first : first + n])
                 continue
             index = None
-            for layer, (rows, pool_l) in enumerate(zip(plan.np_rows, plan.np_pools, strict=True)):
+            for layer, (rows, pool_l) in enumerate(zip(layout.np_rows, layout.np_pools, strict=True)):
                 out = pool_l[slot, first : first + n]
                 if run:
                     out[...] = rows[ids[0] : ids[0] + n]
-                elif plan.take_rows[layer]:
+                elif layout.take_rows[layer]:
                     np.take(rows, ids, axis=0, out=out, mode="wrap")
                 else:
                     index = torch.tensor(ids) if index is None else index
-                    torch.index_select(plan.rows[layer], 0, index,
-                                       out=plan.pools[layer][slot, first : first + n])
+                    torch.index_select(layout.rows[layer], 0, index,
+                                       out=layout.pools[layer][slot, first : first + n])
 
     def h2d(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         if not pairs:
             return
-        plan = self.plan(dev, host)
-        check_pairs(dev, host, plan.chunk_blocks, pairs)
-        if not plan.on_cpu:
-            return self._h2d_cuda(plan, dev, host, pairs)
-        stacked, pool = plan.np_stacked, plan.np_pool
+        layout = self.layout(dev, host)
+        check_pairs(dev, host, layout.chunk_blocks, pairs)
+        if not layout.on_cpu:
+            return self._h2d_cuda(layout, dev, host, pairs)
+        stacked, pool = layout.np_stacked, layout.np_pool
         for slot, first, ids in pairs:
             n = len(ids)
             if n == 0:
@@ -156,23 +156,23 @@ class TorchCopyBackend(CopyBackend):
             if stacked is not None:
                 stacked[:, target] = pool[slot, :, first : first + n]
                 continue
-            for rows, pool_l in zip(plan.np_rows, plan.np_pools, strict=True):
+            for rows, pool_l in zip(layout.np_rows, layout.np_pools, strict=True):
                 rows[target] = pool_l[slot, first : first + n]
 
     # ------------------------------------------------------------------ CUDA
 
     def _staging_for(
-        self, direction: str, plan: _Plan, count: int, device: torch.device
+        self, direction: str, layout: _CopyLayout, count: int, device: torch.device
     ) -> torch.Tensor:
         """(count, payload) staging in slot layout; reused across calls of one lane (the lane
         waits for each batch before issuing the next, so no copy still reads it)."""
-        need = count * plan.payload_elems
+        need = count * layout.payload_elems
         staging = self._staging.get(direction)
-        if staging is None or staging.numel() < need or staging.dtype != plan.dtype:
+        if staging is None or staging.numel() < need or staging.dtype != layout.dtype:
             staging = self._staging[direction] = torch.empty(
-                max(need, 1), dtype=plan.dtype, device=device
+                max(need, 1), dtype=layout.dtype, device=device
             )
-        return staging[:need].view(count, plan.payload_elems)
+        return staging[:need].view(count, layout.payload_elems)
 
     @staticmethod
     def _indices(pairs: Sequence[Pair], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -186,53 +186,53 @@ class TorchCopyBackend(CopyBackend):
         on_device = table.to(device, non_blocking=True)
         return on_device[0], on_device[1], on_device[2]
 
-    def _layer_views(self, plan: _Plan, dev: KVViews, staging: torch.Tensor) -> list[torch.Tensor]:
+    def _layer_views(self, layout: _CopyLayout, dev: KVViews, staging: torch.Tensor) -> list[torch.Tensor]:
         """Staging viewed per layer as (count, C, block_elems)."""
-        w = plan.width
+        w = layout.width
         views = []
-        for bb, off in zip(dev.block_bytes, plan.offsets, strict=True):
-            start, size = off // w, plan.chunk_blocks * bb // w
-            views.append(staging[:, start : start + size].view(staging.shape[0], plan.chunk_blocks, bb // w))
+        for bb, off in zip(dev.block_bytes, layout.offsets, strict=True):
+            start, size = off // w, layout.chunk_blocks * bb // w
+            views.append(staging[:, start : start + size].view(staging.shape[0], layout.chunk_blocks, bb // w))
         return views
 
-    def _d2h_cuda(self, plan: _Plan, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _d2h_cuda(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
         count = len(pairs)
-        staging = self._staging_for("d2h", plan, count, device)
+        staging = self._staging_for("d2h", layout, count, device)
         kk, pos, blocks = self._indices(pairs, device)
-        if plan.stacked is not None:
+        if layout.stacked is not None:
             L = dev.num_layers
             layers = torch.arange(L, device=device).view(1, L)
-            gathered = plan.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
-            st = staging.view(count, L, plan.chunk_blocks, -1).permute(0, 2, 1, 3)
+            gathered = layout.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
+            st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
             st.index_put_((kk, pos), gathered)
         else:
-            for rows, st in zip(plan.rows, self._layer_views(plan, dev, staging), strict=True):
+            for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
                 st.index_put_((kk, pos), rows.index_select(0, blocks))
-        w = plan.width
+        w = layout.width
         for k, (slot, first, ids) in enumerate(pairs):
             n = len(ids)
-            if first == 0 and n == plan.chunk_blocks:
-                plan_host = host.slot(slot).view(plan.dtype)
+            if first == 0 and n == layout.chunk_blocks:
+                plan_host = host.slot(slot).view(layout.dtype)
                 plan_host.copy_(staging[k], non_blocking=True)
                 continue
             # A partial chunk: only its positions, per layer, so the rest of the slot stays.
-            for bb, off in zip(dev.block_bytes, plan.offsets, strict=True):
+            for bb, off in zip(dev.block_bytes, layout.offsets, strict=True):
                 lo, hi = (off + first * bb) // w, (off + (first + n) * bb) // w
-                host.slot(slot).view(plan.dtype)[lo:hi].copy_(staging[k, lo:hi], non_blocking=True)
+                host.slot(slot).view(layout.dtype)[lo:hi].copy_(staging[k, lo:hi], non_blocking=True)
 
-    def _h2d_cuda(self, plan: _Plan, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _h2d_cuda(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
         count = len(pairs)
-        staging = self._staging_for("h2d", plan, count, device)
+        staging = self._staging_for("h2d", layout, count, device)
         for k, (slot, _, _) in enumerate(pairs):
-            staging[k].copy_(host.slot(slot).view(plan.dtype), non_blocking=True)
+            staging[k].copy_(host.slot(slot).view(layout.dtype), non_blocking=True)
         kk, pos, blocks = self._indices(pairs, device)
-        if plan.stacked is not None:
+        if layout.stacked is not None:
             L = dev.num_layers
             layers = torch.arange(L, device=device).view(1, L)
-            st = staging.view(count, L, plan.chunk_blocks, -1).permute(0, 2, 1, 3)
-            plan.stacked.index_put_((layers, blocks.view(-1, 1)), st[kk, pos])
+            st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
+            layout.stacked.index_put_((layers, blocks.view(-1, 1)), st[kk, pos])
         else:
-            for rows, st in zip(plan.rows, self._layer_views(plan, dev, staging), strict=True):
+            for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
                 rows.index_copy_(0, blocks, st[kk, pos])

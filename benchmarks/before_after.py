@@ -1,0 +1,172 @@
+"""Run benchmarks on two commits in one sitting and print them side by side.
+
+A refactor that must not change behaviour (issue 13) is shown by the same benchmark run on
+the commit before it and on the commit after it, on the same machine, minutes apart: this
+machine is shared and noisy, so figures from different days do not compare. Each commit is
+checked out into its own temporary git worktree (C extension built in place) and each
+benchmark runs in its own process with that tree first on ``PYTHONPATH``. Order is
+before, after, after, before per benchmark (ABBA) when ``--rounds 2``, so a drift in machine
+load hits both sides alike.
+
+    python -m benchmarks.before_after --before f31e8db            # scheduler_bench + e2e_ttft
+    python -m benchmarks.before_after --before f31e8db --only scheduler_bench
+
+Writes ``benchmarks/results/before_after.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BENCHMARKS = ("scheduler_bench", "e2e_ttft")
+
+# An installed tieredkv registers its vLLM plugin as ``tieredkv.vllm.plugin:register``; trees
+# from before that module existed get a two-line shim so vLLM still finds the connector by name.
+_PLUGIN_SHIM = "from tieredkv.plugin import register  # noqa: F401 - before_after.py shim\n"
+
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def checkout(rev: str, parent: Path) -> Path:
+    """A detached worktree of ``rev`` with its C extension built in place."""
+    sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    tree = parent / sha[:12]
+    _git("worktree", "add", "--detach", "--force", str(tree), sha)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
+                   check=True, capture_output=True)
+    plugin = tree / "tieredkv" / "vllm" / "plugin.py"
+    if not plugin.exists():
+        plugin.parent.mkdir(exist_ok=True)
+        (plugin.parent / "__init__.py").touch()
+        plugin.write_text(_PLUGIN_SHIM)
+    return tree
+
+
+def _command(tree: Path, name: str) -> list[str]:
+    if (tree / "benchmarks" / "__init__.py").exists():
+        return [sys.executable, "-m", f"benchmarks.{name}"]
+    return [sys.executable, str(tree / "benchmarks" / f"{name}.py")]
+
+
+def run_one(tree: Path, name: str, out: Path) -> dict[str, Any]:
+    """Run benchmark ``name`` from ``tree``; its JSON result."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    args = _command(tree, name)
+    if name == "scheduler_bench":
+        out.mkdir(parents=True, exist_ok=True)
+        args += ["--quiet", "--no-plot", "--out-dir", str(out)]
+        result_file = out / "scheduler_bench.json"
+    else:
+        result_file = tree / "benchmarks" / "results" / f"{name}.json"
+        result_file.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
+    if not result_file.exists():
+        raise RuntimeError(f"{name} in {tree} wrote no result (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    data = json.loads(result_file.read_text())
+    data["_wall_s"] = time.monotonic() - t0
+    return data
+
+
+def _merge(runs: list[dict[str, Any]], rows: Callable[[dict[str, Any]], dict[str, float]]) -> dict[str, float]:
+    """Median over rounds of each row's figure."""
+    per_row: dict[str, list[float]] = {}
+    for run in runs:
+        for key, value in rows(run).items():
+            per_row.setdefault(key, []).append(value)
+    return {key: statistics.median(values) for key, values in per_row.items()}
+
+
+def scheduler_rows(data: dict[str, Any]) -> dict[str, float]:
+    return {f"{r['operation']} @ {r['size_label']}": r["tieredkv_median_us"] for r in data["rows"]}
+
+
+def e2e_rows(data: dict[str, Any]) -> dict[str, float]:
+    rows = {f"TTFT {name} (median s)": row["median_s"] for name, row in data["rows"].items()}
+    for verdict in data["verdicts"]:
+        rows[f"{verdict['target']} (worse-of ratio)"] = verdict["worse_ratio"]
+    return rows
+
+
+ROWS = {"scheduler_bench": (scheduler_rows, "µs"), "e2e_ttft": (e2e_rows, "")}
+
+
+def render(before: str, after: str, tables: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        f"# Before/after: {before} vs {after}",
+        "",
+        "Same machine, one sitting, each side in its own worktree and process. Ratio = after /",
+        "before (below 1: the after commit is faster). Rounds per side: "
+        + ", ".join(f"{name} {t['rounds']}" for name, t in tables.items()) + ".",
+        "",
+    ]
+    for name, table in tables.items():
+        unit = ROWS[name][1]
+        lines += [f"## {name}", "", f"| row | before{' ' + unit if unit else ''} | after | after / before |",
+                  "|---|---:|---:|---:|"]
+        for key, b in table["before"].items():
+            a = table["after"].get(key)
+            ratio = f"{a / b:.2f}" if a is not None and b else "—"
+            lines.append(f"| {key} | {b:.4g} | {a:.4g} | {ratio} |" if a is not None else f"| {key} | {b:.4g} | — | — |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="commit before the change")
+    parser.add_argument("--after", default="HEAD", help="commit after the change (default HEAD)")
+    parser.add_argument("--only", choices=BENCHMARKS, action="append", help="run only these")
+    parser.add_argument("--rounds", type=int, default=1, choices=(1, 2),
+                        help="2: ABBA order, median of two runs per side")
+    args = parser.parse_args(argv)
+    names = args.only or list(BENCHMARKS)
+    load_before = os.getloadavg()
+    tables: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="tieredkv-before-after-") as tmp:
+        parent = Path(tmp)
+        trees = {"before": checkout(args.before, parent), "after": checkout(args.after, parent)}
+        try:
+            for name in names:
+                order = ["before", "after"] if args.rounds == 1 else ["before", "after", "after", "before"]
+                runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+                for i, side in enumerate(order):
+                    print(f"{name}: {side} ({i + 1}/{len(order)})", flush=True)
+                    runs[side].append(run_one(trees[side], name, parent / f"out-{side}-{i}"))
+                rows = ROWS[name][0]
+                tables[name] = {"rounds": len(runs["before"]),
+                                "before": _merge(runs["before"], rows), "after": _merge(runs["after"], rows)}
+        finally:
+            for tree in trees.values():
+                _git("worktree", "remove", "--force", str(tree))
+    before, after = _git("rev-parse", "--short", args.before), _git("rev-parse", "--short", args.after)
+    text = render(before, after, tables)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "before_after.md").write_text(text + "\n")
+    (RESULTS / "before_after.json").write_text(json.dumps({
+        "before": before, "after": after, "machine": machine_info(),
+        "load_average_start": load_before, "load_average_end": os.getloadavg(), "tables": tables,
+    }, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
