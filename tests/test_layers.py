@@ -18,13 +18,14 @@ FLOORS: dict[str, int] = {
     "protocol": 0, "daemon_calls": 0,
     "config": 1, "keys": 1,
     "disk": 2, "metrics": 2,
-    "remote": 3, "transfer": 3,
-    "scheduler": 4,
-    "vllm": 5,
-    "connector": 6,
-    "testing": 7,
-    "tools": 8,
-    "cli": 9,
+    "remote": 3,
+    "transfer": 4,
+    "scheduler": 5,
+    "vllm": 6,
+    "connector": 7,
+    "testing": 8,
+    "tools": 9,
+    "cli": 10,
 }
 PRODUCTION = {part for part, floor in FLOORS.items() if floor <= FLOORS["connector"]}
 # (importing module, imported module): documented exceptions.

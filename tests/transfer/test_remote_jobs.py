@@ -1,0 +1,375 @@
+"""RemoteJobs against real redis-server processes: verified reads into host slots, bounded
+writes out of them, and every failure a miss with its cause that leaves the slot alone."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import make_key
+from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisClusterProcs, RedisServer
+from tieredkv.protocol import FailureCause, JobResult
+from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key
+from tieredkv.remote.threaded import ThreadedRemoteStore
+from tieredkv.remote.url import parse_remote_url
+from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.remote_jobs import RemoteJobs
+
+FINGERPRINT = hashlib.sha256(b"tieredkv tests/transfer remote namespace").digest()
+PAYLOAD = 5000  # not a 4 KiB multiple: slots carry padding a value must never reach
+SENTINEL = 0xAB
+NEVER = (FailureCause.TIMEOUT, FailureCause.IO_ERROR, FailureCause.UNAVAILABLE)
+
+MakeJobs = Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    cluster = RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server this test alone uses (to kill or stall); continued and stopped after."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+@pytest.fixture
+def host() -> Iterator[HostPool]:
+    pool = HostPool(8, PAYLOAD, pin=False)
+    pool.buffer.fill_(SENTINEL)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def make_jobs(host: HostPool) -> Iterator[MakeJobs]:
+    """Factory: RemoteJobs on a started store (``prefix`` is this test's own)."""
+    made: list[RemoteJobs] = []
+    prefix = f"t{uuid.uuid4().hex[:10]}"  # this test's own keys on a shared server
+
+    def make(url: str, *, rank: int = 0, timeout_s: float = 2.0,
+             **store_options: object) -> tuple[RemoteJobs, ThreadedRemoteStore]:
+        store = ThreadedRemoteStore(parse_remote_url(url), **{**FAST, **store_options})
+        assert store.wait_up(10), store.stats()
+        jobs = RemoteJobs(store, host, fingerprint=FINGERPRINT, rank=rank, prefix=prefix,
+                          ttl_s=60.0, timeout_s=timeout_s)
+        made.append(jobs)
+        return jobs, store
+
+    yield make
+    for jobs in made:
+        jobs.close(1.0)
+
+
+def payload(i: int, rank: int = 0) -> bytes:
+    seed = hashlib.blake2b(f"{i}/{rank}".encode(), digest_size=64).digest()
+    return (seed * (PAYLOAD // 64 + 1))[:PAYLOAD]
+
+
+def fill(host: HostPool, slot: int, data: bytes) -> None:
+    host.slot_memoryview(slot)[: len(data)] = data
+
+
+def slot_bytes(host: HostPool, slot: int) -> bytes:
+    """The whole padded slot: padding must stay untouched too."""
+    return bytes(host.slot_memoryview(slot))
+
+
+def untouched(host: HostPool, slot: int) -> bool:
+    return slot_bytes(host, slot) == bytes([SENTINEL]) * host.slot_bytes
+
+
+def settle(jobs: RemoteJobs, count: int, within_s: float) -> dict[int, JobResult]:
+    """Poll until ``count`` results arrived; every poll must return at once."""
+    results: dict[int, JobResult] = {}
+    deadline = time.monotonic() + within_s
+    while len(results) < count:
+        assert time.monotonic() < deadline, f"only {len(results)} of {count} results: {results}"
+        started = time.monotonic()
+        got = jobs.poll()
+        assert time.monotonic() - started < 0.2, "poll blocked"
+        for result in got:
+            assert result.job_id not in results
+            results[result.job_id] = result
+        time.sleep(0.01)
+    return results
+
+
+def causes(results: dict[int, JobResult]) -> dict[int, str | None]:
+    return {job_id: r.failure for job_id, r in results.items()}
+
+
+def stall(server: RedisServer) -> None:
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("deployment", ["redis_server", "redis_cluster"])
+def test_round_trip_from_one_slot_into_another(
+    deployment: str, request: pytest.FixtureRequest, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(request.getfixturevalue(deployment).url)
+    keys = [make_key(i) for i in range(4)]
+    for slot in range(4):
+        fill(host, slot, payload(slot))
+    written = jobs.write([(10 + i, k, i) for i, k in enumerate(keys)])
+    assert written == [JobResult.done(10 + i) for i in range(4)]
+    for slot in range(4):  # the payload was copied at call time: the slot is free at once
+        fill(host, slot, bytes(PAYLOAD))
+    assert jobs.flush_writes(5)
+
+    calls = store.stats().calls.get("get", 0)
+    jobs.start_reads([(20 + i, k, 4 + i) for i, k in enumerate(keys)])
+    assert jobs.busy_slots() == {4, 5, 6, 7}
+    results = settle(jobs, 4, 5)
+    assert store.stats().calls.get("get", 0) == calls + 1  # one batch_get for the batch
+    assert results == {20 + i: JobResult.done(20 + i) for i in range(4)}
+    for i in range(4):
+        assert slot_bytes(host, 4 + i)[:PAYLOAD] == payload(i)
+        assert slot_bytes(host, 4 + i)[PAYLOAD:] == bytes([SENTINEL]) * (host.slot_bytes - PAYLOAD)
+    assert jobs.busy_slots() == frozenset()
+    stats = jobs.take_stats()
+    assert (stats.reads_ok, stats.reads_failed, stats.bytes_read) == (4, {}, 4 * PAYLOAD)
+    assert (stats.writes_ok, stats.writes_dropped, stats.bytes_written) == (4, 0, 4 * PAYLOAD)
+    assert jobs.take_stats().reads_ok == 0  # taking resets
+
+
+def test_each_rank_reads_only_its_own_shard(
+    redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    rank0, _ = make_jobs(redis_server.url, rank=0)
+    rank1, _ = make_jobs(redis_server.url, rank=1)
+    key = make_key(1)
+    fill(host, 0, payload(1, rank=0))
+    assert rank0.write([(1, key, 0)]) == [JobResult.done(1)]
+    assert rank0.flush_writes(5)
+    rank1.start_reads([(2, key, 1)])
+    assert causes(settle(rank1, 1, 5)) == {2: FailureCause.MISSING}
+    assert untouched(host, 1)
+    assert rank1.take_stats().reads_failed == {"missing": 1}
+
+
+# -- verification -----------------------------------------------------------------------------
+
+
+def _corrupt(value: bytes, key: bytes) -> dict[str, tuple[bytes, FailureCause]]:
+    """Values that must not reach a slot, by case: (value stored under ``key``'s name, cause)."""
+    good = payload(7)
+    return {
+        "other rank": (encode(good, fingerprint=FINGERPRINT, key=key, rank=1), FailureCause.WRONG_KEY),
+        "other key": (encode(good, fingerprint=FINGERPRINT, key=make_key(8), rank=0),
+                      FailureCause.WRONG_KEY),
+        "other namespace": (encode(good, fingerprint=OTHER_FINGERPRINT, key=key, rank=0),
+                            FailureCause.WRONG_NAMESPACE),
+        "truncated": (value[:-100], FailureCause.SHORT_READ),
+        "header only, cut": (value[: HEADER_BYTES - 1], FailureCause.SHORT_READ),
+        "trailing bytes": (value + b"x", FailureCause.CHECKSUM),
+        # Bigger than the slot, yet well formed: refused on its length, never copied.
+        "bigger than the slot": (encode(good * 2, fingerprint=FINGERPRINT, key=key, rank=0),
+                                 FailureCause.WRONG_NAMESPACE),
+        "not ours": (b"hello", FailureCause.SHORT_READ),
+        "empty": (b"", FailureCause.SHORT_READ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_corrupt(b"", make_key(0))))
+def test_a_value_that_is_not_the_asked_for_shard_is_a_miss_and_the_slot_stays(
+    case: str, redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(redis_server.url)
+    key = make_key(7)
+    name = remote_key(FINGERPRINT, 0, key, jobs.prefix)
+    good = encode(payload(7), fingerprint=FINGERPRINT, key=key, rank=0)
+    value, cause = _corrupt(good, key)[case]
+    assert store.batch_set([(name, value)]).result(5).ok
+    jobs.start_reads([(1, key, 2)])
+    assert causes(settle(jobs, 1, 5)) == {1: cause}
+    assert all(untouched(host, slot) for slot in range(host.num_slots))
+    assert jobs.take_stats().reads_failed == {cause.value: 1}
+
+
+@pytest.mark.parametrize("offset", [HEADER_BYTES + 1234, 40], ids=["payload", "header"])
+def test_one_byte_flipped_in_redis_is_a_checksum_miss(
+    offset: int, redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, _ = make_jobs(redis_server.url)
+    key = make_key(3)
+    fill(host, 0, payload(3))
+    assert jobs.write([(1, key, 0)]) == [JobResult.done(1)]
+    assert jobs.flush_writes(5)
+    name = remote_key(FINGERPRINT, 0, key, jobs.prefix).decode()
+    was = encode(payload(3), fingerprint=FINGERPRINT, key=key, rank=0)[offset]
+    assert redis_server.cli("SETRANGE", name, str(offset), "A" if was != ord("A") else "B")
+    jobs.start_reads([(2, key, 1)])
+    assert causes(settle(jobs, 1, 5)) == {2: FailureCause.CHECKSUM}
+    assert untouched(host, 1)
+
+
+def test_a_missing_key_is_a_missing_miss(
+    redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, _ = make_jobs(redis_server.url)
+    jobs.start_reads([(1, make_key(100), 0), (2, make_key(101), 1)])
+    assert causes(settle(jobs, 2, 5)) == {1: FailureCause.MISSING, 2: FailureCause.MISSING}
+    assert untouched(host, 0) and untouched(host, 1)
+    assert jobs.take_stats().reads_failed == {"missing": 2}
+
+
+# -- outages ----------------------------------------------------------------------------------
+
+
+def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
+    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(fresh_server.url, timeout_s=3.0)
+    keys = [make_key(i) for i in range(3)]
+    for slot in range(3):
+        fill(host, slot, payload(slot))
+    assert all(r.ok for r in jobs.write([(i, k, i) for i, k in enumerate(keys)]))
+    assert jobs.flush_writes(5)
+    stall(fresh_server)
+    started = time.monotonic()
+    jobs.start_reads([(10 + i, k, 4 + i) for i, k in enumerate(keys)])
+    assert jobs.busy_slots() == {4, 5, 6}
+    assert jobs.poll() == []
+    fresh_server.kill()  # SIGKILL ends a stopped process too: the reads lose their connection
+    results = settle(jobs, 3, 3.0 + 2.0)
+    assert time.monotonic() - started < 3.0 + 1.0
+    assert all(r.failure in NEVER for r in results.values()), results
+    assert all(untouched(host, slot) for slot in (4, 5, 6, 7))
+    assert jobs.busy_slots() == frozenset()
+    assert sum(jobs.take_stats().reads_failed.values()) == 3
+
+    # The store knows it is down now: writes are dropped at once, and reads answer at once.
+    assert not store.up
+    fill(host, 7, payload(7))
+    started = time.monotonic()
+    assert jobs.write([(20, keys[0], 7)]) == [JobResult.fail(20, FailureCause.DROPPED)]
+    jobs.start_reads([(21, keys[0], 4)])
+    assert causes(settle(jobs, 1, 1.0)) == {21: FailureCause.UNAVAILABLE}
+    assert time.monotonic() - started < 1.0
+    assert untouched(host, 4)
+    stats = jobs.take_stats()
+    assert (stats.writes_dropped, stats.reads_failed) == (1, {"unavailable": 1})
+
+
+def test_a_stalled_server_times_reads_out_and_their_slots_stay_busy_until_then(
+    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    # The store's own health ping waits 2 s (FAST): a 0.5 s read deadline fires first.
+    jobs, _ = make_jobs(fresh_server.url, timeout_s=0.5)
+    key = make_key(1)
+    fill(host, 0, payload(1))
+    assert jobs.write([(1, key, 0)]) == [JobResult.done(1)]
+    assert jobs.flush_writes(5)
+    stall(fresh_server)
+    jobs.start_reads([(2, key, 3), (3, make_key(2), 4)])
+    assert jobs.busy_slots() == {3, 4}
+    # A busy slot is refused to a second read and to a write; the first read is unaffected.
+    jobs.start_reads([(4, key, 3), (5, key, 5), (6, key, 5), (7, key, 99)])
+    assert jobs.write([(8, key, 4), (9, key, 99)]) == [
+        JobResult.fail(8, FailureCause.COPY_ERROR), JobResult.fail(9, FailureCause.COPY_ERROR)
+    ]
+    assert causes(settle(jobs, 3, 0.2)) == dict.fromkeys((4, 6, 7), FailureCause.COPY_ERROR)
+    assert jobs.busy_slots() == {3, 4, 5}
+    time.sleep(0.2)
+    assert jobs.poll() == [] and jobs.busy_slots() == {3, 4, 5}
+    results = settle(jobs, 3, 0.5 + 2.0)
+    assert causes(results) == dict.fromkeys((2, 3, 5), FailureCause.TIMEOUT)
+    assert jobs.busy_slots() == frozenset()
+    assert all(untouched(host, slot) for slot in range(1, host.num_slots))
+    stats = jobs.take_stats()
+    assert stats.reads_failed == {"timeout": 3, "copy_error": 3}
+    assert stats.writes_failed == {"copy_error": 2}
+
+
+def test_close_cancels_reads_in_flight_without_touching_their_slots(
+    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(fresh_server.url, timeout_s=30.0)
+    stall(fresh_server)
+    jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1)])
+    assert jobs.busy_slots() == {0, 1}
+    started = time.monotonic()
+    results = jobs.close(1.0)
+    assert time.monotonic() - started < 2.0
+    assert results == [JobResult.fail(1, FailureCause.CANCELLED),
+                       JobResult.fail(2, FailureCause.CANCELLED)]
+    assert jobs.busy_slots() == frozenset() and jobs.poll() == []
+    assert untouched(host, 0) and untouched(host, 1)
+    # After close: reads are cancelled at once and writes dropped.
+    jobs.start_reads([(3, make_key(1), 0)])
+    assert causes(settle(jobs, 1, 0.5)) == {3: FailureCause.CANCELLED}
+    assert jobs.write([(4, make_key(1), 2)]) == [JobResult.fail(4, FailureCause.DROPPED)]
+    assert untouched(host, 0)
+
+
+# -- bounded writes ---------------------------------------------------------------------------
+
+
+def test_writes_beyond_a_full_queue_are_dropped_and_counted(
+    redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(redis_server.url, write_queue_items=2)
+    keys = [make_key(i) for i in range(5)]
+    for slot in range(5):
+        fill(host, slot, payload(slot))
+    results = jobs.write([(i, k, i) for i, k in enumerate(keys)])
+    # The queue keeps a prefix of one offer: the first two go in, the rest drop.
+    assert results == [JobResult.done(0), JobResult.done(1)] + [
+        JobResult.fail(i, FailureCause.DROPPED) for i in (2, 3, 4)
+    ]
+    assert jobs.flush_writes(5)
+    stats = jobs.take_stats()
+    assert (stats.writes_ok, stats.writes_dropped, stats.bytes_written) == (2, 3, 2 * PAYLOAD)
+    assert store.stats().writes_dropped == 3 and store.stats().writes_done == 2
+    jobs.start_reads([(10 + i, k, 5 + i % 3) for i, k in enumerate(keys[1:3])])
+    assert causes(settle(jobs, 2, 5)) == {10: None, 11: FailureCause.MISSING}
+
+
+def test_writes_to_a_stalled_server_never_block_and_the_excess_drops(
+    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(fresh_server.url, write_queue_items=4, writers=1, write_timeout_s=10.0)
+    for slot in range(4):
+        fill(host, slot, payload(slot))
+    stall(fresh_server)
+    results: list[JobResult] = []
+    for round_ in range(5):
+        started = time.monotonic()
+        results += jobs.write([(round_ * 4 + s, make_key(round_ * 4 + s), s) for s in range(4)])
+        assert time.monotonic() - started < 0.2, "write blocked on the network"
+        time.sleep(0.05)
+    done = [r for r in results if r.ok]
+    dropped = [r for r in results if r.failure == FailureCause.DROPPED]
+    assert len(done) + len(dropped) == 20
+    assert 4 <= len(done) <= 8 and len(dropped) >= 12  # one batch in flight, one queued
+    stats = jobs.take_stats()
+    assert (stats.writes_ok, stats.writes_dropped) == (len(done), len(dropped))
+    assert store.stats().writes_dropped == len(dropped)
