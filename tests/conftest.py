@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+pytest_plugins = ["tests.redis_fixtures"]  # Redis servers for tests/remote, transfer, scheduler
+
 
 @pytest.fixture(autouse=True)
 def _restore_tieredkv_logging() -> Iterator[None]:

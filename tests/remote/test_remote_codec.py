@@ -8,8 +8,8 @@ import zlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from remote_helpers import FINGERPRINT, OTHER_FINGERPRINT, make_key, payload_for
 
+from tests.remote.remote_helpers import FINGERPRINT, OTHER_FINGERPRINT, make_key, payload_for
 from tieredkv.protocol import FAILURE_CAUSES, FailureCause
 from tieredkv.remote import codec
 from tieredkv.remote.codec import HEADER_BYTES, Rejected, Verified, decode, encode, remote_key

@@ -10,8 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_helpers import FINGERPRINT, RedisClusterProcs, RedisServer, chunk_items, free_port
 
+from tests.remote.remote_helpers import (
+    FINGERPRINT,
+    RedisClusterProcs,
+    RedisServer,
+    chunk_items,
+    free_port,
+)
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
 from tieredkv.remote.url import parse_remote_url

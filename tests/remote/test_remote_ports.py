@@ -5,8 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from remote_helpers import RedisServer
-
+from tests.remote.remote_helpers import RedisServer
 from tieredkv.testing.ports import ephemeral_range, free_port
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import redis
 from redis.asyncio.connection import Connection
-from remote_helpers import (
+
+from tests.remote.remote_helpers import (
     FINGERPRINT,
     OTHER_FINGERPRINT,
     RedisClusterProcs,
@@ -18,7 +19,6 @@ from remote_helpers import (
     make_key,
     payload_for,
 )
-
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import Rejected, Verified, decode, encode, remote_key
 

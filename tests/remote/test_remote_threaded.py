@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
-from remote_helpers import FAST, FINGERPRINT, RedisServer, chunk_items, free_port
-
+from tests.remote.remote_helpers import FINGERPRINT, RedisServer, chunk_items, free_port
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
 from tieredkv.remote.threaded import ThreadedRemoteStore
-from tieredkv.remote.url import parse_remote_url
-
-
-@pytest.fixture
-def open_threaded() -> Iterator[Callable[..., ThreadedRemoteStore]]:
-    stores: list[ThreadedRemoteStore] = []
-
-    def make(url: str, **options: object) -> ThreadedRemoteStore:
-        store = ThreadedRemoteStore(parse_remote_url(url), **{**FAST, **options})
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close(1.0)
 
 
 def test_futures_round_trip(

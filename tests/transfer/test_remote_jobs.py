@@ -9,12 +9,11 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import make_key
-from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisClusterProcs, RedisServer
+from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer
 from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key
 from tieredkv.remote.threaded import ThreadedRemoteStore
@@ -30,30 +29,10 @@ NEVER = (FailureCause.TIMEOUT, FailureCause.IO_ERROR, FailureCause.UNAVAILABLE)
 MakeJobs = Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]]
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
-    cluster = RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-
-
 @pytest.fixture
-def fresh_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A server this test alone uses (to kill or stall); continued and stopped after."""
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    if server.proc is not None and server.proc.poll() is None:
-        os.kill(server.proc.pid, signal.SIGCONT)
-    server.stop()
+def own_server(fresh_server: Callable[..., RedisServer]) -> RedisServer:
+    """A server this test alone uses (to kill or stall)."""
+    return fresh_server()
 
 
 @pytest.fixture
@@ -245,20 +224,20 @@ def test_a_missing_key_is_a_missing_miss(
 
 
 def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
-    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+    own_server: RedisServer, host: HostPool, make_jobs: MakeJobs
 ) -> None:
-    jobs, store = make_jobs(fresh_server.url, timeout_s=3.0)
+    jobs, store = make_jobs(own_server.url, timeout_s=3.0)
     keys = [make_key(i) for i in range(3)]
     for slot in range(3):
         fill(host, slot, payload(slot))
     assert all(r.ok for r in jobs.write([(i, k, i) for i, k in enumerate(keys)]))
     assert jobs.flush_writes(5)
-    stall(fresh_server)
+    stall(own_server)
     started = time.monotonic()
     jobs.start_reads([(10 + i, k, 4 + i) for i, k in enumerate(keys)])
     assert jobs.busy_slots() == {4, 5, 6}
     assert jobs.poll() == []
-    fresh_server.kill()  # SIGKILL ends a stopped process too: the reads lose their connection
+    own_server.kill()  # SIGKILL ends a stopped process too: the reads lose their connection
     results = settle(jobs, 3, 3.0 + 2.0)
     assert time.monotonic() - started < 3.0 + 1.0
     assert all(r.failure in NEVER for r in results.values()), results
@@ -280,15 +259,15 @@ def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
 
 
 def test_a_stalled_server_times_reads_out_and_their_slots_stay_busy_until_then(
-    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+    own_server: RedisServer, host: HostPool, make_jobs: MakeJobs
 ) -> None:
     # The store's own health ping waits 2 s (FAST): a 0.5 s read deadline fires first.
-    jobs, _ = make_jobs(fresh_server.url, timeout_s=0.5)
+    jobs, _ = make_jobs(own_server.url, timeout_s=0.5)
     key = make_key(1)
     fill(host, 0, payload(1))
     assert jobs.write([(1, key, 0)]) == [JobResult.done(1)]
     assert jobs.flush_writes(5)
-    stall(fresh_server)
+    stall(own_server)
     jobs.start_reads([(2, key, 3), (3, make_key(2), 4)])
     assert jobs.busy_slots() == {3, 4}
     # A busy slot is refused to a second read and to a write; the first read is unaffected.
@@ -310,10 +289,10 @@ def test_a_stalled_server_times_reads_out_and_their_slots_stay_busy_until_then(
 
 
 def test_close_cancels_reads_in_flight_without_touching_their_slots(
-    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+    own_server: RedisServer, host: HostPool, make_jobs: MakeJobs
 ) -> None:
-    jobs, store = make_jobs(fresh_server.url, timeout_s=30.0)
-    stall(fresh_server)
+    jobs, store = make_jobs(own_server.url, timeout_s=30.0)
+    stall(own_server)
     jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1)])
     assert jobs.busy_slots() == {0, 1}
     started = time.monotonic()
@@ -354,12 +333,12 @@ def test_writes_beyond_a_full_queue_are_dropped_and_counted(
 
 
 def test_writes_to_a_stalled_server_never_block_and_the_excess_drops(
-    fresh_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+    own_server: RedisServer, host: HostPool, make_jobs: MakeJobs
 ) -> None:
-    jobs, store = make_jobs(fresh_server.url, write_queue_items=4, writers=1, write_timeout_s=10.0)
+    jobs, store = make_jobs(own_server.url, write_queue_items=4, writers=1, write_timeout_s=10.0)
     for slot in range(4):
         fill(host, slot, payload(slot))
-    stall(fresh_server)
+    stall(own_server)
     results: list[JobResult] = []
     for round_ in range(5):
         started = time.monotonic()

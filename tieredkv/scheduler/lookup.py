@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 
-from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import JobKind, JobResult, LoadChunk, LoadJob, PromoteJob
-from tieredkv.scheduler.ledger import JobLedger, JobRecord
-from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.ledger import JobRecord
+from tieredkv.scheduler.parts import PlannerParts
 from tieredkv.scheduler.placement import Placer, count_evictions
-from tieredkv.scheduler.requests import HitEpoch, PendingHit, RequestState, RequestTable
-from tieredkv.scheduler.tier_index import TierIndex
+from tieredkv.scheduler.requests import PendingHit, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +35,19 @@ NO_LOWER_TIER = "disk"
 class Lookup:
     """Answers lookups, promotes lower-tier chunks into host, turns hits into load jobs."""
 
-    def __init__(
-        self,
-        *,
-        config: TieredKVConfig,
-        block_size: int,
-        host: TierIndex,
-        lower: LowerTier | None,
-        requests: RequestTable,
-        ledger: JobLedger,
-        epoch: HitEpoch,
-        counters: Counter[str],
-        placer: Placer,
-    ) -> None:
-        self.block_size = block_size
+    def __init__(self, parts: PlannerParts, placer: Placer) -> None:
+        config = parts.config
+        self.block_size = parts.block_size
         self.chunk_blocks = config.chunk_blocks
-        self.chunk_tokens = block_size * config.chunk_blocks
+        self.chunk_tokens = parts.block_size * config.chunk_blocks
         self.load_timeout_s = config.load_timeout_s
-        self.host = host
-        self.lower = lower
-        self._lower_name = lower.name if lower is not None else NO_LOWER_TIER
-        self._requests = requests
-        self._ledger = ledger
-        self._epoch = epoch
-        self.counters = counters
+        self.host = parts.host
+        self.lower = parts.lower
+        self._lower_name = parts.lower.name if parts.lower is not None else NO_LOWER_TIER
+        self._requests = parts.requests
+        self._ledger = parts.ledger
+        self._epoch = parts.epoch
+        self.counters = parts.counters
         self._placer = placer
         self._promotions: dict[bytes, int] = {}  # key -> promote job in flight (any request)
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import JobKind, JobResult, SpillJob, StoreJob
-from tieredkv.scheduler.ledger import JobLedger, JobRecord
+from tieredkv.scheduler.ledger import JobRecord
 from tieredkv.scheduler.lower_tier import LowerTier
-from tieredkv.scheduler.requests import HitEpoch, RequestState, RequestTable
+from tieredkv.scheduler.parts import PlannerParts
+from tieredkv.scheduler.requests import RequestState
 from tieredkv.scheduler.tier_index import TierIndex
 
 
@@ -33,27 +33,16 @@ def count_evictions(counters: Counter[str], tier: str, evicted: Iterable[tuple[b
 class Placer:
     """Plans stores and spills and keeps each tier free of redundant entries."""
 
-    def __init__(
-        self,
-        *,
-        config: TieredKVConfig,
-        block_size: int,
-        host: TierIndex,
-        lower: LowerTier | None,
-        requests: RequestTable,
-        ledger: JobLedger,
-        epoch: HitEpoch,
-        counters: Counter[str],
-    ) -> None:
-        self.block_size = block_size
-        self.chunk_blocks = config.chunk_blocks
-        self.chunk_tokens = block_size * config.chunk_blocks
-        self.host = host
-        self.lower = lower
-        self._requests = requests
-        self._ledger = ledger
-        self._epoch = epoch
-        self.counters = counters
+    def __init__(self, parts: PlannerParts) -> None:
+        self.block_size = parts.block_size
+        self.chunk_blocks = parts.config.chunk_blocks
+        self.chunk_tokens = parts.block_size * parts.config.chunk_blocks
+        self.host = parts.host
+        self.lower = parts.lower
+        self._requests = parts.requests
+        self._ledger = parts.ledger
+        self._epoch = parts.epoch
+        self.counters = parts.counters
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
 
     # ------------------------------------------------------------------ stores

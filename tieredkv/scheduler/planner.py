@@ -40,6 +40,7 @@ from tieredkv.scheduler.disk_tier import EMPTY_DISK_GAUGES, DiskTier
 from tieredkv.scheduler.ledger import JobLedger
 from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.parts import PlannerParts
 from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import TierIndex
@@ -96,12 +97,12 @@ class Planner:
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()
-        parts = dict(
+        parts = PlannerParts(
             config=config, block_size=block_size, host=self.host, lower=self.lower,
             requests=self._requests, ledger=self._ledger, epoch=epoch, counters=self.counters,
         )
-        self._placer = Placer(**parts)
-        self._lookup = Lookup(**parts, placer=self._placer)
+        self._placer = Placer(parts)
+        self._lookup = Lookup(parts, placer=self._placer)
         self._epoch = epoch
         self._ledger.set_handlers({
             JobKind.STORE: self._placer.complete_store,

@@ -1,4 +1,6 @@
-"""Fixtures for the remote-tier tests: real redis-server processes on loopback ports.
+"""Redis fixtures for every test folder (a pytest plugin loaded by tests/conftest.py).
+
+Real redis-server processes on loopback ports, for tests/remote, tests/transfer and tests/scheduler.
 
 Nothing is mocked and nothing is skipped: without redis-server (Debian package, installed by
 ``scripts/setup_env.sh``) or the ``redis`` client every test that needs them fails and says
@@ -8,13 +10,14 @@ Shared servers are module-scoped; tests that kill, pause or fill a server get th
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_helpers import FAST, SETUP_HINT, RedisClusterProcs, RedisServer
 
 try:
     from tieredkv.remote.store import RemoteStore
@@ -23,6 +26,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - an environment problem,
         raise
     RemoteStore = None  # type: ignore[assignment,misc]
 
+from tests.remote.remote_helpers import FAST, SETUP_HINT, RedisClusterProcs, RedisServer
 from tieredkv.remote.url import parse_remote_url
 
 
@@ -59,6 +63,8 @@ def fresh_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
 
     yield make
     for server in servers:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)  # a test may have left it stopped
         server.stop()
 
 
@@ -89,6 +95,30 @@ async def open_store() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
 
 
 @pytest.fixture(params=["single", "cluster"])
-def deployment(request: pytest.FixtureRequest) -> str:
+def redis_deployment(request: pytest.FixtureRequest) -> RedisServer | RedisClusterProcs:
+    """The shared single node or the shared 3-master Cluster."""
+    return request.getfixturevalue("redis_server" if request.param == "single" else "redis_cluster")
+
+
+@pytest.fixture
+def deployment(redis_deployment: RedisServer | RedisClusterProcs) -> str:
     """The URL of a shared single node or of the shared 3-master Cluster."""
-    return request.getfixturevalue("redis_server" if request.param == "single" else "redis_cluster").url
+    return redis_deployment.url
+
+
+@pytest.fixture
+def open_threaded() -> Iterator[Callable[..., Any]]:
+    """Factory: a :class:`ThreadedRemoteStore` for a URL (FAST deadlines unless overridden)."""
+    _require_client()
+    from tieredkv.remote.threaded import ThreadedRemoteStore
+
+    stores: list[ThreadedRemoteStore] = []
+
+    def make(url: str, **options: Any) -> ThreadedRemoteStore:
+        store = ThreadedRemoteStore(parse_remote_url(url), **{**FAST, **options})
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close(1.0)
