@@ -142,10 +142,10 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def cli(self, *args: str, check: bool = True) -> str:
+    def cli(self, *args: str, check: bool = True, timeout_s: float = 10.0) -> str:
         done = subprocess.run(
             [self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *args],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True, text=True, timeout=timeout_s,
         )
         if check and done.returncode != 0:
             raise RuntimeError(f"redis-cli {args}: {done.stdout}{done.stderr}")
@@ -156,27 +156,48 @@ class RedisClusterProcs:
     """Three masters joined into one Redis Cluster (no replicas)."""
 
     def __init__(self, directory: Path, size: int = 3) -> None:
-        self.servers: list[RedisServer] = []
-        for _ in range(size):
+        self.directory = directory
+        self.size = size
+        self.servers = self._fresh_servers()
+
+    def _fresh_servers(self) -> list[RedisServer]:
+        servers = []
+        for _ in range(self.size):
             port = free_port()
-            self.servers.append(RedisServer(directory, port, [
+            servers.append(RedisServer(self.directory, port, [
                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                 "--cluster-node-timeout", "2000",
             ]))
+        return servers
 
     @property
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
-    def start(self, timeout_s: float = 30.0) -> RedisClusterProcs:
-        for server in self.servers:
-            server.start()
-        first = self.servers[0]
-        first.cli(
-            "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
-            "--cluster-replicas", "0", "--cluster-yes",
-        )
-        return self.wait_ok(timeout_s)
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> RedisClusterProcs:
+        """Start the nodes and join them; a join that fails or hangs (a CI run once saw
+        ``--cluster create`` hang on a loaded machine) is retried on fresh ports, and the
+        final error carries every attempt's redis-cli output and node logs."""
+        failures = []
+        for attempt in range(1, attempts + 1):
+            try:
+                for server in self.servers:
+                    server.start()
+                self.servers[0].cli(
+                    "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                    "--cluster-replicas", "0", "--cluster-yes", timeout_s=60.0,
+                )
+                return self.wait_ok(timeout_s)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                output = getattr(exc, "stdout", None) or b""
+                logs = "\n".join(
+                    f"{s.log.name}: {s.log.read_text()[-600:] if s.log.exists() else '(none)'}"
+                    for s in self.servers
+                )
+                failures.append(f"attempt {attempt}: {exc}\n{output!r}\n{logs}")
+                self.stop()
+                self.servers = self._fresh_servers()
+        raise RuntimeError("the test Redis Cluster could not be created:\n" + "\n".join(failures))
 
     def wait_ok(self, timeout_s: float = 30.0) -> RedisClusterProcs:
         """Wait until every node reports ``cluster_state:ok``."""

@@ -14,7 +14,7 @@ def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
     ports = [free_port() for _ in range(20)]
     assert len(set(ports)) == 20
     for port in ports:
-        assert port < low
+        assert 10000 <= port < 20000 <= low  # never a cluster bus port (20000 and up)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
 

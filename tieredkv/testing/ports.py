@@ -8,6 +8,7 @@ from pathlib import Path
 
 _LINUX_EPHEMERAL = (32768, 60999)
 _handed_out: set[int] = set()
+_SERVER_PORTS = (10000, 19999)
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -34,16 +35,20 @@ def free_port(also_free_at: int = 0) -> int:
     A port from ``bind(0)`` or one inside the ephemeral range can be taken by any outgoing
     connection between our check and the server's own bind; below the range only a server
     that binds it explicitly can. ``also_free_at`` is Redis Cluster's bus offset (10000).
+    Every server's port comes from 10000-19999, so no server's port can be a cluster node's
+    bus port (20000 and up); a port handed out is never handed out again in this process.
     """
-    low, high = 10000, ephemeral_range()[0] - 1 - also_free_at
-    if high <= low:
+    low, high = _SERVER_PORTS
+    if high + also_free_at >= ephemeral_range()[0]:  # an unusual kernel setting
         low, high = 1024, 65535 - also_free_at
     for _ in range(500):
         port = random.randint(low, high)
         if port in _handed_out or not _bindable(port):
             continue
-        if also_free_at and not _bindable(port + also_free_at):
+        if also_free_at and (port + also_free_at in _handed_out or not _bindable(port + also_free_at)):
             continue
         _handed_out.add(port)
+        if also_free_at:
+            _handed_out.add(port + also_free_at)
         return port
     raise RuntimeError(f"no free loopback port in {low}-{high}")
