@@ -96,12 +96,30 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+class RemoteKeyNames:
+    """Redis key names of one rank's shards in one namespace; ids checked once, not per key.
+
+    A probe names world_size x 500+ keys per prompt on the scheduler thread, so the fixed
+    head ``{prefix}:{namespace}:r{rank}:`` is built once and only the chunk key varies.
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, fingerprint: bytes, rank: int, prefix: str = DEFAULT_PREFIX) -> None:
+        _check_ids(fingerprint, bytes(KEY_BYTES), rank)
+        check_prefix(prefix)
+        ns = fingerprint.hex()[:NAMESPACE_HEX_CHARS]
+        self._head = f"{prefix}:{ns}:r{rank}:".encode("ascii")
+
+    def __call__(self, key: bytes) -> bytes:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        return b"%s{%s}" % (self._head, key.hex().encode("ascii"))
+
+
 def remote_key(fingerprint: bytes, rank: int, key: bytes, prefix: str = DEFAULT_PREFIX) -> bytes:
     """The Redis key of ``rank``'s shard of chunk ``key`` in namespace ``fingerprint``."""
-    _check_ids(fingerprint, key, rank)
-    check_prefix(prefix)
-    ns = fingerprint.hex()[:NAMESPACE_HEX_CHARS]
-    return f"{prefix}:{ns}:r{rank}:{{{key.hex()}}}".encode("ascii")
+    return RemoteKeyNames(fingerprint, rank, prefix)(key)
 
 
 def encode(payload: bytes | bytearray | memoryview, *, fingerprint: bytes, key: bytes, rank: int) -> bytes:

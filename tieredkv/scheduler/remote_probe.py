@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tieredkv.protocol import FailureCause
-from tieredkv.remote.codec import DEFAULT_PREFIX, KEY_BYTES, remote_key
+from tieredkv.remote.codec import DEFAULT_PREFIX, RemoteKeyNames
 from tieredkv.remote.results import BatchResult
 
 DEFAULT_KNOWN_CAPACITY = 1 << 16  # chunk keys; ~100 B each with the dict's overhead
@@ -107,24 +107,12 @@ class RemoteProbe:
         self._store_timeout_s = deadline_s if store_timeout_s is None else store_timeout_s
         self._clock = clock
         self._capacity = known_capacity
-        # Redis names are built per probe for up to world_size x 500+ keys, so take each
-        # rank's fixed head from the codec once (remote_key costs ~10 us a call) and check it.
-        sample = bytes(range(KEY_BYTES))
-        tail = 2 * KEY_BYTES + 2  # "{" + key hex + "}"
-        self._heads = [remote_key(fingerprint, r, sample, prefix)[:-tail] for r in range(world_size)]
-        if any(self._name(r, sample) != remote_key(fingerprint, r, sample, prefix)
-               for r in range(world_size)):
-            raise RuntimeError("remote probe: key names disagree with tieredkv.remote.codec")
+        self._names = [RemoteKeyNames(fingerprint, r, prefix) for r in range(world_size)]
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._requests: dict[str, _Request] = {}
         self._counts: Counter[str] = Counter()
         self._failures: Counter[str] = Counter()
         self._latency: list[float] = []
-
-    def _name(self, rank: int, key: bytes) -> bytes:
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got {len(key)}")
-        return b"%s{%s}" % (self._heads[rank], key.hex().encode("ascii"))
 
     # -- the lookup's call ---------------------------------------------------------------------
 
@@ -168,7 +156,7 @@ class RemoteProbe:
         if not asked:
             req.confirmed = req.checked = stop
             return
-        names = [self._name(r, req.keys[i]) for i in asked for r in range(self._world_size)]
+        names = [name(req.keys[i]) for i in asked for name in self._names]
         future = self._store.batch_exists(names, timeout_s=self._store_timeout_s)
         self._counts["probes"] += 1
         self._counts["keys_probed"] += len(asked)

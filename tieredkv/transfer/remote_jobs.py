@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tieredkv.protocol import FailureCause, JobResult
-from tieredkv.remote.codec import Rejected, check_prefix, decode, encode, remote_key
+from tieredkv.remote.codec import Rejected, RemoteKeyNames, decode, encode
 from tieredkv.remote.results import BatchResult
 from tieredkv.transfer.host_pool import HostPool
 
@@ -81,7 +81,7 @@ class RemoteJobs:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"remote read timeout must be positive, got {timeout_s}")
-        remote_key(fingerprint, rank, bytes(32), check_prefix(prefix))  # fail fast on bad ids
+        self._redis_name = RemoteKeyNames(fingerprint, rank, prefix)  # checks the ids once
         self.store = store
         self.host = host
         self.fingerprint = fingerprint
@@ -103,9 +103,6 @@ class RemoteJobs:
         self._writes_dropped = 0
         self._writes_failed: Counter[str] = Counter()
         self._bytes_written = 0
-
-    def _name(self, key: bytes) -> bytes:
-        return remote_key(self.fingerprint, self.rank, key, self.prefix)
 
     def _usable(self, slot: int) -> bool:
         return 0 <= slot < self.host.num_slots and slot not in self._busy
@@ -135,7 +132,7 @@ class RemoteJobs:
                     self._ready.append(self._read_failed(job_id, FailureCause.COPY_ERROR))
                     continue
                 try:
-                    names.append(self._name(key))
+                    names.append(self._redis_name(key))
                 except ValueError as exc:
                     logger.error("tieredkv remote read %d: %s", job_id, exc)
                     self._ready.append(self._read_failed(job_id, FailureCause.UNKNOWN))
@@ -218,7 +215,7 @@ class RemoteJobs:
                 try:
                     payload = self.host.slot_memoryview(slot)[:size]
                     value = encode(payload, fingerprint=self.fingerprint, key=key, rank=self.rank)
-                    queued.append((job_id, self._name(key), value))
+                    queued.append((job_id, self._redis_name(key), value))
                 except ValueError as exc:
                     logger.error("tieredkv remote write %d: %s", job_id, exc)
                     self._writes_failed[FailureCause.UNKNOWN.value] += 1
