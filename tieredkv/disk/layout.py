@@ -38,11 +38,8 @@ _SLAB_NAME = re.compile(r"^rank(\d+)\.slab$")
 
 
 def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
-    """Round up to a multiple of ``alignment``.
-
-    Same rule as ``tieredkv.transfer.host_pool.align_up``; repeated here so that the disk tier,
-    the scheduler half and the ``tieredkv`` command do not import torch just to round a number.
-    """
+    """Round up to a multiple of ``alignment``: host slots and disk payloads are padded alike,
+    so a host slot goes straight to an O_DIRECT read or write (the one definition; torch-free)."""
     return (value + alignment - 1) // alignment * alignment
 
 

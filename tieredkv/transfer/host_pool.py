@@ -17,14 +17,9 @@ import mmap
 import torch
 
 from tieredkv.config import ConfigError, format_size
+from tieredkv.disk.layout import PAGE_BYTES, align_up  # disk pads slots alike (O_DIRECT)
 
 logger = logging.getLogger(__name__)
-
-PAGE_BYTES = 4096
-
-
-def align_up(value: int, alignment: int = PAGE_BYTES) -> int:
-    return (value + alignment - 1) // alignment * alignment
 
 
 def _is_allocation_failure(exc: BaseException) -> bool:

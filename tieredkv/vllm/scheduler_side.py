@@ -11,10 +11,9 @@ import logging
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.layout import slot_stride
+from tieredkv.disk.layout import align_up, slot_stride
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.scheduler.planner import Planner
-from tieredkv.transfer.host_pool import align_up
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
 from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 
