@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_key
+from tieredkv.testing.faulty_fileio import FaultyFileIO
 
 REPO = Path(__file__).resolve().parents[2]
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/disk namespace").digest()
@@ -32,6 +33,12 @@ def fp() -> bytes:
 @pytest.fixture
 def other_fp() -> bytes:
     return OTHER_FINGERPRINT
+
+
+@pytest.fixture
+def faulty() -> FaultyFileIO:
+    """A fresh fault-injecting FileIO (no rules until a test adds them)."""
+    return FaultyFileIO()
 
 
 @pytest.fixture

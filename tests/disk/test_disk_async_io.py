@@ -22,11 +22,6 @@ PAYLOAD = 64 * 1024
 
 
 @pytest.fixture
-def faulty() -> FaultyFileIO:
-    return FaultyFileIO()
-
-
-@pytest.fixture
 def slab(tmp_path: Path, fp: bytes, faulty: FaultyFileIO):
     slab = SlabFile.open(slab_path(tmp_path, 0), 8, PAYLOAD, fp, io=faulty)
     yield slab

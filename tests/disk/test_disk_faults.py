@@ -46,11 +46,6 @@ def kind_of(fn: Callable[[], object]) -> FailureCause:
 
 
 @pytest.fixture
-def faulty() -> FaultyFileIO:
-    return FaultyFileIO()
-
-
-@pytest.fixture
 def slab(tmp_path: Path, fp: bytes, faulty: FaultyFileIO):
     slab = open_slab(slab_path(tmp_path, 0), fp, faulty)
     yield slab
