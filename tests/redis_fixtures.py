@@ -27,7 +27,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - an environment problem,
     RemoteStore = None  # type: ignore[assignment,misc]
 
 from tests.remote.remote_helpers import FAST, SETUP_HINT, RedisClusterProcs, RedisServer
-from tieredkv.remote.url import parse_remote_url
+from tieredkv.remote_url import parse_remote_url
 
 
 def _require_client() -> None:

@@ -20,7 +20,7 @@ from tests.remote.remote_helpers import (
 )
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
-from tieredkv.remote.url import parse_remote_url
+from tieredkv.remote_url import parse_remote_url
 
 OpenStore = Callable[..., Awaitable[Any]]
 TIMEOUT = 0.5  # the deadline under test

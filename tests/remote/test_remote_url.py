@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tieredkv.remote.url import DEFAULT_PORT, RemoteURL, parse_remote_url
+from tieredkv.remote_url import DEFAULT_PORT, RemoteURL, parse_remote_url
 
 SECRET = "p@ss/w?rd#S3CRET"
 

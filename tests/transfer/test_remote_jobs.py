@@ -17,7 +17,7 @@ from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer
 from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key
 from tieredkv.remote.threaded import ThreadedRemoteStore
-from tieredkv.remote.url import parse_remote_url
+from tieredkv.remote_url import parse_remote_url
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.remote_jobs import RemoteJobs
 

@@ -2,7 +2,7 @@
 
 Modules, one job each:
 
-- :mod:`~tieredkv.remote.url`: parse and check ``remote_url`` (credentials never logged);
+- :mod:`~tieredkv.remote_url` (floor 1, so the config can use it): ``remote_url``;
 - :mod:`~tieredkv.remote.codec`: Redis key names and self-verifying values;
 - :mod:`~tieredkv.remote.results`: typed results and failure causes, the stats snapshot;
 - :mod:`~tieredkv.remote.write_queue`: the bounded, dropping write queue;
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tieredkv.remote.codec import Rejected, Verified, decode, encode, remote_key
 from tieredkv.remote.results import BatchResult, RemoteStats
-from tieredkv.remote.url import RemoteURL, parse_remote_url
+from tieredkv.remote_url import RemoteURL, parse_remote_url
 
 if TYPE_CHECKING:
     from tieredkv.remote.store import RemoteStore

@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from tieredkv.protocol import FailureCause
-from tieredkv.remote.url import RemoteURL
+from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from tieredkv.disk.format import payload_checksum
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 from tieredkv.protocol import FailureCause
+from tieredkv.remote_url import check_prefix
 
 MAGIC = b"TKVREMT1"
 FORMAT_VERSION = 1
@@ -48,7 +49,6 @@ _FIELDS = struct.Struct(f"<8sHHI{FINGERPRINT_BYTES}s{KEY_BYTES}sQQ")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _FIELDS.size + _CRC.size
 _MAX_RANK = 2**32 - 1
-_PREFIX_FORBIDDEN = set("{}: \t\r\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,16 +84,6 @@ def _check_ids(fingerprint: bytes, key: bytes, rank: int) -> None:
         raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
     if not 0 <= rank <= _MAX_RANK:
         raise ValueError(f"rank must be in 0..{_MAX_RANK}, got {rank}")
-
-
-def check_prefix(prefix: str) -> str:
-    """A key prefix usable in Redis Cluster: printable, no hash-tag braces, no separators."""
-    if not prefix or not prefix.isprintable() or _PREFIX_FORBIDDEN & set(prefix):
-        raise ValueError(
-            f"remote key prefix must be non-empty printable text without {{, }}, ':' or "
-            f"whitespace, got {prefix!r}"
-        )
-    return prefix
 
 
 class RemoteKeyNames:

@@ -19,7 +19,7 @@ from collections import deque
 
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.client import RemoteClient, classify, close_client, handshake, make_client
-from tieredkv.remote.url import RemoteURL
+from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from tieredkv.protocol import FailureCause
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper
 from tieredkv.remote.results import BatchResult, RemoteStats
-from tieredkv.remote.url import RemoteURL
 from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry
+from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.store import RemoteStore
-from tieredkv.remote.url import RemoteURL
+from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ _SCHEMES: dict[str, tuple[bool, bool]] = {
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _HOST_NAME = re.compile(r"[A-Za-z0-9._-]+\Z")
+_PREFIX_FORBIDDEN = set("{}: \t\r\n")
 
 
 @dataclass(frozen=True)
@@ -231,3 +232,13 @@ def parse_remote_url(
         nodes=url.nodes, cluster=url.cluster, tls=url.tls, db=url.db,
         username=url.username, password=secret,
     )
+
+
+def check_prefix(prefix: str) -> str:
+    """A key prefix usable in Redis Cluster: printable, no hash-tag braces, no separators."""
+    if not prefix or not prefix.isprintable() or _PREFIX_FORBIDDEN & set(prefix):
+        raise ValueError(
+            f"remote key prefix must be non-empty printable text without {{, }}, ':' or "
+            f"whitespace, got {prefix!r}"
+        )
+    return prefix
