@@ -15,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from tieredkv.protocol import BackendName, PolicyName
+from tieredkv.remote_url import (
+    DEFAULT_KEY_PREFIX,
+    PASSWORD_ENV_SETTING,
+    RemoteURL,
+    check_prefix,
+    parse_remote_url,
+    redact_raw,
+)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -42,6 +50,9 @@ IO_THREADS_MAX = 64  # io_threads in [1, 64]
 SPILL_QUEUE_DEPTH_MAX = 65536  # spill_queue_depth in [1, 65536]
 DISK_ADMISSION_MAX = 1000  # disk_admission in [1, 1000]
 METRICS_PORT_MAX = 65535  # metrics_port in [0, 65535]
+REMOTE_TIMEOUT_MAX_S = 60.0  # remote_timeout_s in (0, 60]
+REMOTE_TTL_MAX_S = 365 * 24 * 3600.0  # remote_ttl_s in [0, one year]; 0: no expiry
+REMOTE_QUEUE_MIN_BYTES = 1 * 1024 * 1024  # remote_write_queue_bytes >= 1 MiB
 
 EVICTION_POLICIES = tuple(p.value for p in PolicyName)
 COPY_BACKENDS = tuple(b.value for b in BackendName)
@@ -193,7 +204,7 @@ def _parse_bool(key: str, value: Any) -> bool:
 
 
 def _parse_admission(key: str, value: Any) -> int:
-    """``"all"`` writes every stored chunk to disk; an int N only chunks seen at least N times."""
+    """``"all"`` writes every stored chunk; an int N only chunks seen at least N times."""
     if isinstance(value, str) and value.strip().lower() in ("all", "always"):
         return 1
     if isinstance(value, str) and value.strip().lower().startswith("seen:"):
@@ -246,6 +257,20 @@ class TieredKVConfig:
     spill_queue_depth: int = 64
     # None (off) or [0, 65535]; 0 picks a free port.
     metrics_port: int | None = None
+    # The shared tier (Redis/Valkey, one node or a Cluster); None: no remote tier. The
+    # password (URL or remote_password_env) lives only in the RemoteURL, never in a repr.
+    remote_url: RemoteURL | None = None
+    remote_password_env: str | None = None
+    remote_key_prefix: str = DEFAULT_KEY_PREFIX
+    # (0, 60] seconds: every network call (probe, read, write batch) gives up after this.
+    remote_timeout_s: float = 0.5
+    # [0, 1 year] seconds; 0: values never expire (Redis's maxmemory-policy evicts them).
+    remote_ttl_s: float = 0.0
+    remote_writes: bool = True
+    # [1, 1000] sightings before a chunk is written to the remote tier ("all" = 1).
+    remote_admission: int = 1
+    # [1 MiB, 1 PiB]: writes waiting for Redis beyond this are dropped (and counted).
+    remote_write_queue_bytes: int = 256 * MiB
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any] | None) -> TieredKVConfig:
@@ -302,6 +327,7 @@ class TieredKVConfig:
             values["metrics_port"] = _parse_int(
                 "metrics_port", extra["metrics_port"], minimum=0, maximum=METRICS_PORT_MAX
             )
+        values.update(_parse_remote(extra))
         return cls(**values)
 
     def resolved(self, block_size: int) -> TieredKVConfig:
@@ -309,6 +335,10 @@ class TieredKVConfig:
         if self.chunk_blocks:
             return self
         return replace(self, chunk_blocks=max(1, CHUNK_TOKENS_TARGET // max(1, block_size)))
+
+    @property
+    def has_remote(self) -> bool:
+        return self.remote_url is not None
 
     @property
     def has_disk(self) -> bool:
@@ -319,3 +349,54 @@ class TieredKVConfig:
 
     def disk_bytes_per_rank(self, world_size: int) -> int:
         return self.disk_bytes // max(1, world_size)
+
+
+def _parse_remote(extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``remote_*`` keys; every one but ``remote_url`` needs ``remote_url`` set.
+
+    Errors never echo a password: ``remote_url`` is shown redacted, and the password taken
+    from ``remote_password_env`` is never part of any message.
+    """
+    raw_url = extra.get("remote_url")
+    others = sorted(k for k in extra if k.startswith("remote_") and k != "remote_url")
+    if raw_url is None:
+        if others:
+            raise ConfigError(others[0], extra[others[0]], "set remote_url too: no remote tier without it")
+        return {}
+    values: dict[str, Any] = {}
+    password_env = extra.get(PASSWORD_ENV_SETTING)
+    if password_env is not None and (not isinstance(password_env, str) or not password_env):
+        raise ConfigError(PASSWORD_ENV_SETTING, password_env, "expected an environment variable name")
+    try:
+        values["remote_url"] = parse_remote_url(raw_url, password_env=password_env)
+    except ValueError as exc:
+        shown = [redact_raw(v) for v in raw_url] if isinstance(raw_url, list) else (
+            redact_raw(raw_url) if isinstance(raw_url, str) else raw_url)
+        raise ConfigError("remote_url", shown, str(exc).removeprefix("remote_url: ")) from None
+    values["remote_password_env"] = password_env
+    if "remote_key_prefix" in extra:
+        prefix = extra["remote_key_prefix"]
+        if not isinstance(prefix, str) or len(prefix) > 64:
+            raise ConfigError("remote_key_prefix", prefix, "expected text of at most 64 characters")
+        try:
+            values["remote_key_prefix"] = check_prefix(prefix)
+        except ValueError as exc:
+            raise ConfigError("remote_key_prefix", prefix, str(exc)) from None
+    if "remote_timeout_s" in extra:
+        values["remote_timeout_s"] = _parse_seconds(
+            "remote_timeout_s", extra["remote_timeout_s"], maximum=REMOTE_TIMEOUT_MAX_S)
+    if "remote_ttl_s" in extra:
+        ttl = extra["remote_ttl_s"]
+        values["remote_ttl_s"] = 0.0 if ttl in (0, 0.0, None) and not isinstance(ttl, bool) else (
+            _parse_seconds("remote_ttl_s", ttl, maximum=REMOTE_TTL_MAX_S))
+    if "remote_writes" in extra:
+        values["remote_writes"] = _parse_bool("remote_writes", extra["remote_writes"])
+    if "remote_admission" in extra:
+        values["remote_admission"] = _parse_admission("remote_admission", extra["remote_admission"])
+    if "remote_write_queue_bytes" in extra:
+        size = parse_size("remote_write_queue_bytes", extra["remote_write_queue_bytes"])
+        if size < REMOTE_QUEUE_MIN_BYTES:
+            raise ConfigError("remote_write_queue_bytes", extra["remote_write_queue_bytes"],
+                              f"expected at least {format_size(REMOTE_QUEUE_MIN_BYTES)}")
+        values["remote_write_queue_bytes"] = size
+    return values

@@ -19,12 +19,14 @@ from enum import StrEnum
 
 
 class JobKind(StrEnum):
-    """What a job moves: device->host, host->disk, disk->host, host->device."""
+    """What a job moves: device->host, host->disk, disk->host, host->device, and host<->remote."""
 
     STORE = "store"
     SPILL = "spill"
     PROMOTE = "promote"
     LOAD = "load"
+    REMOTE_READ = "remote_read"
+    REMOTE_WRITE = "remote_write"
 
 
 class Direction(StrEnum):
@@ -34,6 +36,8 @@ class Direction(StrEnum):
     H2D = "h2d"
     SPILL = "spill"
     RESTORE = "restore"
+    REMOTE_READ = "remote_read"
+    REMOTE_WRITE = "remote_write"
 
 
 class FailureCause(StrEnum):
@@ -117,6 +121,30 @@ class PromoteJob:
 
 
 @dataclass(frozen=True)
+class RemoteReadJob:
+    """Shared remote tier -> host slot: this rank's shard of chunk ``key``, verified (key,
+    namespace, rank, length, checksum) before a byte lands; the scheduler promises it only
+    after every rank reported it done."""
+
+    job_id: int
+    key: bytes
+    host_slot: int
+    req_id: str | None = None  # the request whose lookup asked for it
+
+
+@dataclass(frozen=True)
+class RemoteWriteJob:
+    """Host slot -> shared remote tier. The worker copies the shard into the store's bounded
+    write queue at once (the slot is free again when it reports); a full queue or a store
+    that is down drops it (``dropped``), so the engine never waits on the network."""
+
+    job_id: int
+    key: bytes
+    host_slot: int
+    req_id: str | None = None  # writes serve the tier, not a request: always None
+
+
+@dataclass(frozen=True)
 class LoadChunk:
     """One chunk of a load: slot positions ``[first_block, first_block + len(block_ids))``
     go to device blocks ``block_ids`` (a hit may start mid-chunk). The chunk is in host slot
@@ -141,7 +169,7 @@ class LoadJob:
         return tuple(b for chunk in self.chunks for b in chunk.block_ids)
 
 
-Job = StoreJob | SpillJob | PromoteJob | LoadJob
+Job = StoreJob | SpillJob | PromoteJob | LoadJob | RemoteReadJob | RemoteWriteJob
 
 
 @dataclass(frozen=True)
@@ -196,6 +224,8 @@ class StepPlan:
     spills: list[SpillJob] = field(default_factory=list)
     promotes: list[PromoteJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+    remote_reads: list[RemoteReadJob] = field(default_factory=list)
+    remote_writes: list[RemoteWriteJob] = field(default_factory=list)
     fence_block_ids: list[int] = field(default_factory=list)
     delayed_req_ids: list[str] = field(default_factory=list)
     # The step computes no tokens (requests only wait for loads): the worker may sleep on

@@ -29,6 +29,7 @@ DEFAULT_PORT = 6379
 SETTING = "remote_url"
 PASSWORD_ENV_SETTING = "remote_password_env"
 REDACTED = "***"
+DEFAULT_KEY_PREFIX = "tkv"
 
 # scheme -> (tls, cluster)
 _SCHEMES: dict[str, tuple[bool, bool]] = {
@@ -100,7 +101,7 @@ def _format_node(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _redact_raw(value: str) -> str:
+def redact_raw(value: str) -> str:
     """A raw, possibly malformed URL made safe for an error message (userinfo hidden)."""
     scheme, sep, rest = value.partition("://")
     if not sep:
@@ -110,7 +111,7 @@ def _redact_raw(value: str) -> str:
 
 
 def _error(message: str, raw: str | None = None) -> ValueError:
-    where = f" (got {_redact_raw(raw)!r})" if raw is not None else ""
+    where = f" (got {redact_raw(raw)!r})" if raw is not None else ""
     return ValueError(f"{SETTING}: {message}{where}")
 
 

@@ -85,7 +85,8 @@ def test_every_job_type_moves_the_right_bytes(kv, host, make_engine) -> None:
     assert all(torch.equal(a, b) for la, lb in zip(after, before, strict=True)
                for a, b in zip(la, lb, strict=True))
     stats = engine.take_stats()
-    assert stats["ops"] == {"d2h": 3, "h2d": 2, "spill": 2, "restore": 2}
+    assert stats["ops"] == {"d2h": 3, "h2d": 2, "spill": 2, "restore": 2, "remote_read": 0,
+                            "remote_write": 0}
     assert stats["bytes"]["d2h"] == 3 * host.payload_bytes
     assert stats["failures"] == {} and len(stats["latency_s"]["store"]) == 3
     again = engine.take_stats()

@@ -117,6 +117,11 @@ class TieredKVMetrics:
             if route is None:
                 continue
             self._inc(engine, route[0], route[1], delta)
+        probe_latency = (sched.get("latency_s") or {}).get("remote_probe") or ()
+        if probe_latency:
+            histogram = self._child(engine, "remote_probe_latency", None)
+            for seconds in probe_latency:
+                histogram.observe(seconds)
         gauges = sched.get("gauges") or {}
         if not gauges:
             return
@@ -128,6 +133,12 @@ class TieredKVMetrics:
                     slots = gauges.get(f"{tier}_slots_{field}")
                     if slots is not None:
                         self._child(engine, key, tier).set(slots * chunk_bytes * world_size)
+        for tier_field, key in (("remote_capacity_bytes", "capacity_bytes"),
+                                ("remote_used_bytes", "used_bytes")):
+            if tier_field in gauges:  # Redis's own figures (INFO memory), not slots
+                self._child(engine, key, "remote").set(gauges[tier_field])
+        if "remote_up" in gauges:
+            self._child(engine, "remote_up", None).set(gauges["remote_up"])
         if "host_slots_pinned" in gauges:
             self._child(engine, "pinned_host_slots", None).set(gauges["host_slots_pinned"])
         if "requests_waiting_on_load" in gauges:
@@ -148,6 +159,7 @@ class TieredKVMetrics:
                 if cause in FAILURE_CAUSES:
                     self._inc(engine, "disk_reads_retried", cause, count)
             self._inc(engine, "disk_reads_recovered", None, snap.get("reads_recovered") or 0)
+            self._inc(engine, "remote_write_failures", None, snap.get("remote_writes_failed") or 0)
             for job, samples in (snap.get("latency_s") or {}).items():
                 if not samples:
                     continue

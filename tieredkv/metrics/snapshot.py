@@ -3,11 +3,12 @@
 Data shape (msgpack-safe: dicts of str -> numbers / lists of numbers)::
 
     {"scheduler": {"counters": {name: delta}, "gauges": {name: value},
+                   "latency_s": {"remote_probe": [s, ...]},
                    "chunk_bytes": int, "chunk_tokens": int, "world_size": int},
      "workers": {"<rank>": {"bytes": {dir: n}, "ops": {dir: n}, "spills_dropped": n,
                              "failures": {kind: n}, "latency_s": {job_kind: [s, ...]},
                              "reads_retried": {kind: n}, "reads_recovered": n,
-                             "queue_depths": {name: n}}}}
+                             "remote_writes_failed": n, "queue_depths": {name: n}}}}
 
 ``reads_retried`` counts disk reads read a second time after a transient failure (by the
 first read's failure kind); ``reads_recovered`` those whose second read succeeded. A read
@@ -56,6 +57,7 @@ def merge(data: Mapping[str, Any], other: Mapping[str, Any] | None) -> dict[str,
     if sched:
         mine = merged.setdefault("scheduler", {})
         add_numbers(mine.setdefault("counters", {}), sched.get("counters", {}))
+        add_numbers(mine.setdefault("latency_s", {}), sched.get("latency_s", {}))
         for key in SCHEDULER_LATEST:
             if key in sched:
                 mine[key] = copy.deepcopy(sched[key])
@@ -70,12 +72,14 @@ def is_empty(data: Mapping[str, Any]) -> bool:
     workers = data.get("workers") or {}
     if sched and (sched.get("counters") or sched.get("gauges")):
         return False
+    if sched and any((sched.get("latency_s") or {}).values()):
+        return False
     for snap in workers.values():
         if any(snap.get("queue_depths", {}).values()):
             return False  # a backlog must keep its gauge fresh even in a quiet step
         if any(snap.get("bytes", {}).values()) or any(snap.get("ops", {}).values()):
             return False
-        if snap.get("failures") or snap.get("spills_dropped"):
+        if snap.get("failures") or snap.get("spills_dropped") or snap.get("remote_writes_failed"):
             return False
         if snap.get("reads_retried") or snap.get("reads_recovered"):
             return False
@@ -99,6 +103,7 @@ def summary(data: Mapping[str, Any]) -> dict[str, int | float]:
     return {
         "hit_tokens_host": counters.get("hit_tokens_host", 0),
         "hit_tokens_disk": counters.get("hit_tokens_disk", 0),
+        "hit_tokens_remote": counters.get("hit_tokens_remote", 0),
         **{f"{d}_MiB": round(n / 2**20, 2) for d, n in sorted(moved.items())},
         "failures": failures,
         "reads_retried": reads_retried,

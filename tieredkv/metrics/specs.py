@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tieredkv.protocol import FAILURE_CAUSES
+from tieredkv.protocol import FAILURE_CAUSES, FailureCause
 
 __all__ = [
     "CHUNK_OPS",
@@ -25,18 +25,22 @@ __all__ = [
     "LATENCY_BUCKETS",
     "METRIC_SPECS",
     "QUEUES",
+    "REMOTE_CAUSES",
     "SKIP_REASONS",
     "TIERS",
     "MetricSpec",
     "route_counter",
 ]
 
-TIERS = ("host", "disk")
-DIRECTIONS = ("d2h", "h2d", "spill", "restore")
-JOB_KINDS = ("store", "spill", "promote", "load")
-QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots_in_flight")
-CHUNK_OPS = ("stored", "spilled", "promoted", "superseded")
+TIERS = ("host", "disk", "remote")
+DIRECTIONS = ("d2h", "h2d", "spill", "restore", "remote_read", "remote_write")
+JOB_KINDS = ("store", "spill", "promote", "load", "remote_read", "remote_write")
+QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots_in_flight",
+          "remote_write_queue")
+CHUNK_OPS = ("stored", "spilled", "promoted", "superseded", "remote_written", "remote_read")
 SKIP_REASONS = ("store_host_full", "spill_disk_full", "promote_no_host_slot")
+# The remote tier's failures add one cause: the store is known to be down, so no call was made.
+REMOTE_CAUSES = (*FAILURE_CAUSES, FailureCause.UNAVAILABLE.value)
 
 # One chunk moves in well under a millisecond on a GPU and in tens of ms on a busy CPU; a
 # stuck disk shows up in the top buckets (the load timeout defaults to 30 s).
@@ -170,6 +174,39 @@ METRIC_SPECS: dict[str, MetricSpec] = {
     "disk_reads_recovered": _spec(
         "disk_reads_recovered", COUNTER,
         "Disk reads whose second read succeeded after a transient failure."),
+    # -- the shared remote tier (Redis/Valkey)
+    "remote_up": _spec(
+        "remote_up", GAUGE,
+        "1 while the scheduler's connection to the remote tier is up, 0 while it is down "
+        "(lookups then skip the remote tier; it reconnects with backoff)."),
+    "remote_probe_latency": _spec(
+        "remote_probe_latency_seconds", HISTOGRAM,
+        "Round trip of one remote existence probe (one pipelined call for a whole prompt's "
+        "chunks, every rank), as the store measured it.", buckets=LATENCY_BUCKETS),
+    "remote_probes": _spec(
+        "remote_probes", COUNTER, "Remote existence probes sent (one per prompt and lookup)."),
+    "remote_probe_failures": _spec(
+        "remote_probe_failures", COUNTER,
+        "Remote probes that failed or passed their deadline (remote_timeout_s), by cause; the "
+        "lookup then serves what host and disk hold.", "cause", REMOTE_CAUSES),
+    "remote_read_failures": _spec(
+        "remote_read_failures", COUNTER,
+        "Chunks read from the remote tier that were not used, by cause: gone (missing, e.g. "
+        "evicted by Redis), corrupted (checksum), written by another model or setting "
+        "(wrong_namespace), a timeout or a network error; vLLM recomputes them.",
+        "cause", REMOTE_CAUSES),
+    "remote_writes_dropped": _spec(
+        "remote_writes_dropped", COUNTER,
+        "Chunk writes to the remote tier dropped because its bounded write queue was full or "
+        "the store was down (the remote tier fell behind; serving never waits for it)."),
+    "remote_write_failures": _spec(
+        "remote_write_failures", COUNTER,
+        "Queued chunk writes that Redis did not take (errors, timeouts, maxmemory), per rank "
+        "and chunk."),
+    "remote_admission_rejected": _spec(
+        "remote_admission_rejected", COUNTER,
+        "Stored chunks not written to the remote tier because they were not seen often "
+        "enough (remote_admission)."),
     "recovery_dropped": _spec(
         "recovery_dropped", COUNTER,
         "Disk entries dropped while recovering the index at start-up (bad or missing slot "
@@ -196,6 +233,14 @@ _COUNTER_ROUTES: dict[str, tuple[str, str | None]] = {
     "preemptions": ("preemptions", None),
     "resets": ("resets", None),
     "dropped_at_recovery": ("recovery_dropped", None),
+    "hit_tokens_remote": ("hit_tokens", "remote"),
+    "evictions_remote": ("evictions", "remote"),
+    "remote_written_chunks": ("chunks", "remote_written"),
+    "remote_read_chunks": ("chunks", "remote_read"),
+    "remote_probes": ("remote_probes", None),
+    "remote_writes_dropped": ("remote_writes_dropped", None),
+    "remote_admission_rejected": ("remote_admission_rejected", None),
+    "remote_write_failed": ("remote_write_failures", None),
 }
 # Failure counters are named <prefix><cause>.
 _FAILURE_ROUTES: tuple[tuple[str, str], ...] = (
@@ -203,6 +248,8 @@ _FAILURE_ROUTES: tuple[tuple[str, str], ...] = (
     ("disk_read_failed_", "load_failures"),
     ("store_failed_", "store_failures"),
     ("spill_failed_", "spill_failures"),
+    ("remote_read_failed_", "remote_read_failures"),
+    ("remote_probe_failed_", "remote_probe_failures"),
 )
 
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from tieredkv.disk.format import payload_checksum
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 from tieredkv.protocol import FailureCause
-from tieredkv.remote_url import check_prefix
+from tieredkv.remote_url import DEFAULT_KEY_PREFIX, check_prefix
 
 MAGIC = b"TKVREMT1"
 FORMAT_VERSION = 1
-DEFAULT_PREFIX = "tkv"
+DEFAULT_PREFIX = DEFAULT_KEY_PREFIX
 NAMESPACE_HEX_CHARS = 16  # 8 bytes of the fingerprint in the key name; all 32 in the header
 
 _FIELDS = struct.Struct(f"<8sHHI{FINGERPRINT_BYTES}s{KEY_BYTES}sQQ")

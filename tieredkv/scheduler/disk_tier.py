@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 
 from tieredkv.disk.format import MAX_HEADER_ALIASES
 from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.sightings import Sightings
 from tieredkv.scheduler.tier_index import Placement, TierIndex
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,7 @@ class DiskTier(LowerTier):
     ) -> None:
         self.index = TierIndex("disk", num_slots, policy)
         self.catalog = catalog
-        self._admission = admission
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
-        self._seen_limit = seen_limit
+        self._sightings = Sightings(admission, seen_limit)
         # What start-up found, for the planner's counters.
         self.recovery_counts: Counter[str] = Counter()
         if catalog is not None:
@@ -122,20 +121,15 @@ class DiskTier(LowerTier):
         self.index.clear()
         if self.catalog is not None:
             self.catalog.record_cleared()
-        self._seen.clear()
+        self._sightings.clear()
 
     # ------------------------------------------------------------------ admission
 
     def note_seen(self, key: bytes) -> bool:
-        seen = self._seen
-        count = seen.pop(key, 0) + 1
-        seen[key] = count
-        while len(seen) > self._seen_limit:
-            seen.popitem(last=False)
-        return count >= self._admission
+        return self._sightings.note(key)
 
     def admits(self, key: bytes) -> bool:
-        return self._seen.get(key, 0) >= self._admission
+        return self._sightings.admits(key)
 
     # ------------------------------------------------------------------ records
 

@@ -2,6 +2,9 @@
 
 * Only ``READY`` host chunks are promised. Chunks of the lower tier are first promoted into
   host slots (verified by checksum on the worker) while the lookup answers ``None``.
+* Past host and disk, the shared remote tier is probed without waiting (``None`` meanwhile,
+  up to ``remote_timeout_s``); the whole chunks every rank holds there are read into host
+  slots and verified on the workers, like promotions, before they are promised.
 * A hit ends at the last block held, not at a chunk boundary: an entry holds the first ``n``
   blocks of one chunk and is found by the key of any block it holds (see ``TierIndex``).
 * The promised chunks stay pinned until vLLM allocates device blocks (:meth:`Lookup.on_alloc`
@@ -17,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from tieredkv.protocol import JobKind, JobResult, LoadChunk, LoadJob, PromoteJob
+from tieredkv.protocol import JobKind, JobResult, LoadChunk, LoadJob, PromoteJob, RemoteReadJob
 from tieredkv.scheduler.ledger import JobRecord
 from tieredkv.scheduler.parts import PlannerParts
 from tieredkv.scheduler.placement import Placer, count_evictions
@@ -49,7 +52,9 @@ class Lookup:
         self._epoch = parts.epoch
         self.counters = parts.counters
         self._placer = placer
-        self._promotions: dict[bytes, int] = {}  # key -> promote job in flight (any request)
+        self.remote = parts.remote
+        # key -> promote or remote-read job in flight (any request)
+        self._promotions: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------ lookups
 
@@ -112,12 +117,28 @@ class Lookup:
             else:
                 break
             i += 1
+        # Past host and disk: the whole chunks the remote tier holds for every rank.
+        remote_chunks: list[bytes] = []
+        remote_pos = len(run)
+        if self.remote is not None and i < last and not state.remote_done:
+            if materialize is not None:
+                keys = materialize(last)
+            found_remote = self.remote.poll(req_id, keys[i:last])
+            if found_remote is None:
+                if not state.promote_deadline:
+                    state.promote_deadline = time.monotonic() + self.load_timeout_s
+                return None  # the probe is in flight: ask again (nothing is pinned)
+            remote_chunks = list(keys[i : i + found_remote])
+            run.extend(remote_chunks)
+            state.remote_done = True
+            self.remote.forget(req_id)
         # The run of whole chunks ends at chunk i: the hit may go on into chunk i, up to the
         # last of its blocks some entry holds (this prompt's tail, or a chunk of another
         # prompt sharing these blocks).
         partial_key: bytes | None = None
         partial_blocks = 0
-        if i * self.chunk_tokens < limit and getattr(request_keys, "block_granular", False):
+        if (not remote_chunks and i * self.chunk_tokens < limit
+                and getattr(request_keys, "block_granular", False)):
             found = self._partial_source(request_keys, i, num_computed_tokens, limit)
             if found is not None:
                 partial_key, kind, partial_blocks = found
@@ -127,15 +148,16 @@ class Lookup:
                 elif kind == PENDING:
                     pending = True
         timed_out = False
-        if state.promote_deadline or lower_chunks or pending:
+        if state.promote_deadline or lower_chunks or pending or remote_chunks:
             now = time.monotonic()
             timed_out = bool(state.promote_deadline) and now > state.promote_deadline
-            if timed_out and (pending or lower_chunks):
+            if timed_out and (pending or lower_chunks or remote_chunks):
                 logger.warning("tieredkv: promotion for %s timed out; serving what is in memory",
                                req_id)
                 state.promote_rounds = MAX_PROMOTE_ROUNDS
-            if lower_chunks and state.promote_rounds < MAX_PROMOTE_ROUNDS:
-                run = self._promote(state, run, lower_chunks)
+            if (lower_chunks or remote_chunks) and state.promote_rounds < MAX_PROMOTE_ROUNDS:
+                run = self._promote(state, run, lower_chunks, remote_chunks, remote_pos, first,
+                                    request_keys)
             if not timed_out and any(key in promotions for key in run):
                 if not state.promote_deadline:
                     state.promote_deadline = now + self.load_timeout_s
@@ -145,7 +167,7 @@ class Lookup:
             state.looked_up = True
             self.counters["lookups"] += 1
             self.counters["lookup_tokens"] += max(0, limit - num_computed_tokens)
-        if lower_chunks or pending:
+        if lower_chunks or pending or remote_chunks:
             # Only the leading READY host chunks can be promised.
             ready: list[bytes] = []
             for key in run:
@@ -164,10 +186,11 @@ class Lookup:
         if hit == 0:
             return 0
         self.host.pin_all(ready)
-        promoted = state.promoted_keys
+        promoted, from_remote = state.promoted_keys, state.remote_keys
         state.pending_hit = PendingHit(
             num_computed_tokens, end, first, ready,
             lower_keys=promoted.intersection(ready) if promoted else set(),
+            remote_keys=from_remote.intersection(ready) if from_remote else set(),
             num_tokens=num_tokens, epoch=self._epoch.value, partial=partial,
         )
         return hit
@@ -241,9 +264,12 @@ class Lookup:
 
     # ------------------------------------------------------------------ promotions
 
-    def _promote(self, state: RequestState, run: list[bytes], lower_chunks: list[bytes]) -> list[bytes]:
-        """Queue lower -> host promotions for the lower-tier chunks of a run; trims the run on
-        a miss.
+    def _promote(
+        self, state: RequestState, run: list[bytes], lower_chunks: list[bytes],
+        remote_chunks: list[bytes], remote_pos: int, first: int, request_keys: Sequence[bytes],
+    ) -> list[bytes]:
+        """Queue lower -> host promotions and remote -> host reads for the chunks of a run;
+        trims the run where a chunk cannot get a host slot.
 
         The run's host-resident chunks are pinned meanwhile, so making room for chunk i never
         evicts chunk j < i of the same prefix.
@@ -252,10 +278,50 @@ class Lookup:
         for key in resident:
             self.host.pin(key)
         try:
-            return self._promote_run(state, run, lower_chunks)
+            if lower_chunks:
+                run = self._promote_run(state, run, lower_chunks)
+            if remote_chunks and len(run) == remote_pos + len(remote_chunks):
+                run = self._read_remote(state, run, remote_pos, first, request_keys)
+            elif remote_chunks:
+                run = run[: min(len(run), remote_pos)]  # a hole before them: they cannot serve
+            return run
         finally:
             for key in resident:
                 self.host.unpin(key)
+
+    def _read_remote(
+        self, state: RequestState, run: list[bytes], pos: int, first: int,
+        request_keys: Sequence[bytes],
+    ) -> list[bytes]:
+        """Queue remote -> host reads for ``run[pos:]`` (the run starts at chunk ``first``)."""
+        C = self.chunk_blocks
+        granular = getattr(request_keys, "block_granular", False)
+        issued = False
+        for offset in range(pos, len(run)):
+            key = run[offset]
+            if key in self.host or self.host.is_doomed(key) or key in self._promotions:
+                return run[:offset]  # someone else holds it now
+            chunk = first + offset
+            aliases = request_keys.block_keys(chunk * C, chunk * C + C - 1) if granular else ()  # type: ignore[attr-defined]
+            allocation = self.host.allocate(key, aliases)
+            if allocation is None:
+                self.counters["promote_no_host_slot"] += 1
+                run = run[:offset]
+                break
+            host_slot, evicted = allocation
+            count_evictions(self.counters, "host", evicted)
+            job_id = self._ledger.issue(JobKind.REMOTE_READ, (key,), state.req_id)
+            self._ledger.plan.remote_reads.append(
+                RemoteReadJob(job_id, key, host_slot, req_id=state.req_id)
+            )
+            self._promotions[key] = job_id
+            state.promote_jobs.add(job_id)
+            state.remote_keys.add(key)
+            issued = True
+        if issued:
+            state.promote_rounds += 1
+            state.promote_deadline = time.monotonic() + self.load_timeout_s
+        return run
 
     def _promote_run(self, state: RequestState, run: list[bytes], lower_chunks: list[bytes]) -> list[bytes]:
         lower = self.lower
@@ -290,6 +356,21 @@ class Lookup:
             state.promote_rounds += 1
             state.promote_deadline = time.monotonic() + self.load_timeout_s
         return run
+
+    def complete_remote_read(self, job: JobRecord, outcome: JobResult) -> None:
+        (key,) = job.keys
+        if self._promotions.get(key) == job.job_id:
+            del self._promotions[key]
+        remote = self.remote
+        assert remote is not None
+        if outcome.failed:
+            self.host.abort(key)
+            remote.forget_key(key)
+            self.counters[f"remote_read_failed_{outcome.failure or 'unknown'}"] += 1
+        elif self.host.mark_ready(key):
+            remote.remember(key)  # no need to write it back
+            self.counters["remote_read_chunks"] += 1
+            self._placer.settle(self.host, key)
 
     def complete_promote(self, job: JobRecord, outcome: JobResult) -> None:
         (key,) = job.keys
@@ -361,8 +442,15 @@ class Lookup:
         lower_tokens = sum(
             len(c.block_ids) * self.block_size for c in chunks if c.key in hit.lower_keys
         )
-        state.hit_tokens = {self._lower_name: lower_tokens, "host": tokens - lower_tokens}
-        self.counters["hit_tokens_host"] += tokens - lower_tokens
+        remote_tokens = sum(
+            len(c.block_ids) * self.block_size for c in chunks if c.key in hit.remote_keys
+        )
+        host_tokens = tokens - lower_tokens - remote_tokens
+        state.hit_tokens = {self._lower_name: lower_tokens, "host": host_tokens}
+        if self.remote is not None:
+            state.hit_tokens["remote"] = remote_tokens
+            self.counters["hit_tokens_remote"] += remote_tokens
+        self.counters["hit_tokens_host"] += host_tokens
         self.counters[f"hit_tokens_{self._lower_name}"] += lower_tokens
         for key in keep:
             self.host.touch(key)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tieredkv.config import TieredKVConfig
 from tieredkv.scheduler.ledger import JobLedger
 from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.remote_tier import RemoteTier
 from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import TierIndex
 
@@ -25,3 +26,4 @@ class PlannerParts:
     ledger: JobLedger
     epoch: HitEpoch
     counters: Counter[str]
+    remote: RemoteTier | None = None

@@ -7,6 +7,9 @@
 * Spills: a store that completes, or a chunk seen often enough, is queued for the lower tier
   if the tier admits it; :meth:`Placer.plan_spills` gives the queue lower-tier slots when the
   step's plan is taken.
+* Remote writes: a whole chunk READY in host is queued for the shared remote tier once
+  admitted (``remote_admission``) and not known to be there; :meth:`Placer.plan_remote_writes`
+  turns the queue into write jobs, the host copy pinned until every rank copied it out.
 * Settle/supersede: an entry that becomes READY drops the shorter entries of its tier whose
   blocks it holds, or is dropped itself when a longer READY entry holds all of its blocks
   (a prompt's tail that grew leaves one copy, not two).
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-from tieredkv.protocol import JobKind, JobResult, SpillJob, StoreJob
+from tieredkv.protocol import FailureCause, JobKind, JobResult, RemoteWriteJob, SpillJob, StoreJob
 from tieredkv.scheduler.ledger import JobRecord
 from tieredkv.scheduler.lower_tier import LowerTier
 from tieredkv.scheduler.parts import PlannerParts
@@ -43,7 +46,9 @@ class Placer:
         self._ledger = parts.ledger
         self._epoch = parts.epoch
         self.counters = parts.counters
+        self.remote = parts.remote
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
+        self._remote_queue: OrderedDict[bytes, None] = OrderedDict()
 
     # ------------------------------------------------------------------ stores
 
@@ -131,19 +136,71 @@ class Placer:
         elif self.host.mark_ready(key):
             self.counters["stored_chunks"] += 1
             lower = self.lower
-            if self.settle(self.host, key) and lower is not None:
+            if not self.settle(self.host, key):
+                return
+            if lower is not None:
                 if lower.admits(key):
                     self._spill_queue[key] = None
                 else:
                     self.counters[f"{lower.name}_admission_rejected"] += 1
+            remote = self.remote
+            if remote is not None and remote.writes and self._whole(key):
+                if not remote.admits(key):
+                    self.counters["remote_admission_rejected"] += 1
+                elif not remote.holds_hint(key):
+                    self._remote_queue[key] = None
 
     # ------------------------------------------------------------------ spills
 
     def note_seen(self, key: bytes) -> None:
-        """A sighting of ``key``: once the lower tier admits it, a READY host copy is queued."""
+        """A sighting of ``key``: once a tier admits it, a READY host copy is queued for it."""
         lower = self.lower
         if lower is not None and lower.note_seen(key) and self.host.is_ready(key) and key not in lower:
             self._spill_queue[key] = None
+        remote = self.remote
+        if remote is not None and remote.note_seen(key) and self.host.is_ready(key) and self._whole(key):
+            self._remote_queue[key] = None
+
+    def _whole(self, key: bytes) -> bool:
+        """Whether the host entry ``key`` holds a whole chunk (the remote tier keeps only
+        those: lookups probe it by chunk key). An entry without aliases counts as whole (keys
+        that are not block-granular); a one-block tail is then written in vain, never wrongly."""
+        placement = self.host.get(key)
+        return placement is not None and (
+            placement.blocks == self.chunk_blocks or not placement.aliases
+        )
+
+    def plan_remote_writes(self) -> None:
+        """Turn queued remote writes into jobs (in this step's plan); the host copy is pinned
+        until every rank has copied it into its write queue."""
+        remote, host = self.remote, self.host
+        if remote is None:
+            self._remote_queue.clear()
+            return
+        while self._remote_queue:
+            key, _ = self._remote_queue.popitem(last=False)
+            if not host.is_ready(key) or remote.holds_hint(key):
+                continue
+            placement = host.get(key)
+            assert placement is not None
+            host.pin(key)
+            remote.remember(key)  # one write per chunk, even before the ranks report
+            job_id = self._ledger.issue(JobKind.REMOTE_WRITE, (key,), None)
+            self._ledger.plan.remote_writes.append(RemoteWriteJob(job_id, key, placement.slot))
+
+    def complete_remote_write(self, job: JobRecord, outcome: JobResult) -> None:
+        (key,) = job.keys
+        self.host.unpin(key)
+        remote = self.remote
+        assert remote is not None
+        if not outcome.failed:
+            self.counters["remote_written_chunks"] += 1
+            return
+        remote.forget_key(key)  # not (all) there: a later sighting may write it again
+        if outcome.failure == FailureCause.DROPPED:
+            self.counters["remote_writes_dropped"] += 1
+        else:
+            self.counters["remote_write_failed"] += 1
 
     def plan_spills(self) -> None:
         """Give the queued spills their lower-tier slots (in this step's plan)."""
@@ -193,10 +250,11 @@ class Placer:
 
     def clear_spill_queue(self) -> None:
         self._spill_queue.clear()
+        self._remote_queue.clear()
 
     @property
     def spills_queued(self) -> bool:
-        return bool(self._spill_queue)
+        return bool(self._spill_queue or self._remote_queue)
 
     # ------------------------------------------------------------------ one copy per tier
 

@@ -13,7 +13,8 @@ This class is the facade; the work is done by its parts, which share small expli
 * :mod:`~tieredkv.scheduler.lookup` -- lookups, promotions, hits -> load jobs;
 * :mod:`~tieredkv.scheduler.placement` -- stores, tails, spills, one copy per tier;
 * :mod:`~tieredkv.scheduler.ledger` -- jobs in flight, the step plan, results -> completions;
-* :mod:`~tieredkv.scheduler.disk_tier` -- the disk tier (index, catalog, admission).
+* :mod:`~tieredkv.scheduler.disk_tier` -- the disk tier (index, catalog, admission);
+* :mod:`~tieredkv.scheduler.remote_tier` -- the shared remote tier (probes, write admission).
 
 Rules it keeps:
 * Only ``READY`` host chunks are promised. Disk chunks are first promoted into host slots
@@ -42,6 +43,7 @@ from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import LowerTier
 from tieredkv.scheduler.parts import PlannerParts
 from tieredkv.scheduler.placement import Placer
+from tieredkv.scheduler.remote_tier import RemoteTier
 from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import TierIndex
 
@@ -54,6 +56,7 @@ class Planner:
     ``config`` must be resolved for the engine's block size (:meth:`TieredKVConfig.resolved`,
     done once by :func:`tieredkv.vllm.geometry.engine_geometry`). The tier below host is the
     disk tier (``num_disk_slots``, journaled by ``catalog``), or any other ``lower_tier``.
+    Below both, optionally, the shared ``remote`` tier.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Planner:
         world_size: int = 1,
         catalog=None,
         lower_tier: LowerTier | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
         if not config.chunk_blocks:
             raise ValueError(
@@ -79,6 +83,7 @@ class Planner:
         self.world_size = world_size
         self.counters: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
+        self._probe_latency: list[float] = []
         self.host = TierIndex("host", num_host_slots, config.eviction)
         self.catalog = catalog
         self.lower: LowerTier | None = lower_tier
@@ -94,12 +99,14 @@ class Planner:
             )
             self.counters.update(disk.recovery_counts)
             self.lower = disk
+        self.remote = remote
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()
         parts = PlannerParts(
             config=config, block_size=block_size, host=self.host, lower=self.lower,
             requests=self._requests, ledger=self._ledger, epoch=epoch, counters=self.counters,
+            remote=remote,
         )
         self._placer = Placer(parts)
         self._lookup = Lookup(parts, placer=self._placer)
@@ -109,6 +116,8 @@ class Planner:
             JobKind.SPILL: self._placer.complete_spill,
             JobKind.PROMOTE: self._lookup.complete_promote,
             JobKind.LOAD: self._lookup.complete_load,
+            JobKind.REMOTE_READ: self._lookup.complete_remote_read,
+            JobKind.REMOTE_WRITE: self._placer.complete_remote_write,
         })
 
     @property
@@ -167,6 +176,8 @@ class Planner:
 
     def finished(self, req_id: str) -> bool:
         """The request finished; True when its blocks must wait for in-flight stores."""
+        if self.remote is not None:
+            self.remote.forget(req_id)
         state = self._requests.get(req_id)
         if state is None:
             return False
@@ -183,7 +194,11 @@ class Planner:
         return False
 
     def reset(self) -> None:
-        """Empty both tiers (weights changed or an operator asked); safe with jobs in flight."""
+        """Empty both tiers (weights changed or an operator asked); safe with jobs in flight.
+
+        The shared remote tier is never flushed (other replicas serve from it): this engine
+        only forgets what it believed was there. New weights change the namespace, and with
+        it every remote key name, so stale entries there are never read."""
         for state in self._requests:
             self._lookup.release_hit(state)
             state.next_store_chunk = 0
@@ -192,6 +207,8 @@ class Planner:
         if self.lower is not None:
             self.lower.clear()
         self._placer.clear_spill_queue()
+        if self.remote is not None:
+            self.remote.reset()
         self.counters["resets"] += 1
         logger.info("tieredkv: cache reset: both tiers emptied")
 
@@ -200,6 +217,7 @@ class Planner:
     def take_plan(self) -> StepPlan:
         """This step's jobs; queued spills get their disk slots now."""
         self._placer.plan_spills()
+        self._placer.plan_remote_writes()
         return self._ledger.take_plan()
 
     def apply(self, results: Iterable[JobResult]) -> None:
@@ -210,14 +228,23 @@ class Planner:
 
     def take_counter_deltas(self) -> dict[str, int]:
         """Counter increments since the last call (vLLM's stats path carries deltas)."""
+        if self.remote is not None:
+            self._probe_latency += self.remote.take_stats(self.counters)
         deltas = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
         self._reported = Counter(self.counters)
         return {k: v for k, v in deltas.items() if v}
 
+    def take_latency(self) -> dict[str, list[float]]:
+        """Latency samples since the last call: the remote probes' round trips."""
+        samples, self._probe_latency = self._probe_latency, []
+        return {"remote_probe": samples} if samples else {}
+
     def gauges(self) -> dict[str, int]:
         """Current occupancy, for usage-vs-capacity panels."""
         host = self.host
+        remote = {"remote_up": int(self.remote.up)} if self.remote is not None else {}
         return {
+            **remote,
             "host_slots_capacity": host.num_slots,
             "host_slots_used": host.used_slots,
             "host_slots_pinned": host.pinned_count,

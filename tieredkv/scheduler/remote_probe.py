@@ -213,6 +213,14 @@ class RemoteProbe:
         """Drop the known-present cache (vLLM's ``reset_cache``); answers given stay given."""
         self._known.clear()
 
+    def known(self, key: bytes) -> bool:
+        """Whether ``key`` was seen present for every rank (a hint; reads still verify)."""
+        return key in self._known
+
+    def unknow(self, key: bytes) -> None:
+        """A read of ``key`` failed: stop believing it is there."""
+        self._known.pop(key, None)
+
     @property
     def known_count(self) -> int:
         return len(self._known)

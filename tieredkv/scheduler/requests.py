@@ -15,6 +15,7 @@ class PendingHit:
     first_chunk: int
     keys: list[bytes]  # pinned host keys, chunk first_chunk + i
     lower_keys: set[bytes]  # those promoted from the lower tier for this request
+    remote_keys: set[bytes] = field(default_factory=set)  # those read from the remote tier
     num_tokens: int = 0
     epoch: int = 0
     partial: bool = False  # the last key holds only part of its chunk's blocks for this hit
@@ -28,6 +29,8 @@ class RequestState:
     store_jobs: set[int] = field(default_factory=set)
     promote_jobs: set[int] = field(default_factory=set)
     promoted_keys: set[bytes] = field(default_factory=set)
+    remote_keys: set[bytes] = field(default_factory=set)  # read from the remote tier for it
+    remote_done: bool = False  # the remote tier was asked (answered, read, or gave up)
     promote_rounds: int = 0
     promote_deadline: float = 0.0
     load_job: int | None = None

@@ -11,7 +11,8 @@ vLLM's worker thread only ever calls the non-blocking ``submit``/``poll`` (plus
   spills pass a bounded queue, so a slow disk drops them (counted) instead of delaying others;
 - load (h2d, :mod:`~tieredkv.transfer.load_jobs`): never on the event loop (see
   :meth:`TransferEngine.submit` for why): start to end on the h2d lane thread, or inline in
-  the caller's thread on CPU. A load's chunks are all in host slots.
+  the caller's thread on CPU. A load's chunks are all in host slots;
+- remote read and write (:mod:`~tieredkv.transfer.remote_driver`): on the store's own thread.
 
 Every submitted job gets exactly one :class:`JobResult`, also when it is cancelled, fenced or
 shut down.
@@ -49,6 +50,8 @@ from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.lanes import CopyLane, compute_mark
 from tieredkv.transfer.load_jobs import LoadJobs
+from tieredkv.transfer.remote_driver import RemoteDriver
+from tieredkv.transfer.remote_jobs import RemoteJobs
 from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.store_jobs import StoreJobs, StoreTicket
 from tieredkv.transfer.transfer_stats import TransferStats, job_kind
@@ -88,6 +91,7 @@ class TransferEngine:
         io_threads: int = 2,
         spill_queue_depth: int = 64,
         load_timeout_s: float = 30.0,
+        remote: RemoteJobs | None = None,
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
@@ -127,6 +131,8 @@ class TransferEngine:
         self._disk = DiskJobs(host, slab, self._guard, self.stats, self._finish,
                               io_threads=io_threads, spill_queue_depth=spill_queue_depth,
                               timeout_s=load_timeout_s, on_death=self._die)
+        self._remote = RemoteDriver(remote, self._guard, self.stats, self._finish,
+                                    host.payload_bytes)
 
         # Threads, started with the event loop on the first submit.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,22 +146,19 @@ class TransferEngine:
     def submit(self, jobs: Sequence[Job], *, inline_max_bytes: int = 0) -> None:
         """Queue jobs; returns at once. Thread-safe. Results arrive through :meth:`poll`.
 
-        Loads skip the event loop: they run start to end on the h2d lane thread, or, on a
-        CPU device when they move at most ``inline_max_bytes``, right here in the caller's
-        thread before this returns. Why: while vLLM waits for a load its engine thread spins
-        on empty steps holding the GIL, and every thread a job crosses waits up to a switch
-        interval (5 ms) for it; a host-tier hit had three or four such crossings.
-        On CPU vLLM calls ``start_load_kv`` for asynchronous loads *after* the step's
-        forward, so an inline copy (a memcpy, GIL released) delays no computation, and the
-        load is reported by the same step's ``get_finished``: the request runs one whole step
-        earlier than if the copy were still on a lane when the step ended. A big load
-        (a long context) would hold the whole engine meanwhile; the caller bounds it.
+        Loads skip the event loop: they run on the h2d lane thread, or, on a CPU device when
+        they move at most ``inline_max_bytes``, here in the caller's thread. Why: while vLLM
+        waits for a load its engine thread spins on empty steps holding the GIL, and each
+        thread a job crosses waits up to a switch interval (5 ms) for it. On CPU vLLM calls
+        ``start_load_kv`` *after* the step's forward, so an inline copy (a memcpy, GIL
+        released) delays no computation and is reported by the same step's ``get_finished``,
+        a whole step earlier. A big load would hold the engine meanwhile: the caller bounds it.
         """
         jobs = list(jobs)
         if not jobs:
             return
         for job in jobs:
-            if not isinstance(job, StoreJob | SpillJob | PromoteJob | LoadJob):
+            if not isinstance(job, Job):
                 raise TypeError(f"not a transfer job: {job!r}")
         now = time.monotonic()
         touches_device = any(isinstance(j, StoreJob | LoadJob) for j in jobs)
@@ -179,6 +182,7 @@ class TransferEngine:
                 self._finish(seq, _cancelled(job), t0)
             else:
                 accepted.append(entry)
+        accepted = self._remote.take(accepted)  # remote jobs: the store's thread, not the loop
         if not accepted:
             return
         loop = self._ensure_started()
@@ -222,8 +226,7 @@ class TransferEngine:
         False after ``timeout_s``. For a caller that has nothing else to do meanwhile."""
         with self._result_ready:
             return self._result_ready.wait_for(
-                lambda: bool(self._results) or not self._pending, max(0.0, timeout_s)
-            )
+                lambda: bool(self._results) or not self._pending, max(0.0, timeout_s))
 
     def fence_blocks(self, block_ids: Iterable[int], timeout_s: float = 5.0) -> None:
         """Before vLLM reuses ``block_ids``: no store may still read them afterwards.
@@ -244,13 +247,10 @@ class TransferEngine:
             self._device_paused = True
         self.fence_blocks(range(self.kv.num_blocks), timeout_s)
 
-        def device_quiet() -> bool:
-            return not any(isinstance(j, StoreJob | LoadJob) for j in self._pending.values())
-
         with self._result_ready:
             quiet = self._result_ready.wait_for(
-                device_quiet, max(0.0, deadline - time.monotonic())
-            )
+                lambda: not any(isinstance(j, StoreJob | LoadJob) for j in self._pending.values()),
+                max(0.0, deadline - time.monotonic()))
         if not quiet:
             logger.error("tieredkv: device copies still running %.1f s after sleep was "
                          "requested", timeout_s)
@@ -281,8 +281,9 @@ class TransferEngine:
             "h2d_queue": self._h2d.queued if self._h2d is not None else 0,
             "jobs_in_flight": in_flight,
             "host_slots_in_flight": self._guard.in_flight,
+            **self._remote.gauges(),
         }
-        return self.stats.take(gauges)
+        return {**self.stats.take(gauges), "remote_writes_failed": self._remote.take_writes_failed()}
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Finish in-flight jobs for up to ``timeout_s``, cancel the rest (each gets a result),
@@ -312,6 +313,7 @@ class TransferEngine:
                 if lane is not None:
                     lane.stop(0.0)
             self._disk.stop(wait_s=max(0.0, deadline - time.monotonic()))
+        self._remote.close(max(0.1, deadline - time.monotonic()))
         with self._lock:
             leftovers = list(self._pending.items())
         for seq, job in leftovers:

@@ -1,7 +1,7 @@
 """Remote jobs: host slots to and from the shared Redis/Valkey tier, one TP rank's shards.
 
-Reads: one ``batch_get`` per batch, answered by a future the engine polls. A value reaches
-its host slot only in :meth:`RemoteJobs.poll`, on the caller's thread, and only once
+Reads: one ``batch_get`` per batch, answered by a future; ``on_answer`` tells the owner when
+one can be polled. A value reaches its host slot only in :meth:`RemoteJobs.poll`, and only once
 ``codec.decode`` proved it is this rank's shard of this key in this namespace, of the exact
 payload length and checksum; anything else leaves the slot alone and is a miss with its
 cause. A slot stays *busy* until its read was polled, so the engine does not hand it to a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -93,6 +93,8 @@ class RemoteJobs:
         self._batches: list[_Batch] = []
         self._busy: set[int] = set()
         self._ready: list[JobResult] = []  # failed before reaching the network
+        # Called (on the store's thread, or the caller's) once a read's answer can be polled.
+        self.on_answer: Callable[[], None] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -139,9 +141,15 @@ class RemoteJobs:
                     continue
                 self._busy.add(slot)
                 jobs.append((job_id, key, slot))
+            future = None
             if jobs:
                 future = self.store.batch_get(names, timeout_s=self.timeout_s)
                 self._batches.append(_Batch(future, jobs))
+        callback = self.on_answer  # called outside the lock: it polls
+        if callback is not None and self._ready:
+            callback()
+        if callback is not None and future is not None:
+            future.add_done_callback(lambda _answered: callback())
 
     def poll(self) -> list[JobResult]:
         """Results of reads answered since the last poll; verified values land in their slots.

@@ -20,6 +20,8 @@ from tieredkv.protocol import (
     JobResult,
     LoadJob,
     PromoteJob,
+    RemoteReadJob,
+    RemoteWriteJob,
     SpillJob,
     StoreJob,
 )
@@ -37,11 +39,13 @@ _KIND_OF_JOB: dict[type, str] = {
     SpillJob: JobKind.SPILL.value,
     PromoteJob: JobKind.PROMOTE.value,
     LoadJob: JobKind.LOAD.value,
+    RemoteReadJob: JobKind.REMOTE_READ.value,
+    RemoteWriteJob: JobKind.REMOTE_WRITE.value,
 }
 
 
 def job_kind(job: Job) -> str:
-    """``store``, ``spill``, ``promote`` or ``load``."""
+    """The job's :class:`JobKind` value (``store``, ``spill``, ...)."""
     for job_type, kind in _KIND_OF_JOB.items():
         if isinstance(job, job_type):
             return kind
@@ -80,7 +84,8 @@ class TransferStats:
     def finished(self, kind: str, result: JobResult, seconds: float | None) -> None:
         with self._lock:
             if result.failure == FailureCause.DROPPED:
-                self.spills_dropped += 1
+                if kind == JobKind.SPILL:  # remote writes dropped: the scheduler counts them
+                    self.spills_dropped += 1
             elif not result.ok:
                 self.failures[result.failure or "unknown"] += 1
             samples = self.latency[kind]

@@ -28,7 +28,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tieredkv")
 
-_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# The shared remote tier has no source of its own in vLLM: it is reported as external.
+_SOURCES = {
+    "host": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
 
 
 class TieredKVConnector(KVConnectorBase_V1):

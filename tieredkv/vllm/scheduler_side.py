@@ -85,6 +85,8 @@ class SchedulerHalf:
                 world_size=geometry.world_size,
             )
         self.catalog = catalog
+        self.remote_store = None
+        remote = self._open_remote(config, host_slots, disk_slots) if config.has_remote else None
         self.planner = Planner(
             config,
             block_size=geometry.block_size,
@@ -92,6 +94,7 @@ class SchedulerHalf:
             num_disk_slots=disk_slots,
             world_size=geometry.world_size,
             catalog=catalog,
+            remote=remote,
         )
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":
@@ -114,6 +117,31 @@ class SchedulerHalf:
             "(%d bytes per rank), world size %d",
             host_slots, disk_slots, geometry.block_size * config.chunk_blocks,
             geometry.chunk_payload_bytes, geometry.world_size,
+        )
+
+    def _open_remote(self, config: TieredKVConfig, host_slots: int, disk_slots: int):
+        """The shared tier's probe and write admission; the store connects in the background."""
+        from tieredkv.remote.from_config import open_store
+        from tieredkv.scheduler.remote_probe import RemoteProbe
+        from tieredkv.scheduler.remote_tier import RemoteTier
+
+        geometry = self.geometry
+        store = self.remote_store = open_store(config, thread_name="tieredkv-remote-scheduler")
+        probe = RemoteProbe(
+            store, geometry.fingerprint, geometry.world_size,
+            prefix=config.remote_key_prefix, deadline_s=config.remote_timeout_s,
+        )
+        assert config.remote_url is not None
+        logger.info(
+            "tieredkv: remote tier %s (prefix %r, timeout %.3g s, writes %s); it is probed "
+            "without blocking the scheduler and connects in the background",
+            config.remote_url.redacted(), config.remote_key_prefix, config.remote_timeout_s,
+            "on" if config.remote_writes else "off",
+        )
+        return RemoteTier(
+            probe, is_up=lambda: store.up, writes=config.remote_writes,
+            admission=config.remote_admission,
+            seen_limit=max(1024, 4 * (host_slots + disk_slots)),
         )
 
     # ------------------------------------------------------------------ keys
@@ -241,9 +269,12 @@ class SchedulerHalf:
         return snapshot
 
     def _snapshot(self) -> dict:
+        counters = self.planner.take_counter_deltas()
+        latency = self.planner.take_latency()
         return {
             "scheduler": {
-                "counters": self.planner.take_counter_deltas(),
+                "counters": counters,
+                **({"latency_s": latency} if latency else {}),
                 "gauges": self.planner.gauges(),
                 "chunk_bytes": self.geometry.chunk_payload_bytes,
                 "chunk_tokens": self.geometry.block_size * self.config.chunk_blocks,
@@ -261,3 +292,6 @@ class SchedulerHalf:
         if self.catalog is not None:
             self.catalog.close()
             self.catalog = None
+        if self.remote_store is not None:
+            self.remote_store.close(2.0)
+            self.remote_store = None

@@ -120,12 +120,27 @@ class WorkerHalf:
             io_threads=self.config.io_threads,
             spill_queue_depth=self.config.spill_queue_depth,
             load_timeout_s=self.config.load_timeout_s,
+            remote=self._remote_jobs() if self.config.has_remote else None,
         )
         self.inline_host_loads = views.device.type == "cpu"
         logger.info(
             "tieredkv: worker rank %d ready: %d host slots (%s), %d disk slots, copy backend %s",
             self.rank, host_slots, "pinned" if self.host.pinned else "pageable", disk_slots,
             backend.describe(),
+        )
+
+    def _remote_jobs(self):
+        """This rank's reads and writes of the shared tier (its own store and thread)."""
+        from tieredkv.remote.from_config import open_store
+        from tieredkv.transfer.remote_jobs import RemoteJobs
+
+        config = self.config
+        assert self.host is not None
+        store = open_store(config, thread_name=f"tieredkv-remote-r{self.rank}")
+        return RemoteJobs(
+            store, self.host, fingerprint=self.geometry.fingerprint, rank=self.rank,
+            prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s or None,
+            timeout_s=config.remote_timeout_s,
         )
 
     # ------------------------------------------------------------------ steps
@@ -144,7 +159,8 @@ class WorkerHalf:
             self._load_reqs[job.job_id] = job.req_id
             self._awaited.add(job.job_id)
         self._awaited.update(job.job_id for job in plan.promotes)
-        jobs = [*plan.promotes, *plan.loads, *plan.spills]
+        self._awaited.update(job.job_id for job in plan.remote_reads)
+        jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.remote_writes]
         if jobs:
             if not self.inline_host_loads:
                 inline_max = 0

@@ -1,0 +1,42 @@
+"""One place that turns the ``remote_*`` settings into a running store, for both halves."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tieredkv.config import ConfigError, TieredKVConfig
+
+if TYPE_CHECKING:
+    from tieredkv.remote.threaded import ThreadedRemoteStore
+
+logger = logging.getLogger("tieredkv")
+
+
+def open_store(config: TieredKVConfig, *, thread_name: str) -> ThreadedRemoteStore:
+    """A :class:`ThreadedRemoteStore` for ``config.remote_url``; it connects in the background.
+
+    Never waits for Redis: a store that is down at start-up is marked down and reconnects
+    with backoff, so the engine starts and serves from host and disk meanwhile.
+    """
+    url = config.remote_url
+    assert url is not None, "open_store needs remote_url"
+    try:
+        from tieredkv.remote.threaded import ThreadedRemoteStore
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "redis":
+            raise ConfigError(
+                "remote_url", url.redacted(),
+                "the remote tier needs the redis client: install tieredkv with its 'remote' "
+                "extra (pip install '.[remote]' from a checkout, or redis>=5 on its own)",
+            ) from None
+        raise
+    timeout = config.remote_timeout_s
+    return ThreadedRemoteStore(
+        url,
+        thread_name=thread_name,
+        timeout_s=timeout,
+        connect_timeout_s=max(1.0, timeout),
+        write_timeout_s=max(5.0, timeout),
+        write_queue_bytes=config.remote_write_queue_bytes,
+    )

@@ -1,0 +1,113 @@
+"""The shared remote tier (Redis/Valkey) as the planner sees it: probe, admit, remember.
+
+The remote tier is not a :class:`~tieredkv.scheduler.lower_tier.LowerTier`: the scheduler
+does not own it (other replicas write and Redis evicts at any moment), so it keeps no index of
+it, only hints:
+
+* **Reads.** A lookup whose prefix continues past what host and disk hold asks
+  :meth:`RemoteTier.poll` how many more chunks every rank's shard exists for. The answer comes
+  from a non-blocking :class:`~tieredkv.scheduler.remote_probe.RemoteProbe` (``None``: ask
+  again). Present chunks are read into host slots by the workers and verified there before
+  anything is promised; a chunk that turns out gone or bad is a miss, counted by cause.
+* **Writes.** A chunk stored in host memory (a whole chunk: the probe asks for chunk keys) is
+  queued for the remote tier once admitted (``remote_admission`` sightings), unless it is
+  known to be there already (read from it, written before, or seen by a probe).
+* **Reset.** ``reset_cache`` forgets the hints, never the shared data: other replicas may be
+  serving from it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+from tieredkv.scheduler.remote_probe import RemoteProbe
+from tieredkv.scheduler.sightings import Sightings
+
+WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
+
+
+class RemoteTier:
+    """Probes and write admission for the shared tier (the scheduler's thread only)."""
+
+    name = "remote"
+
+    def __init__(
+        self,
+        probe: RemoteProbe,
+        *,
+        is_up: Callable[[], bool],
+        writes: bool,
+        admission: int,
+        seen_limit: int,
+        written_capacity: int = WRITTEN_CAPACITY,
+    ) -> None:
+        self.probe = probe
+        self._is_up = is_up
+        self.writes = writes
+        self._sightings = Sightings(admission, seen_limit)
+        self._written: OrderedDict[bytes, None] = OrderedDict()
+        self._written_capacity = written_capacity
+
+    @property
+    def up(self) -> bool:
+        return self._is_up()
+
+    # ------------------------------------------------------------------ reads
+
+    def poll(self, req_id: str, keys: Sequence[bytes]) -> int | None:
+        """Leading ``keys`` every rank holds remotely, 0 while the store is down, or None."""
+        if not keys:
+            return 0
+        if not self._is_up() and not self.probe.in_flight(req_id):
+            return 0  # known down: no call, no wait (remote_up says why)
+        return self.probe.poll(req_id, keys)
+
+    def forget(self, req_id: str) -> None:
+        self.probe.forget(req_id)
+
+    # ------------------------------------------------------------------ writes
+
+    def note_seen(self, key: bytes) -> bool:
+        """Count a sighting; True when the chunk should now be written (if not there yet)."""
+        return self.writes and self._sightings.note(key) and not self.holds_hint(key)
+
+    def admits(self, key: bytes) -> bool:
+        return self.writes and self._sightings.admits(key)
+
+    def holds_hint(self, key: bytes) -> bool:
+        """Whether this engine believes the remote tier holds ``key`` (so not to write it)."""
+        return key in self._written or self.probe.known(key)
+
+    def remember(self, key: bytes) -> None:
+        """``key`` was written by this engine or read from the remote tier."""
+        written = self._written
+        written[key] = None
+        written.move_to_end(key)
+        while len(written) > self._written_capacity:
+            written.popitem(last=False)
+
+    def forget_key(self, key: bytes) -> None:
+        """A read of ``key`` failed: it is not there (or not usable); it may be written again."""
+        self._written.pop(key, None)
+        self.probe.unknow(key)
+
+    def reset(self) -> None:
+        """vLLM's reset_cache: forget every hint; the shared data stays for other replicas."""
+        self._written.clear()
+        self._sightings.clear()
+        self.probe.reset()
+
+    # ------------------------------------------------------------------ metrics
+
+    def take_stats(self, counters: Counter[str]) -> list[float]:
+        """Add the probe's counters since the last call to ``counters``; its latencies."""
+        stats = self.probe.take_stats()
+        counters["remote_probes"] += stats.probes
+        counters["remote_probe_keys"] += stats.keys_probed
+        counters["remote_probe_known_hits"] += stats.known_hits
+        if stats.timeouts:
+            counters["remote_probe_failed_timeout"] += stats.timeouts
+        for cause, count in stats.failures.items():
+            counters[f"remote_probe_failed_{cause}"] += count
+        return list(stats.latency_s)

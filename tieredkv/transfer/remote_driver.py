@@ -1,0 +1,142 @@
+"""The transfer engine's remote path: remote read and write jobs -> :class:`RemoteJobs`.
+
+Neither kind ever blocks the caller. A read takes its host slot for writing (the slot
+guard) from submit until its answer was polled and verified, so no load or spill reads a
+half-landed slot; a write copies its slot into the store's bounded queue during submit and
+reports at once (``done``: queued; ``dropped``: no room or store down). A read's answer is
+verified and reported as soon as it arrives (:meth:`RemoteDriver.pump`, on the store's thread),
+so the engine's poll, drain and idle wait see it like any other job's.
+
+Without a remote tier on this worker (no ``remote_url``, or the store failed to build), every
+remote job fails ``unavailable``: the scheduler counts it and recomputes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from tieredkv.protocol import Direction, FailureCause, JobResult, RemoteReadJob, RemoteWriteJob
+from tieredkv.transfer.remote_jobs import RemoteJobs
+from tieredkv.transfer.slot_guard import SlotGuard
+from tieredkv.transfer.transfer_stats import Finish, TransferStats
+
+RemoteJob = RemoteReadJob | RemoteWriteJob
+# (submission seq, job, submit time)
+RemoteEntry = tuple[int, RemoteJob, float]
+# The engine's entries: (submission seq, job, store ticket, submit time, compute mark).
+EngineEntry = tuple[int, Any, Any, float, Any]
+
+
+class RemoteDriver:
+    """Runs remote jobs for one engine; thread-safe (submit and pump may race)."""
+
+    def __init__(
+        self,
+        jobs: RemoteJobs | None,
+        guard: SlotGuard,
+        stats: TransferStats,
+        finish: Finish,
+        payload_bytes: int,
+    ) -> None:
+        self.jobs = jobs
+        self._guard = guard
+        self._stats = stats
+        self._finish = finish
+        self._payload_bytes = payload_bytes
+        self._lock = threading.Lock()
+        self._reads: dict[int, tuple[int, RemoteReadJob, float]] = {}  # job id -> entry
+        self._writes_failed_seen = 0
+        if jobs is not None:
+            jobs.on_answer = self.pump
+
+    def take(self, entries: list[EngineEntry]) -> list[EngineEntry]:
+        """Submit the remote jobs among the engine's ``entries``; return the others."""
+        remote = [(e[0], e[1], e[3]) for e in entries if isinstance(e[1], RemoteReadJob | RemoteWriteJob)]
+        if not remote:
+            return entries
+        self.submit(remote)  # type: ignore[arg-type]
+        return [e for e in entries if not isinstance(e[1], RemoteReadJob | RemoteWriteJob)]
+
+    def submit(self, entries: Sequence[RemoteEntry]) -> None:
+        """Start the reads (one batch) and queue the writes; never waits on the network."""
+        if self.jobs is None:
+            for seq, job, t0 in entries:
+                self._finish(seq, JobResult.fail(job.job_id, FailureCause.UNAVAILABLE), t0)
+            return
+        reads: list[tuple[int, bytes, int]] = []
+        writes: list[tuple[int, bytes, int]] = []
+        write_entries: dict[int, tuple[int, RemoteWriteJob, float]] = {}
+        for seq, job, t0 in entries:
+            if isinstance(job, RemoteReadJob):
+                if not self._guard.try_write(job.host_slot):
+                    self._finish(seq, JobResult.fail(job.job_id, FailureCause.COPY_ERROR), t0)
+                    continue
+                with self._lock:
+                    self._reads[job.job_id] = (seq, job, t0)
+                reads.append((job.job_id, job.key, job.host_slot))
+            else:
+                if not self._guard.try_read(job.host_slot):
+                    self._finish(seq, JobResult.fail(job.job_id, FailureCause.COPY_ERROR), t0)
+                    continue
+                write_entries[job.job_id] = (seq, job, t0)
+                writes.append((job.job_id, job.key, job.host_slot))
+        if reads:
+            self.jobs.start_reads(reads)  # answers arrive through pump (on_answer)
+        if writes:
+            try:
+                results = self.jobs.write(writes)
+            finally:
+                for _, _, slot in writes:
+                    self._guard.release(slot, write=False)
+            for result in results:
+                seq, job, t0 = write_entries[result.job_id]
+                if result.ok:
+                    self._stats.moved(Direction.REMOTE_WRITE, self._payload_bytes)
+                self._finish(seq, result, t0)
+
+    def pump(self) -> None:
+        """Finish every read whose answer arrived (verified values are in their slots)."""
+        if self.jobs is None:
+            return
+        for result in self.jobs.poll():
+            self._settle(result)
+
+    def _settle(self, result: JobResult) -> None:
+        with self._lock:
+            entry = self._reads.pop(result.job_id, None)
+        if entry is None:
+            return
+        seq, job, t0 = entry
+        self._guard.release(job.host_slot, write=True)
+        if result.ok:
+            self._stats.moved(Direction.REMOTE_READ, self._payload_bytes)
+        self._finish(seq, result, t0)
+
+    @property
+    def reads_in_flight(self) -> int:
+        with self._lock:
+            return len(self._reads)
+
+    def gauges(self) -> dict[str, int]:
+        """The store's write backlog (items), for the ``remote_write_queue`` gauge."""
+        if self.jobs is None:
+            return {}
+        return {"remote_write_queue": self.jobs.store.stats().queue_items}
+
+    def take_writes_failed(self) -> int:
+        """Queued writes Redis did not take since the last call (the store's own counter)."""
+        if self.jobs is None:
+            return 0
+        total = self.jobs.store.stats().writes_failed
+        with self._lock:
+            delta, self._writes_failed_seen = total - self._writes_failed_seen, total
+        return max(0, delta)
+
+    def close(self, timeout_s: float) -> None:
+        """Close the store; reads it never answered finish ``cancelled`` (slots freed)."""
+        if self.jobs is None:
+            return
+        for result in self.jobs.close(timeout_s):
+            self._settle(result)
