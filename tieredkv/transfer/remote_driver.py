@@ -13,6 +13,7 @@ remote job fails ``unavailable``: the scheduler counts it and recomputes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from tieredkv.protocol import Direction, FailureCause, JobResult, RemoteReadJob,
 from tieredkv.transfer.remote_jobs import RemoteJobs
 from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.transfer_stats import Finish, TransferStats
+
+logger = logging.getLogger(__name__)
 
 RemoteJob = RemoteReadJob | RemoteWriteJob
 # (submission seq, job, submit time)
@@ -135,8 +138,11 @@ class RemoteDriver:
         return max(0, delta)
 
     def close(self, timeout_s: float) -> None:
-        """Close the store; reads it never answered finish ``cancelled`` (slots freed)."""
+        """Give queued writes up to half of ``timeout_s`` (when the store is up), then close
+        the store; reads it never answered finish ``cancelled`` (slots freed)."""
         if self.jobs is None:
             return
-        for result in self.jobs.close(timeout_s):
+        if self.jobs.store.up and not self.jobs.flush_writes(timeout_s / 2):
+            logger.warning("tieredkv: remote writes still queued at shutdown are dropped")
+        for result in self.jobs.close(timeout_s / 2):
             self._settle(result)
