@@ -1,0 +1,240 @@
+"""Two replicas sharing a real Redis: planner + transfer engine + KV bytes, no vLLM.
+
+Each replica is what one vLLM engine runs: a :class:`Planner` with the remote tier's probe,
+a :class:`TransferEngine` on CPU KV caches whose ``RemoteJobs`` read and write the same
+Redis (one node, or a 3-master Cluster). Replica A computes and stores a prompt; replica B,
+whose KV caches hold other bytes, must load A's bytes exactly, or miss for a stated cause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.remote.remote_helpers import FAST
+from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
+from tests.transfer.transfer_helpers import layout_caches
+from tieredkv.config import TieredKVConfig
+from tieredkv.remote.codec import HEADER_BYTES, remote_key
+from tieredkv.remote_url import parse_remote_url
+from tieredkv.scheduler.planner import Planner
+from tieredkv.scheduler.remote_probe import RemoteProbe
+from tieredkv.scheduler.remote_tier import RemoteTier
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
+from tieredkv.transfer.engine import TransferEngine
+from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.kv_views import KVViews
+from tieredkv.transfer.remote_jobs import RemoteJobs
+
+NUM_BLOCKS = 48
+FINGERPRINT = hashlib.sha256(b"tests/scheduler remote replicas").digest()
+OTHER_FINGERPRINT = hashlib.sha256(b"another model or setting").digest()
+TOKENS = list(range(5 * CHUNK_TOKENS + 9))  # 5 whole chunks and a partial one
+B_BLOCKS = list(range(20, 20 + len(TOKENS) // BLOCK + 1))  # B's device blocks for the prompt
+
+
+@dataclass
+class Replica:
+    planner: Planner
+    engine: TransferEngine
+    kv: KVViews
+    stores: list[Any]
+
+    def step(self) -> None:
+        """One scheduler step: the plan's jobs run on the worker, results come back."""
+        plan = self.planner.take_plan()
+        jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.stores,
+                *plan.remote_writes]
+        if jobs:
+            self.engine.submit(jobs)
+        assert self.engine.drain(10.0), "a job never reported"
+        self.planner.apply(self.engine.poll())
+
+    def settle(self) -> None:
+        """Step until nothing is in flight (stores, remote writes), then flush the queue."""
+        for _ in range(50):
+            self.step()
+            if not self.planner.has_pending_work():
+                break
+        remote = self.engine._remote.jobs
+        assert remote is not None and remote.flush_writes(10.0)
+
+    def compute_and_store(self, req: str, tokens: list[int], blocks: list[int]) -> None:
+        """The prompt was computed into ``blocks``: store its chunks (and tail)."""
+        self.planner.set_block_ids(req, blocks, replace=True)
+        self.planner.plan_stores(req, keys_for(tokens), len(tokens), tail=True)
+        self.settle()
+        self.planner.finished(req)
+
+    def lookup(self, req: str, tokens: list[int], limit_s: float = 10.0) -> int:
+        """Ask as vLLM does, one step between each "ask again", until an answer comes."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            hit = self.planner.lookup(req, keys_for(tokens), 0, len(tokens))
+            if hit is not None:
+                return hit
+            self.step()
+            time.sleep(0.002)
+        raise AssertionError(f"lookup of {req} still 'ask again' after {limit_s} s")
+
+    def load(self, req: str, hit: int, blocks: list[int]) -> None:
+        self.planner.on_alloc(req, blocks, hit)
+        self.step()
+
+
+@pytest.fixture
+def make_replica(prefix: str) -> Iterator[Callable[..., Replica]]:
+    """Factory: a replica on ``url`` with its own KV bytes (``seed``) and stores."""
+    from tieredkv.remote.threaded import ThreadedRemoteStore
+
+    made: list[Replica] = []
+
+    def make(url: str, *, seed: int, fingerprint: bytes = FINGERPRINT, writes: bool = True,
+             timeout_s: float = 2.0, store_options: dict | None = None) -> Replica:
+        options = {**FAST, "timeout_s": timeout_s, **(store_options or {})}
+        probe_store = ThreadedRemoteStore(parse_remote_url(url), **options)
+        worker_store = ThreadedRemoteStore(parse_remote_url(url), **options)
+        config = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, "host_bytes": "64MiB"})
+        probe = RemoteProbe(probe_store, fingerprint, 1, prefix=prefix, deadline_s=timeout_s)
+        tier = RemoteTier(probe, is_up=lambda: probe_store.up, writes=writes, admission=1,
+                          seen_limit=1024)
+        kv = KVViews.from_kv_caches(layout_caches(num_blocks=NUM_BLOCKS, seed=seed), NUM_BLOCKS)
+        host = HostPool(16, kv.slot_payload_bytes(CHUNK_BLOCKS), pin=False)
+        jobs = RemoteJobs(worker_store, host, fingerprint=fingerprint, rank=0, prefix=prefix,
+                          ttl_s=None, timeout_s=timeout_s)
+        engine = TransferEngine(kv, host, None, backend=TorchCopyBackend(), remote=jobs)
+        planner = Planner(config, block_size=BLOCK, num_host_slots=16, remote=tier)
+        replica = Replica(planner, engine, kv, [probe_store, worker_store])
+        made.append(replica)
+        for store in replica.stores:
+            store.wait_up(5.0)
+        return replica
+
+    yield make
+    for replica in made:
+        replica.engine.shutdown(timeout_s=2.0)
+        replica.stores[0].close(1.0)
+
+
+def _rows(kv: KVViews, blocks: list[int]) -> list[torch.Tensor]:
+    return [kv.rows[layer][b].clone() for layer in range(kv.num_layers) for b in blocks]
+
+
+def _redis(url: str) -> Any:
+    import redis
+
+    parsed = parse_remote_url(url)
+    if parsed.cluster:
+        return redis.RedisCluster(host=parsed.host, port=parsed.port)
+    return redis.Redis(host=parsed.host, port=parsed.port, db=parsed.db)
+
+
+def test_a_prompt_stored_by_one_replica_is_loaded_by_another_bit_exact(make_replica, deployment):
+    a = make_replica(deployment, seed=1)
+    b = make_replica(deployment, seed=2)
+    a_blocks = list(range(len(TOKENS) // BLOCK + 1))
+    a.compute_and_store("a", TOKENS, a_blocks)
+    assert a.planner.counters["remote_written_chunks"] == 5  # whole chunks only, not the tail
+    whole = 5 * CHUNK_TOKENS
+    hit = b.lookup("b", TOKENS)
+    assert hit == whole
+    assert b.planner.counters["remote_read_chunks"] == 5
+    assert b.planner.hit_tokens("b") == {}  # nothing is loaded before vLLM allocates
+    before = _rows(b.kv, B_BLOCKS[: whole // BLOCK])
+    b.load("b", hit, B_BLOCKS)
+    assert b.planner.hit_tokens("b") == {"host": 0, "disk": 0, "remote": whole}
+    assert b.planner.counters["hit_tokens_remote"] == whole
+    got = _rows(b.kv, B_BLOCKS[: whole // BLOCK])
+    assert all(torch.equal(x, y) for x, y in zip(got, _rows(a.kv, a_blocks[: whole // BLOCK]), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(got, before, strict=True))  # bytes really moved
+
+
+def test_a_corrupted_or_foreign_value_is_a_miss_counted_by_cause(make_replica, redis_server, prefix):
+    url = redis_server.url
+    a = make_replica(url, seed=1)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    chunk_keys = keys_for(TOKENS).materialize(5)
+    client = _redis(url)
+    third = remote_key(FINGERPRINT, 0, chunk_keys[2], prefix)
+    value = bytearray(client.get(third))
+    value[HEADER_BYTES + 7] ^= 0x40  # one bit of the payload
+    client.set(third, bytes(value))
+    b = make_replica(url, seed=2)
+    assert b.lookup("b", TOKENS) == 2 * CHUNK_TOKENS  # the prefix up to the corrupted chunk
+    assert b.planner.counters["remote_read_failed_checksum"] == 1
+    # A value written for another chunk, copied under this chunk's name: wrong key.
+    client.set(remote_key(FINGERPRINT, 0, chunk_keys[0], prefix),
+               client.get(remote_key(FINGERPRINT, 0, chunk_keys[1], prefix)))
+    c = make_replica(url, seed=3)
+    assert c.lookup("c", TOKENS) == 0
+    assert c.planner.counters["remote_read_failed_wrong_key"] == 1
+
+
+def test_another_namespace_never_sees_the_entries(make_replica, redis_server):
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    other = make_replica(redis_server.url, seed=2, fingerprint=OTHER_FINGERPRINT)
+    assert other.lookup("b", TOKENS) == 0
+    other.planner.take_counter_deltas()  # folds the probe's counters in
+    assert other.planner.counters["remote_probes"] == 1
+    assert other.planner.counters["remote_read_chunks"] == 0
+
+
+def test_reset_forgets_hints_but_never_flushes_the_shared_tier(make_replica, redis_server, prefix):
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    client = _redis(redis_server.url)
+    before = len(client.keys(f"{prefix}:*"))
+    assert before == 5
+    a.planner.reset()
+    assert len(client.keys(f"{prefix}:*")) == before
+    b = make_replica(redis_server.url, seed=2)
+    assert b.lookup("b", TOKENS) == 5 * CHUNK_TOKENS
+
+
+def test_a_read_only_replica_writes_nothing(make_replica, redis_server, prefix):
+    a = make_replica(redis_server.url, seed=1, writes=False)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    assert a.planner.counters["remote_written_chunks"] == 0
+    assert _redis(redis_server.url).keys(f"{prefix}:*") == []
+
+
+def test_redis_down_at_start_answers_at_once_and_serves_local_hits(make_replica, fresh_server):
+    server = fresh_server(start=False)  # nothing listens on its port
+    a = make_replica(server.url, seed=1)
+    assert not a.planner.remote.up
+    keys = keys_for(TOKENS)
+    assert a.planner.lookup("x", keys, 0, len(TOKENS)) == 0  # no "ask again" while down
+    a.planner.finished("x")
+    a.planner.set_block_ids("a", list(range(len(TOKENS) // BLOCK + 1)), replace=True)
+    a.planner.plan_stores("a", keys, len(TOKENS), tail=True)
+    a.step()
+    a.planner.finished("a")
+    for _ in range(5):
+        a.step()  # the writes were dropped (store down), counted
+    assert a.planner.counters["remote_writes_dropped"] == 5
+    assert a.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) == len(TOKENS) // BLOCK * BLOCK
+
+
+def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fresh_server):
+    server = fresh_server()
+    a = make_replica(server.url, seed=1, timeout_s=0.3)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    b = make_replica(server.url, seed=2, timeout_s=0.3)
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)  # a partition: connections hang, nothing answers
+    try:
+        assert b.lookup("b", TOKENS, limit_s=10.0) == 0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    b.planner.take_counter_deltas()  # folds the probe's counters in
+    assert b.planner.counters["remote_probe_failed_timeout"] == 1
+    assert b.planner.counters["remote_read_chunks"] == 0
