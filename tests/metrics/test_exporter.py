@@ -116,3 +116,48 @@ def test_start_exporter_serves_the_registry_on_loopback(parse_samples) -> None:
     assert samples.labelled("vllm:tieredkv_load_failures_total", "cause") == {
         cause: (1.0 if cause == "wrong_key" else 0.0) for cause in FAILURE_CAUSES
     }
+
+
+REMOTE_PAYLOAD = {
+    "scheduler": {
+        "counters": {"hit_tokens_remote": 384, "remote_probes": 3, "remote_read_chunks": 3,
+                     "remote_written_chunks": 5, "remote_probe_failed_timeout": 1,
+                     "remote_probe_failed_unavailable": 2, "remote_read_failed_checksum": 1,
+                     "remote_writes_dropped": 4, "remote_write_failed": 1,
+                     "remote_admission_rejected": 6, "evictions_remote": 9},
+        "gauges": {"remote_up": 1, "remote_used_bytes": 5_000_000,
+                   "remote_capacity_bytes": 64 << 20},
+        "latency_s": {"remote_probe": [0.0004, 0.002, 0.3]},
+        "chunk_bytes": 4096, "chunk_tokens": 64, "world_size": 2,
+    },
+    "workers": {"0": {"bytes": {"remote_read": 4096, "remote_write": 8192},
+                      "ops": {"remote_read": 1, "remote_write": 2},
+                      "latency_s": {"remote_read": [0.001]}, "remote_writes_failed": 2,
+                      "queue_depths": {"remote_write_queue": 3}}},
+}
+
+
+def test_exporter_records_the_remote_tier() -> None:
+    registry = CollectorRegistry()
+    build_exporter_metrics(registry, REMOTE_PAYLOAD, model_name="bench")
+    assert value(registry, "vllm:tieredkv_hit_tokens_total", tier="remote") == 384
+    assert value(registry, "vllm:tieredkv_remote_up") == 1
+    assert value(registry, "vllm:tieredkv_used_bytes", tier="remote") == 5_000_000
+    assert value(registry, "vllm:tieredkv_capacity_bytes", tier="remote") == 64 << 20
+    assert value(registry, "vllm:tieredkv_evictions_total", tier="remote") == 9
+    assert value(registry, "vllm:tieredkv_remote_probes_total") == 3
+    assert value(registry, "vllm:tieredkv_remote_probe_latency_seconds_count") == 3
+    assert value(registry, "vllm:tieredkv_remote_probe_latency_seconds_bucket", le="0.001") == 1
+    assert value(registry, "vllm:tieredkv_remote_probe_failures_total", cause="timeout") == 1
+    assert value(registry, "vllm:tieredkv_remote_probe_failures_total", cause="unavailable") == 2
+    assert value(registry, "vllm:tieredkv_remote_read_failures_total", cause="checksum") == 1
+    assert value(registry, "vllm:tieredkv_remote_read_failures_total", cause="missing") == 0
+    assert value(registry, "vllm:tieredkv_remote_writes_dropped_total") == 4
+    assert value(registry, "vllm:tieredkv_remote_write_failures_total") == 3  # 1 job + 2 queued
+    assert value(registry, "vllm:tieredkv_remote_admission_rejected_total") == 6
+    assert value(registry, "vllm:tieredkv_chunks_total", op="remote_read") == 3
+    assert value(registry, "vllm:tieredkv_chunks_total", op="remote_written") == 5
+    assert value(registry, "vllm:tieredkv_bytes_total", direction="remote_write") == 8192
+    assert value(registry, "vllm:tieredkv_operations_total", direction="remote_read") == 1
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="remote_read") == 1
+    assert value(registry, "vllm:tieredkv_queue_depth", queue="remote_write_queue") == 3

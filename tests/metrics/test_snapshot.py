@@ -61,9 +61,9 @@ def test_is_empty() -> None:
 def test_summary() -> None:
     data = {"scheduler": SCHED, "workers": {"0": WORKER, "1": WORKER}}
     assert snapshot.summary(data) == {
-        "hit_tokens_host": 128, "hit_tokens_disk": 0, "d2h_MiB": 2.0, "spill_MiB": 1.0,
+        "hit_tokens_host": 128, "hit_tokens_disk": 0, "hit_tokens_remote": 0, "d2h_MiB": 2.0, "spill_MiB": 1.0,
         "failures": 2, "reads_retried": 2,
     }
     assert snapshot.summary({}) == {
-        "hit_tokens_host": 0, "hit_tokens_disk": 0, "failures": 0, "reads_retried": 0,
+        "hit_tokens_host": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0, "failures": 0, "reads_retried": 0,
     }

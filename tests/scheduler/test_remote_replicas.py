@@ -105,7 +105,8 @@ def make_replica(prefix: str) -> Iterator[Callable[..., Replica]]:
         config = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, "host_bytes": "64MiB"})
         probe = RemoteProbe(probe_store, fingerprint, 1, prefix=prefix, deadline_s=timeout_s)
         tier = RemoteTier(probe, is_up=lambda: probe_store.up, writes=writes, admission=1,
-                          seen_limit=1024)
+                          seen_limit=1024,
+                          server_info=lambda: probe_store.run(probe_store.store.server_info, None))
         kv = KVViews.from_kv_caches(layout_caches(num_blocks=NUM_BLOCKS, seed=seed), NUM_BLOCKS)
         host = HostPool(16, kv.slot_payload_bytes(CHUNK_BLOCKS), pin=False)
         jobs = RemoteJobs(worker_store, host, fingerprint=fingerprint, rank=0, prefix=prefix,
@@ -228,7 +229,8 @@ def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fr
     server = fresh_server()
     a = make_replica(server.url, seed=1, timeout_s=0.3)
     a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
-    b = make_replica(server.url, seed=2, timeout_s=0.3)
+    # No health pings meanwhile: the lookup itself must find out, within its deadline.
+    b = make_replica(server.url, seed=2, timeout_s=0.3, store_options={"health_interval_s": 600})
     assert server.proc is not None
     os.kill(server.proc.pid, signal.SIGSTOP)  # a partition: connections hang, nothing answers
     try:
@@ -238,3 +240,35 @@ def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fr
     b.planner.take_counter_deltas()  # folds the probe's counters in
     assert b.planner.counters["remote_probe_failed_timeout"] == 1
     assert b.planner.counters["remote_read_chunks"] == 0
+
+
+def _wait_gauges(replica: Replica, name: str, limit_s: float = 10.0) -> dict[str, int]:
+    """The planner's gauges once ``name`` is in them (the server is asked in the background)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        gauges = replica.planner.gauges()
+        if name in gauges:
+            return gauges
+        time.sleep(0.01)
+    raise AssertionError(f"{name} never reported")
+
+
+def test_keys_redis_evicts_are_misses_and_counted(make_replica, fresh_server, prefix):
+    server = fresh_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    a = make_replica(server.url, seed=1)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    gauges = _wait_gauges(a, "remote_used_bytes")
+    assert gauges["remote_capacity_bytes"] == 4 * 1024 * 1024 and gauges["remote_used_bytes"] > 0
+    assert gauges["remote_up"] == 1
+    client = _redis(server.url)
+    for i in range(64):  # another tenant's 8 MiB: A's chunks are the least recently used
+        client.set(f"filler:{i}", b"x" * (128 << 10))
+    assert client.keys(f"{prefix}:*") == []
+    b = make_replica(server.url, seed=2)
+    assert b.lookup("b", TOKENS) == 0
+    deadline = time.monotonic() + 15.0
+    while a.planner.counters["evictions_remote"] == 0 and time.monotonic() < deadline:
+        a.planner.remote._info_at = float("-inf")  # type: ignore[union-attr] # now, not in 5 s
+        a.planner.gauges()
+        time.sleep(0.05)
+    assert a.planner.counters["evictions_remote"] >= 5

@@ -122,14 +122,18 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "queue", QUEUES),
     "capacity_bytes": _spec(
         "capacity_bytes", GAUGE,
-        "KV payload bytes a tier can hold, all ranks (slots x chunk bytes x world size).",
+        "KV payload bytes a tier can hold, all ranks (slots x chunk bytes x world size); "
+        "remote: Redis's maxmemory (0: no limit set).",
         "tier", TIERS),
     "used_bytes": _spec(
         "used_bytes", GAUGE,
-        "KV payload bytes in a tier's occupied slots (ready or being written), all ranks.",
+        "KV payload bytes in a tier's occupied slots (ready or being written), all ranks; "
+        "remote: Redis's used_memory (the whole server).",
         "tier", TIERS),
     "evictions": _spec(
-        "evictions", COUNTER, "Chunks evicted to make room, by tier.", "tier", TIERS),
+        "evictions", COUNTER,
+        "Chunks evicted to make room, by tier; remote: keys Redis itself evicted (INFO "
+        "evicted_keys, the whole server, one key per chunk and rank).", "tier", TIERS),
     "disk_admission_rejected": _spec(
         "disk_admission_rejected", COUNTER,
         "Stored chunks not spilled to disk because they were not seen often enough "

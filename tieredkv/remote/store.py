@@ -52,6 +52,11 @@ def _value(reply: Any) -> bytes | None:
     return reply if reply is None else bytes(reply)
 
 
+def _per_node(reply: Any) -> bool:
+    """A Cluster's INFO answered per node ({node: {...}}) rather than merged."""
+    return isinstance(reply, dict) and bool(reply) and all(isinstance(v, dict) for v in reply.values())
+
+
 def _ttl_ms(ttl_s: float | None) -> int | None:
     return None if ttl_s is None else max(1, int(ttl_s * 1000))
 
@@ -179,6 +184,25 @@ class RemoteStore:
         with self._lock:
             self._writes["dropped"] += dropped
         await self._conn.aclose(timeout_s * 3 / 4)
+
+    async def server_info(self, timeout_s: float | None = None) -> dict[str, int] | None:
+        """``used_memory``, ``maxmemory`` and ``evicted_keys`` of the deployment (summed over
+        a Cluster's primaries), from ``INFO``; None while down or on any error (metrics only)."""
+        client, _gen = self._conn.current()
+        if client is None:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
+                if self._url.cluster:
+                    replies = await client.info(target_nodes="primaries")  # type: ignore[call-arg]
+                    infos = list(replies.values()) if _per_node(replies) else [replies]
+                else:
+                    infos = [await client.info()]
+            return {name: sum(int(info.get(name, 0) or 0) for info in infos)
+                    for name in ("used_memory", "maxmemory", "evicted_keys")}
+        except Exception as exc:  # noqa: BLE001 - a gauge that misses one refresh, not a failure
+            logger.debug("tieredkv remote tier: INFO failed: %s", self._url.scrub(repr(exc)))
+            return None
 
     # -- batched calls -----------------------------------------------------------------------
 

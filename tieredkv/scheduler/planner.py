@@ -242,7 +242,9 @@ class Planner:
     def gauges(self) -> dict[str, int]:
         """Current occupancy, for usage-vs-capacity panels."""
         host = self.host
-        remote = {"remote_up": int(self.remote.up)} if self.remote is not None else {}
+        remote: dict[str, int] = {}
+        if self.remote is not None:
+            remote = {"remote_up": int(self.remote.up), **self.remote.server_gauges(self.counters)}
         return {
             **remote,
             "host_slots_capacity": host.num_slots,

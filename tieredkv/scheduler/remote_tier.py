@@ -18,13 +18,19 @@ it, only hints:
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 from tieredkv.scheduler.remote_probe import RemoteProbe
 from tieredkv.scheduler.sightings import Sightings
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
+INFO_INTERVAL_S = 5.0  # how often the server's memory and evictions are asked for (metrics)
+
+# The server's own figures: used_memory, maxmemory, evicted_keys (None: down or failed).
+ServerInfo = Callable[[], "Future[dict[str, int] | None]"]
 
 
 class RemoteTier:
@@ -41,6 +47,8 @@ class RemoteTier:
         admission: int,
         seen_limit: int,
         written_capacity: int = WRITTEN_CAPACITY,
+        server_info: ServerInfo | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.probe = probe
         self._is_up = is_up
@@ -48,6 +56,12 @@ class RemoteTier:
         self._sightings = Sightings(admission, seen_limit)
         self._written: OrderedDict[bytes, None] = OrderedDict()
         self._written_capacity = written_capacity
+        self._server_info = server_info
+        self._clock = clock
+        self._info: dict[str, int] | None = None
+        self._info_future: Future[dict[str, int] | None] | None = None
+        self._info_at = float("-inf")
+        self._evicted_seen: int | None = None
 
     @property
     def up(self) -> bool:
@@ -111,3 +125,28 @@ class RemoteTier:
         for cause, count in stats.failures.items():
             counters[f"remote_probe_failed_{cause}"] += count
         return list(stats.latency_s)
+
+    def server_gauges(self, counters: Counter[str]) -> dict[str, int]:
+        """The server's memory use and limit (``remote_used_bytes``, ``remote_capacity_bytes``;
+        0: no ``maxmemory``), refreshed in the background every ``INFO_INTERVAL_S``; the
+        keys Redis evicted since the last reading go to ``evictions_remote``. Never waits."""
+        future = self._info_future
+        if future is not None and future.done():
+            self._info_future = None
+            info = future.result() if future.exception() is None else None
+            if info is not None:
+                self._info = info
+                evicted = info.get("evicted_keys", 0)
+                if self._evicted_seen is not None and evicted > self._evicted_seen:
+                    counters["evictions_remote"] += evicted - self._evicted_seen
+                self._evicted_seen = evicted
+        now = self._clock()
+        if self._server_info is not None and self._info_future is None and (
+                now - self._info_at >= INFO_INTERVAL_S):
+            self._info_at = now
+            self._info_future = self._server_info()
+        info = self._info
+        if info is None:
+            return {}
+        return {"remote_used_bytes": info.get("used_memory", 0),
+                "remote_capacity_bytes": info.get("maxmemory", 0)}

@@ -142,6 +142,7 @@ class SchedulerHalf:
             probe, is_up=lambda: store.up, writes=config.remote_writes,
             admission=config.remote_admission,
             seen_limit=max(1024, 4 * (host_slots + disk_slots)),
+            server_info=lambda: store.run(lambda: store.store.server_info(), None),
         )
 
     # ------------------------------------------------------------------ keys
