@@ -262,7 +262,7 @@ class TieredKVConfig:
     remote_url: RemoteURL | None = None
     remote_password_env: str | None = None
     remote_key_prefix: str = DEFAULT_KEY_PREFIX
-    # (0, 60] seconds: every network call (probe, read, write batch) gives up after this.
+    # (0, 60] seconds: probes and reads give up after this (background write batches: >= 5 s).
     remote_timeout_s: float = 0.5
     # [0, 1 year] seconds; 0: values never expire (Redis's maxmemory-policy evicts them).
     remote_ttl_s: float = 0.0

@@ -128,3 +128,34 @@ def test_readme_lists_every_metric() -> None:
     for spec in METRIC_SPECS.values():
         name = spec.exposed_names[0] if spec.kind != "histogram" else spec.name
         assert f"`{name}" in section, name
+
+
+def test_dashboard_has_a_remote_tier_row_with_every_remote_metric() -> None:
+    dashboard = load_dashboard()
+    rows = [p["title"].lower() for p in dashboard["panels"] if p["type"] == "row"]
+    assert any("remote" in title for title in rows), rows
+    titles = " | ".join(p["title"].lower() for p in all_panels(dashboard))
+    for needed in ("remote up", "remote probe latency p50 / p99", "remote used vs capacity"):
+        assert needed in titles, needed
+    exprs = dashboard_exprs(dashboard)
+    joined = " ".join(exprs)
+    for key, spec in METRIC_SPECS.items():
+        if key.startswith("remote_"):
+            name = spec.name + "_bucket" if spec.kind == "histogram" else spec.exposed_names[0]
+            assert f"{name}{{" in joined, name
+    # Redis's used/capacity bytes and evictions are server-wide, the same on every replica:
+    # a query either shows them once (tier="remote", max) or leaves them out of a sum.
+    for expr in exprs:
+        if re.search(r"tieredkv_(used_bytes|capacity_bytes|evictions_total)\{", expr):
+            assert 'tier!="remote"' in expr or (
+                'tier="remote"' in expr and expr.startswith("max(")), expr
+
+
+def test_transfer_latency_job_label_is_read_as_exported_job() -> None:
+    # Prometheus's own target label `job` wins over the metric's `job` label, which a default
+    # scrape config (no honor_labels) stores as `exported_job`: a query on `job` would group
+    # every job kind into one series and find no remote_read/remote_write series at all.
+    exprs = [e for e in dashboard_exprs(load_dashboard()) if "transfer_latency" in e]
+    assert exprs
+    for expr in exprs:
+        assert "exported_job" in expr and not re.search(r"[{,(]\s*job\b", expr), expr

@@ -28,7 +28,7 @@ def open_store(config: TieredKVConfig, *, thread_name: str) -> ThreadedRemoteSto
             raise ConfigError(
                 "remote_url", url.redacted(),
                 "the remote tier needs the redis client: install tieredkv with its 'remote' "
-                "extra (pip install '.[remote]' from a checkout, or redis>=5 on its own)",
+                "extra (pip install '.[remote]' from a checkout, or redis>=6 on its own)",
             ) from None
         raise
     timeout = config.remote_timeout_s

@@ -62,6 +62,7 @@ class RemoteTier:
         self._info_future: Future[dict[str, int] | None] | None = None
         self._info_at = float("-inf")
         self._evicted_seen: int | None = None
+        self._skipped_down = 0
 
     @property
     def up(self) -> bool:
@@ -74,7 +75,8 @@ class RemoteTier:
         if not keys:
             return 0
         if not self._is_up() and not self.probe.in_flight(req_id):
-            return 0  # known down: no call, no wait (remote_up says why)
+            self._skipped_down += 1  # known down: no call, no wait
+            return 0
         return self.probe.poll(req_id, keys)
 
     def forget(self, req_id: str) -> None:
@@ -124,6 +126,9 @@ class RemoteTier:
             counters["remote_probe_failed_timeout"] += stats.timeouts
         for cause, count in stats.failures.items():
             counters[f"remote_probe_failed_{cause}"] += count
+        if self._skipped_down:
+            counters["remote_probe_failed_unavailable"] += self._skipped_down
+            self._skipped_down = 0
         return list(stats.latency_s)
 
     def server_gauges(self, counters: Counter[str]) -> dict[str, int]:
