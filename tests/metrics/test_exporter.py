@@ -59,10 +59,10 @@ def test_exporter_records_a_stats_payload_exactly() -> None:
     assert value(registry, "vllm:tieredkv_operations_total", direction="restore") == 1
     assert value(registry, "vllm:tieredkv_spills_dropped_total") == 1
     assert value(registry, "vllm:tieredkv_queue_depth", queue="spill_queue") == 7
-    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="spill") == 2
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="spill") == 2
     assert value(registry, "vllm:tieredkv_transfer_latency_seconds_bucket",
-                 job="spill", le="0.1") == 1
-    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="promote") == 1
+                 kind="spill", le="0.1") == 1
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="promote") == 1
     assert value(registry, "vllm:tieredkv_load_latency_seconds_count") == 0
     for cause in FAILURE_CAUSES:
         assert value(registry, "vllm:tieredkv_store_failures_total", cause=cause) == 0
@@ -71,7 +71,7 @@ def test_exporter_records_a_stats_payload_exactly() -> None:
     assert value(registry, "vllm:tieredkv_lookups_total") == 4
     assert value(registry, "vllm:tieredkv_bytes_total", direction="spill") == 16384
     assert value(registry, "vllm:tieredkv_used_bytes", tier="host") == 4 * 4096
-    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="spill") == 4
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="spill") == 4
 
 
 def test_exporter_and_vllm_share_names_help_and_label_values() -> None:
@@ -159,5 +159,5 @@ def test_exporter_records_the_remote_tier() -> None:
     assert value(registry, "vllm:tieredkv_chunks_total", op="remote_written") == 5
     assert value(registry, "vllm:tieredkv_bytes_total", direction="remote_write") == 8192
     assert value(registry, "vllm:tieredkv_operations_total", direction="remote_read") == 1
-    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="remote_read") == 1
+    assert value(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="remote_read") == 1
     assert value(registry, "vllm:tieredkv_queue_depth", queue="remote_write_queue") == 3

@@ -117,7 +117,7 @@ def test_every_metric_exists_at_zero_with_vllm_labels(connector_prom, registry) 
     for queue in QUEUES:
         assert sample(registry, "vllm:tieredkv_queue_depth", queue=queue) == 0.0
     for job in JOB_KINDS:
-        assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", job=job) == 0.0
+        assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind=job) == 0.0
 
 
 def test_observe_counts_sets_and_observes_exactly(connector_prom, registry) -> None:
@@ -179,16 +179,16 @@ def test_observe_counts_sets_and_observes_exactly(connector_prom, registry) -> N
     assert sample(registry, "vllm:tieredkv_queue_depth", queue="spill_queue") == 5
     assert sample(registry, "vllm:tieredkv_queue_depth", queue="d2h_queue") == 1
     # Histograms observe every sample.
-    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="store") == 3
-    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_sum", job="store") == (
+    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="store") == 3
+    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_sum", kind="store") == (
         pytest.approx(0.027)
     )
     assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_bucket",
-                  job="store", le="0.005") == 2
+                  kind="store", le="0.005") == 2
     assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_bucket",
-                  job="store", le="0.025") == 3
-    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="spill") == 1
-    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", job="promote") == 0
+                  kind="store", le="0.025") == 3
+    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="spill") == 1
+    assert sample(registry, "vllm:tieredkv_transfer_latency_seconds_count", kind="promote") == 0
     assert sample(registry, "vllm:tieredkv_load_latency_seconds_count") == 1
     assert sample(registry, "vllm:tieredkv_load_latency_seconds_bucket", le="0.0005") == 1
     assert sample(registry, "vllm:tieredkv_load_latency_seconds_bucket", le="0.00025") == 0

@@ -228,9 +228,9 @@ def assert_transfers_consistent(samples) -> None:
     hits = tkv(samples, "hit_tokens_total")
     assert tkv(samples, "bytes_total", direction="h2d") == hits // BLOCK_TOKENS * BLOCK_BYTES
     latency = "transfer_latency_seconds_count"
-    assert tkv(samples, latency, job="store") == stored
-    assert tkv(samples, latency, job="spill") == spilled
-    assert tkv(samples, latency, job="promote") == promoted
+    assert tkv(samples, latency, kind="store") == stored
+    assert tkv(samples, latency, kind="spill") == spilled
+    assert tkv(samples, latency, kind="promote") == promoted
 
 
 def assert_stores_accounted(after, before, chunks: int) -> None:
@@ -396,7 +396,7 @@ def test_repeat_hits_the_host_tier(traffic) -> None:
         HOST_HIT_TOKENS // BLOCK_TOKENS * BLOCK_BYTES
     )
     assert delta(after, before, "load_latency_seconds_count") == 1
-    assert delta(after, before, "transfer_latency_seconds_count", job="load") == 1
+    assert delta(after, before, "transfer_latency_seconds_count", kind="load") == 1
     # The chunks beyond the hit are new: stored (evicting the hit's chunks) or skipped.
     assert_stores_accounted(after, before, ENTRIES - HOST_SLOTS)
     assert delta(after, before, "evictions_total", tier="host") >= 1
@@ -432,7 +432,7 @@ def test_shared_prefix_is_promoted_from_disk(traffic) -> None:
     assert delta(after, before, "bytes_total", direction="h2d") == (
         HOST_HIT_TOKENS // BLOCK_TOKENS * BLOCK_BYTES
     )
-    assert delta(after, before, "transfer_latency_seconds_count", job="promote") == HOST_SLOTS
+    assert delta(after, before, "transfer_latency_seconds_count", kind="promote") == HOST_SLOTS
     assert vllm_delta(after, before, "vllm:prompt_tokens_cached_by_source_total",
                       source="disk") == HOST_HIT_TOKENS
     assert_transfers_consistent(after)

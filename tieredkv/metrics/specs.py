@@ -115,7 +115,7 @@ METRIC_SPECS: dict[str, MetricSpec] = {
     "transfer_latency": _spec(
         "transfer_latency_seconds", HISTOGRAM,
         "Duration of one transfer job on one rank, by job kind (store, spill, promote, load).",
-        "job", JOB_KINDS, LATENCY_BUCKETS),
+        "kind", JOB_KINDS, LATENCY_BUCKETS),
     "queue_depth": _spec(
         "queue_depth", GAUGE,
         "Work queued in the transfer engines, summed over ranks (latest value per rank).",
