@@ -98,6 +98,12 @@ def test_building_twice_in_one_registry_is_refused() -> None:
         build_exporter_metrics(registry)
 
 
+# What Prometheus 2.x sends: it prefers OpenMetrics, which prometheus_client >= 0.22 answers
+# with names escaped (vllm: -> vllm_), so the exporter must answer in the text format.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
 def test_start_exporter_serves_the_registry_on_loopback(parse_samples) -> None:
     registry = CollectorRegistry()
     build_exporter_metrics(registry, PAYLOAD, model_name="bench")
@@ -105,13 +111,17 @@ def test_start_exporter_serves_the_registry_on_loopback(parse_samples) -> None:
     try:
         host, port = server.server_address[:2]
         assert host == "127.0.0.1"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                         headers={"Accept": PROMETHEUS_ACCEPT})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.headers["Content-Type"].startswith("text/plain")
             text = reply.read().decode()
     finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
     samples = parse_samples(text)
+    assert "vllm_tieredkv" not in text
     assert samples.value("vllm:tieredkv_lookups_total", model_name="bench") == 2
     assert samples.labelled("vllm:tieredkv_load_failures_total", "cause") == {
         cause: (1.0 if cause == "wrong_key" else 0.0) for cause in FAILURE_CAUSES

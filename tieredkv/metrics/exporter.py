@@ -19,10 +19,19 @@ not need it).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from tieredkv.metrics.recorder import MetricFactory, TieredKVMetrics
 from tieredkv.metrics.specs import COUNTER, GAUGE, HISTOGRAM
@@ -66,5 +75,28 @@ def start_exporter(port: int, registry: CollectorRegistry, addr: str = "127.0.0.
 
     Loopback by default. Returns ``(server, thread)``; ``server.server_port`` is the port bound
     (pass ``port=0`` for a free one) and ``server.shutdown()`` stops it.
+
+    Always the text format, as vLLM's own ``/metrics`` serves: prometheus_client (0.22 on)
+    answers a Prometheus that asks for OpenMetrics with names escaped, ``vllm:`` becoming
+    ``vllm_``, and the dashboard's ``vllm:tieredkv_*`` queries would then find nothing.
     """
-    return start_http_server(port, addr=addr, registry=registry)
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet scrapes
+            pass
+
+    server = ThreadingHTTPServer((addr, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="tieredkv-metrics", daemon=True)
+    thread.start()
+    return server, thread
