@@ -1,7 +1,8 @@
-"""The ``tieredkv`` command: look inside a disk tier without starting an engine.
+"""The ``tieredkv`` command: look inside a tier without starting an engine.
 
 ``tieredkv inspect PATH`` says what a disk tier holds; ``tieredkv verify PATH [--drop]`` reads
-every journaled slot on every rank and checks it byte for byte. Exit codes: 0 all good,
+every journaled slot on every rank and checks it byte for byte; ``tieredkv remote URL
+[--purge]`` counts (or deletes) a shared Redis tier's keys by namespace and rank. Exit codes: 0 all good,
 1 bad slots found, 2 usage errors (with a message naming the problem). The directory must be
 one an engine would accept (owned by this user, not writable by group or others) and no file
 in it is opened through a symlink; otherwise the command stops with exit code 2. Neither
@@ -322,6 +323,52 @@ def demo_cmd(args: argparse.Namespace) -> int:
     from tieredkv.tools.demo import run_demo
 
     return run_demo(args.workdir, users=args.users, turns=args.turns)
+
+
+def _remote_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="the engines' remote_url (redis://, rediss://, redis+cluster://)")
+    parser.add_argument("--password-env", help="environment variable holding the password")
+    parser.add_argument("--prefix", default="tkv", help="the engines' remote_key_prefix")
+    parser.add_argument("--purge", action="store_true",
+                        help="delete the tieredkv keys under the prefix (other replicas lose them)")
+    parser.add_argument("--namespace", help="with --purge: only this namespace (16 hex digits)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+@subcommand("remote", "show what a shared Redis tier holds, or purge it", configure=_remote_args)
+def remote_cmd(args: argparse.Namespace) -> int:
+    from tieredkv.remote_url import check_prefix, parse_remote_url
+    from tieredkv.tools.remote_admin import connect, purge, report
+
+    try:
+        url = parse_remote_url(args.url, password_env=args.password_env)
+        prefix = check_prefix(args.prefix)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.namespace and not args.purge:
+        raise UsageError("--namespace only goes with --purge")
+    try:
+        client = connect(url)
+        if args.purge:
+            deleted = purge(client, prefix, args.namespace)
+            print(f"deleted {deleted} keys under {prefix}:"
+                  + (f"{args.namespace}:" if args.namespace else ""))
+            return EXIT_OK
+        found = report(client, prefix).as_dict()
+    except Exception as exc:  # noqa: BLE001 - any client error: say it, never the password
+        raise UsageError(f"{url.redacted()}: {url.scrub(str(exc))}") from None
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return EXIT_OK
+    server = found["server"]
+    print(f"{url.redacted()}: {found['keys']} tieredkv keys under {prefix}:, "
+          f"{found['value_bytes']} value bytes; server uses {server['used_memory']} of "
+          f"{server['maxmemory'] or 'unlimited'} bytes, evicted {server['evicted_keys']} keys")
+    for ns, ranks in found["namespaces"].items():
+        print(f"  namespace {ns}: " + ", ".join(f"{r} {n}" for r, n in ranks.items()))
+    if found["other_keys"]:
+        print(f"  {found['other_keys']} other keys under the prefix (not tieredkv shards)")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
