@@ -1,6 +1,7 @@
 """Redis fixtures for every test folder (a pytest plugin loaded by tests/conftest.py).
 
-Real redis-server processes on loopback ports, for tests/remote, tests/transfer and tests/scheduler.
+Real redis-server processes on loopback ports (``tieredkv.testing.redis_procs``), for tests/remote,
+tests/transfer and tests/scheduler.
 
 Nothing is mocked and nothing is skipped: without redis-server (Debian package, installed by
 ``scripts/setup_env.sh``) or the ``redis`` client every test that needs them fails and says
@@ -26,8 +27,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - an environment problem,
         raise
     RemoteStore = None  # type: ignore[assignment,misc]
 
-from tests.remote.remote_helpers import FAST, SETUP_HINT, RedisClusterProcs, RedisServer
+from tests.remote.remote_helpers import FAST
 from tieredkv.remote_url import parse_remote_url
+from tieredkv.testing.redis_procs import SETUP_HINT, RedisClusterProcs, RedisServer
 
 
 def _require_client() -> None:

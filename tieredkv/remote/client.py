@@ -16,6 +16,7 @@ from typing import Any
 from redis import exceptions as rex
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -26,6 +27,41 @@ logger = logging.getLogger(__name__)
 
 CLIENT_NAME = "tieredkv"
 RemoteClient = Redis | RedisCluster
+# Writes hand the socket at most this much at a time, and wait for it to drain past this.
+WRITE_SLICE_BYTES = 1 << 20
+WRITE_HIGH_WATER_BYTES = 2 << 20
+
+
+class _SlicedWrites:
+    """Send a pipeline in 1 MiB slices, draining as it goes.
+
+    redis-py's asyncio connection hands a whole pipeline to ``StreamWriter.writelines``,
+    which (CPython 3.11) joins it into one ``bytes`` and leaves the unsent rest in a
+    ``bytearray`` that is shifted after every partial ``send``: time grows with the square of
+    the pipeline (16 chunks of 8 MiB: a 128 MiB buffer shifted hundreds of times). Slices
+    keep the transport's buffer at a few MiB, so each shift is cheap and nothing is joined.
+    """
+
+    _writer: asyncio.StreamWriter
+
+    async def _send_packed_command(self, command: Any) -> None:
+        writer = self._writer
+        transport = writer.transport
+        for piece in command:
+            view = memoryview(piece)
+            for start in range(0, len(view), WRITE_SLICE_BYTES):
+                writer.write(view[start:start + WRITE_SLICE_BYTES])
+                if transport.get_write_buffer_size() >= WRITE_HIGH_WATER_BYTES:
+                    await writer.drain()
+        await writer.drain()
+
+
+class SlicedConnection(_SlicedWrites, Connection):
+    pass
+
+
+class SlicedSSLConnection(_SlicedWrites, SSLConnection):
+    pass
 
 
 def make_client(
@@ -41,10 +77,18 @@ def make_client(
         "retry": Retry(NoBackoff(), 0),
         "client_name": CLIENT_NAME,
     }
+    sliced = SlicedSSLConnection if url.tls else SlicedConnection
     if url.cluster:
         nodes = [ClusterNode(host, port) for host, port in url.nodes]
-        return RedisCluster(startup_nodes=nodes, **common)
-    return Redis(host=url.host, port=url.port, db=url.db, **common)
+        cluster = RedisCluster(startup_nodes=nodes, **common)
+        # Nodes discovered later are built from connection_kwargs; the seeds exist already.
+        cluster.nodes_manager.connection_kwargs["connection_class"] = sliced
+        for node in cluster.nodes_manager.startup_nodes.values():
+            node.connection_class = sliced
+        return cluster
+    client = Redis(host=url.host, port=url.port, db=url.db, **common)
+    client.connection_pool.connection_class = sliced
+    return client
 
 
 async def handshake(client: RemoteClient) -> None:
