@@ -30,6 +30,7 @@ RemoteClient = Redis | RedisCluster
 # Writes hand the socket at most this much at a time, and wait for it to drain past this.
 WRITE_SLICE_BYTES = 1 << 20
 WRITE_HIGH_WATER_BYTES = 2 << 20
+READ_SIZE_BYTES = 1 << 20
 
 
 class _SlicedWrites:
@@ -76,6 +77,8 @@ def make_client(
         "socket_connect_timeout": connect_timeout_s,
         "retry": Retry(NoBackoff(), 0),
         "client_name": CLIENT_NAME,
+        # Chunk values are MiBs: read them in big pieces, not redis-py's 64 KiB default.
+        "socket_read_size": READ_SIZE_BYTES,
     }
     sliced = SlicedSSLConnection if url.tls else SlicedConnection
     if url.cluster:
