@@ -4,7 +4,8 @@ The worker-side connector is a process global in vLLM, so every configuration ge
 process. Input: the path of a JSON spec in argv[1]; output: one JSON line prefixed with RESULT= on stdout.
 Phases run in order on the same engine: ``generate`` (a batch of prompts), ``reset_prefix``
 (vLLM's own prefix cache, so the next phase can only hit tieredkv), ``reset_all`` (tieredkv
-too), ``drain`` (wait until tieredkv has no job in flight).
+too), ``drain`` (wait until tieredkv has no job in flight), ``wait_for_file`` (create the file
+``touch``, then wait for the file ``path``: the test acts on the world between two phases).
 """
 
 from __future__ import annotations
@@ -107,11 +108,19 @@ def main() -> None:
             record["ok"] = llm.reset_prefix_cache(reset_connector=True)
         elif kind == "drain":
             drain(llm, phase.get("timeout_s", 30.0))
+        elif kind == "wait_for_file":
+            open(phase["touch"], "w").close()
+            deadline = time.monotonic() + phase.get("timeout_s", 120.0)
+            while not os.path.exists(phase["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"wait_for_file: {phase['path']} never appeared")
+                time.sleep(0.02)
         half = find_scheduler_half(llm)
         if half is not None:
             record["counters"] = dict(half.planner.counters)
             record["host_ready"] = half.planner.host.ready_count
             record["disk_ready"] = half.planner.disk.ready_count if half.planner.disk else 0
+            record["gauges"] = half.planner.gauges()
         result["phases"].append(record)
     if spec.get("speculative_config"):
         result["spec_decode"] = {

@@ -120,13 +120,21 @@ class SchedulerHalf:
         )
 
     def _open_remote(self, config: TieredKVConfig, host_slots: int, disk_slots: int):
-        """The shared tier's probe and write admission; the store connects in the background."""
-        from tieredkv.remote.from_config import open_store
+        """The shared tier's probe and write admission; the store connects in the background.
+
+        vLLM builds the scheduler just before the first requests arrive, and a lookup while
+        the store is not up skips it (a miss): the first requests of a new replica would miss
+        a Redis that holds their prefixes while its first handshake (a Cluster's takes
+        ~0.1 s) is still on the wire. So start-up waits for that one attempt, bounded by
+        its connect timeout; a server that refuses ends the wait at once.
+        """
+        from tieredkv.remote.from_config import await_first_connect, open_store
         from tieredkv.scheduler.remote_probe import RemoteProbe
         from tieredkv.scheduler.remote_tier import RemoteTier
 
         geometry = self.geometry
         store = self.remote_store = open_store(config, thread_name="tieredkv-remote-scheduler")
+        await_first_connect(store, config)
         probe = RemoteProbe(
             store, geometry.fingerprint, geometry.world_size,
             prefix=config.remote_key_prefix, deadline_s=config.remote_timeout_s,

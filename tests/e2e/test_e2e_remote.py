@@ -1,0 +1,284 @@
+"""The shared remote tier (issue #14) on real vLLM engines and a real redis-server.
+
+Every engine is its own process, so a hit in a second engine can only come from Redis: it
+never shared host memory or a disk tier with the engine that wrote the chunks. Outputs are
+compared token for token and logprob for logprob with an engine without tieredkv, and every
+prompt's hit is checked against the exact number of tokens the remote tier can serve: its
+whole chunks (the remote tier never holds a prompt's partial tail), up to vLLM's limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import (
+    CHUNK_TOKENS,
+    MAX_TOKENS,
+    PROMPTS,
+    assert_same_as_reference,
+    expected_hit_tokens,
+    generate,
+    outputs_by_name,
+    run_engine,
+    run_engine_with_options,
+    tieredkv_config,
+)
+from tieredkv.testing.redis_procs import RedisClusterProcs, RedisServer
+
+pytestmark = pytest.mark.vllm
+
+DRAIN = {"kind": "drain"}
+RESET = {"kind": "reset_prefix"}
+RESET_ALL = {"kind": "reset_all"}
+# Not chunk multiples, but for on_boundary, whose last whole chunk vLLM cannot use in full.
+NAMES = ["p1", "p2", "boundary_minus_1", "boundary_plus_1", "on_boundary"]
+SALTED = "p3"  # written by the writer only under the salt "tenant-a"
+PREFIX = "e2e"  # the writer's and the readers' key prefix on the module's Redis
+TIMEOUT_S = 0.2  # remote_timeout_s: a dead Redis may cost a request at most this long
+ROPE_5000 = {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}}  # as test_e2e_namespace
+
+
+def whole_chunks(name: str) -> int:
+    return len(PROMPTS[name]) // CHUNK_TOKENS
+
+
+def remote_hit_tokens(name: str) -> int:
+    """Tokens a fresh engine serves from the remote tier for a prompt another engine saw:
+    the prompt's whole chunks, up to what vLLM takes from any cache (it computes at least
+    the last token, so a prompt ending on a chunk boundary uses 3 of its last chunk's 4 blocks)."""
+    return min(whole_chunks(name) * CHUNK_TOKENS, expected_hit_tokens(len(PROMPTS[name])))
+
+
+def spec(model: str, phases: list[dict], url: str, **kv) -> dict:
+    return {
+        "model": model, "max_tokens": MAX_TOKENS, "phases": phases,
+        "kv_transfer_config": tieredkv_config(host_bytes="256MiB", remote_url=url, **kv),
+    }
+
+
+def ok(result: dict) -> dict:
+    assert "startup_error" not in result, result.get("startup_traceback")
+    return result
+
+
+def delta(phases: list[dict], index: int, counter: str) -> int:
+    """How much ``counter`` grew during phase ``index`` (the runner's counters are totals)."""
+    before = phases[index - 1]["counters"].get(counter, 0) if index else 0
+    return phases[index]["counters"].get(counter, 0) - before
+
+
+def redis_keys(server: RedisServer, prefix: str) -> list[str]:
+    """The keys under ``prefix`` on one node (``{prefix}:{namespace}:r{rank}:{chunk key}``)."""
+    return server.cli("--scan", "--pattern", f"{prefix}:*").split()
+
+
+def assert_served_from_remote(phases: list[dict], index: int, names: list[str], reference: dict) -> None:
+    """Phase ``index`` of a fresh engine: each prompt hit exactly its remote-servable tokens,
+    all of them counted as remote hits (none from host or disk), with the reference's outputs."""
+    phase = phases[index]
+    assert_same_as_reference(phase, names, reference)
+    got = {name: out["num_cached_tokens"] for name, out in zip(names, phase["outputs"], strict=True)}
+    assert got == {name: remote_hit_tokens(name) for name in names}
+    assert delta(phases, index, "hit_tokens_remote") == sum(got.values()), phase["counters"]
+    assert delta(phases, index, "hit_tokens_host") == 0, phase["counters"]
+    assert delta(phases, index, "hit_tokens_disk") == 0, phase["counters"]
+    assert delta(phases, index, "remote_read_chunks") == sum(whole_chunks(n) for n in names)
+    failed = {k: v for k, v in phase["counters"].items() if k.startswith("remote_read_failed_")}
+    assert not failed, failed
+
+
+# ---------------------------------------------------------------- one writer, one reader
+
+
+@pytest.fixture(scope="module")
+def writer(tiny_model, redis_server) -> dict:
+    """Engine A: computes NAMES and the salted prompt, writes them to the module's Redis,
+    then resets with reset_connector and exits. Also the keys Redis holds right after."""
+    result = ok(run_engine(spec(
+        tiny_model,
+        [generate(*NAMES), generate(SALTED, salt="tenant-a"), DRAIN, RESET_ALL],
+        redis_server.url, remote_key_prefix=PREFIX,
+    )))
+    return {"phases": result["phases"], "keys": redis_keys(redis_server, PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def reader(tiny_model, redis_server, writer) -> list[dict]:
+    """Engine B, a fresh process on the same Redis after A exited: NAMES, then the salted
+    prompt under another tenant's salt and under the writer's."""
+    return ok(run_engine(spec(
+        tiny_model,
+        [generate(*NAMES), generate(SALTED, salt="tenant-b"), RESET, generate(SALTED, salt="tenant-a")],
+        redis_server.url, remote_key_prefix=PREFIX,
+    )))["phases"]
+
+
+def test_second_engine_serves_what_only_the_first_saw(writer, reader, reference):
+    written = writer["phases"]
+    assert_same_as_reference(written[0], NAMES, reference)
+    assert [out["num_cached_tokens"] for out in written[0]["outputs"]] == [0] * len(NAMES)
+    # Every whole chunk the writer computed went to Redis, and nothing else (no tails).
+    expected_chunks = sum(whole_chunks(n) for n in NAMES) + whole_chunks(SALTED)
+    assert written[2]["counters"].get("remote_written_chunks", 0) == expected_chunks, written[2]["counters"]
+    assert_served_from_remote(reader, 0, NAMES, reference)
+    # Chunks read from Redis are not written back.
+    assert reader[0]["counters"].get("remote_written_chunks", 0) == 0, reader[0]["counters"]
+
+
+def test_cache_salt_separates_tenants_across_replicas(reader, reference):
+    _, other_tenant, _, same_tenant = reader
+    assert other_tenant["outputs"][0]["num_cached_tokens"] == 0
+    assert delta(reader, 1, "hit_tokens_remote") == 0, other_tenant["counters"]
+    assert_same_as_reference(other_tenant, [SALTED], reference)
+    # Positive control: the writer's own salt hits in the same engine, so the miss above is
+    # the salt's doing.
+    assert same_tenant["outputs"][0]["num_cached_tokens"] == remote_hit_tokens(SALTED)
+    assert delta(reader, 3, "hit_tokens_remote") == remote_hit_tokens(SALTED), same_tenant["counters"]
+    assert_same_as_reference(same_tenant, [SALTED], reference)
+
+
+def test_reset_with_connector_does_not_flush_the_shared_tier(writer, reader, reference):
+    assert writer["phases"][3]["ok"] is True
+    # After the writer's reset_all and exit: one shard (rank 0) of every chunk it wrote, in
+    # one namespace...
+    keys = writer["keys"]
+    assert len(keys) == sum(whole_chunks(n) for n in NAMES) + whole_chunks(SALTED), keys
+    assert len({key.split(":")[1] for key in keys}) == 1, keys
+    assert {key.split(":")[2] for key in keys} == {"r0"}
+    # ... which the next engine hits.
+    assert reader[0]["outputs"][0]["num_cached_tokens"] == remote_hit_tokens(NAMES[0])
+
+
+# ---------------------------------------------------------------- Redis Cluster
+
+
+def test_two_engines_on_a_three_master_cluster(tiny_model, reference, redis_cluster: RedisClusterProcs):
+    names = ["p1", "boundary_plus_1"]
+    url = redis_cluster.url  # redis+cluster://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3
+    written = ok(run_engine(spec(tiny_model, [generate(*names), DRAIN], url)))["phases"]
+    assert_same_as_reference(written[0], names, reference)
+    read = ok(run_engine(spec(tiny_model, [generate(*names)], url)))["phases"]
+    assert_served_from_remote(read, 0, names, reference)
+    # The shards really are spread over the masters (each chunk key is its own hash tag).
+    per_node = [len(redis_keys(node, "tkv")) for node in redis_cluster.servers]
+    assert sum(per_node) == sum(whole_chunks(n) for n in names), per_node
+    assert sum(1 for count in per_node if count) >= 2, per_node
+
+
+# ---------------------------------------------------------------- a KV-affecting change
+
+
+def test_changed_rope_base_misses_what_the_writer_stored(tiny_model, redis_server, writer, reference):
+    names = ["p1", "p2"]
+    options = {"engine_kwargs": {"hf_overrides": ROPE_5000}}
+    changed = ok(run_engine_with_options({
+        **spec(tiny_model, [generate(*names)], redis_server.url, remote_key_prefix=PREFIX), **options,
+    }))["phases"][0]
+    own = ok(run_engine_with_options({
+        "model": tiny_model, "max_tokens": MAX_TOKENS, "prefix_caching": False,
+        "phases": [generate(*names)], **options,
+    }))["phases"][0]
+    own_reference = outputs_by_name({**own, "names": names})
+    # The change alters the outputs, so chunks stored before it would show if served.
+    assert any(own_reference[n]["token_ids"] != reference[n]["token_ids"] for n in names)
+    assert [out["num_cached_tokens"] for out in changed["outputs"]] == [0] * len(names)
+    counters = changed["counters"]
+    assert counters.get("hit_tokens_remote", 0) == 0, counters
+    assert counters.get("remote_read_chunks", 0) == 0, counters
+    # Redis was up and asked: the other namespace's key names simply are not there.
+    assert counters.get("remote_probes", 0) > 0, counters
+    assert changed["gauges"]["remote_up"] == 1
+    assert_same_as_reference(changed, names, own_reference)
+
+
+# ---------------------------------------------------------------- Redis failing
+
+
+def test_redis_killed_mid_run_never_hangs_or_corrupts(tiny_model, reference, fresh_server, tmp_path: Path):
+    server = fresh_server()
+    waiting, go = tmp_path / "waiting", tmp_path / "go"
+    phases = [
+        generate("p1"), DRAIN,
+        {"kind": "wait_for_file", "touch": str(waiting), "path": str(go)},
+        RESET_ALL, generate("p1", "p2"), generate("p3"), DRAIN,
+    ]
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = run_engine(spec(tiny_model, phases, server.url, remote_timeout_s=TIMEOUT_S))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while not waiting.exists() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if waiting.exists():
+        server.kill()
+    go.touch()
+    thread.join(600)
+    if "error" in outcome:
+        raise outcome["error"]
+    result = ok(outcome["result"])
+    before, _, _, reset, both, fresh, end = result["phases"]
+    assert reset["ok"] is True
+    assert result["phases"][1]["counters"].get("remote_written_chunks", 0) == whole_chunks("p1")
+    # p1 was in Redis before the kill, p2 and p3 never were: all recomputed, all correct.
+    assert_same_as_reference(before, ["p1"], reference)
+    assert_same_as_reference(both, ["p1", "p2"], reference)
+    assert_same_as_reference(fresh, ["p3"], reference)
+    for phase in (both, fresh):
+        assert [out["num_cached_tokens"] for out in phase["outputs"]] == [0] * len(phase["names"])
+        assert all(out["finish_reason"] == "length" for out in phase["outputs"])
+    assert end["counters"].get("hit_tokens_remote", 0) == 0, end["counters"]
+    # No hang: a dead Redis costs a lookup at most remote_timeout_s, not a stall.
+    assert both["seconds"] < before["seconds"] + 10 * TIMEOUT_S + 5, (before["seconds"], both["seconds"])
+    assert fresh["seconds"] < before["seconds"] + 10 * TIMEOUT_S + 5, (before["seconds"], fresh["seconds"])
+    # The engine noticed: the probe after the kill failed and the tier is reported down.
+    failed = {k: v for k, v in end["counters"].items() if k.startswith("remote_probe_failed_")}
+    assert failed, end["counters"]
+    assert end["gauges"]["remote_up"] == 0
+    # p3 came after the engine knew: its chunks were never queued for the dead server.
+    assert end["counters"].get("remote_writes_dropped", 0) >= whole_chunks("p3"), end["counters"]
+
+
+def test_redis_down_at_startup_engine_serves_without_it(tiny_model, reference, fresh_server):
+    server = fresh_server(start=False)  # a free port nothing listens on
+    phases = [generate("p1", "p2"), RESET, generate("p1", "p2"), DRAIN]
+    result = ok(run_engine(spec(tiny_model, phases, server.url, remote_timeout_s=TIMEOUT_S)))
+    cold, _, warm, end = result["phases"]
+    assert_same_as_reference(cold, ["p1", "p2"], reference)
+    assert_same_as_reference(warm, ["p1", "p2"], reference)
+    # The host tier works as without a remote tier; Redis serves and takes nothing.
+    names = ["p1", "p2"]
+    got = [out["num_cached_tokens"] for out in warm["outputs"]]
+    assert got == [expected_hit_tokens(len(PROMPTS[n])) for n in names]
+    assert end["counters"].get("hit_tokens_remote", 0) == 0, end["counters"]
+    assert end["counters"].get("remote_written_chunks", 0) == 0, end["counters"]
+    assert end["gauges"]["remote_up"] == 0
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def test_tensor_parallel_two_ranks_share_the_tier(tiny_model, reference, redis_server):
+    names = ["p1", "boundary_plus_1"]
+    tp = {"tensor_parallel_size": 2}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    kv = dict(remote_key_prefix="tp2")
+    written = ok(run_engine({**spec(tiny_model, [generate(*names), DRAIN], redis_server.url, **kv), **tp},
+                            env=env))["phases"]
+    assert_same_as_reference(written[0], names, reference)
+    keys = redis_keys(redis_server, "tp2")
+    per_rank = {rank: sum(1 for k in keys if k.split(":")[2] == rank) for rank in ("r0", "r1")}
+    chunks = sum(whole_chunks(n) for n in names)
+    assert per_rank == {"r0": chunks, "r1": chunks}, per_rank  # each rank wrote its shard
+    read = ok(run_engine({**spec(tiny_model, [generate(*names)], redis_server.url, **kv), **tp},
+                         env=env))["phases"]
+    assert_served_from_remote(read, 0, names, reference)
