@@ -17,6 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# A slot row with no device block: a row of a sliding-window group that a store did not keep,
+# or a load does not fill. Never copied (see ``tieredkv.kv_groups``).
+NO_BLOCK = -1
+
 
 class JobKind(StrEnum):
     """What a job moves: device->host, host->disk, disk->host, host->device, and host<->remote."""
@@ -86,7 +90,8 @@ class BackendName(StrEnum):
 class StoreJob:
     """d2h: device blocks ``block_ids`` -> host slot ``host_slot`` (block j -> position j).
 
-    Fewer ids than ``chunk_blocks``: a prompt's tail; the slot's other positions are unused."""
+    Fewer ids than ``chunk_blocks``: a prompt's tail; the slot's other positions are unused.
+    :data:`NO_BLOCK` entries are holes (hybrid models: rows a sliding window does not need)."""
 
     job_id: int
     key: bytes
@@ -166,7 +171,8 @@ class LoadJob:
 
     @property
     def block_ids(self) -> tuple[int, ...]:
-        return tuple(b for chunk in self.chunks for b in chunk.block_ids)
+        """The device blocks the load writes (holes left out)."""
+        return tuple(b for chunk in self.chunks for b in chunk.block_ids if b != NO_BLOCK)
 
 
 Job = StoreJob | SpillJob | PromoteJob | LoadJob | RemoteReadJob | RemoteWriteJob

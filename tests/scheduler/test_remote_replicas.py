@@ -238,7 +238,10 @@ def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fr
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     b.planner.take_counter_deltas()  # folds the probe's counters in
-    assert b.planner.counters["remote_probe_failed_timeout"] == 1
+    failed = {k: v for k, v in b.planner.counters.items() if k.startswith("remote_probe_failed_")}
+    # The deadline passed, or the store's own timeout (or a reset connection) answered first.
+    assert sum(failed.values()) == 1 and set(failed) <= {
+        "remote_probe_failed_timeout", "remote_probe_failed_io_error"}, failed
     assert b.planner.counters["remote_read_chunks"] == 0
 
 
@@ -261,8 +264,11 @@ def test_keys_redis_evicts_are_misses_and_counted(make_replica, fresh_server, pr
     assert gauges["remote_capacity_bytes"] == 4 * 1024 * 1024 and gauges["remote_used_bytes"] > 0
     assert gauges["remote_up"] == 1
     client = _redis(server.url)
-    for i in range(64):  # another tenant's 8 MiB: A's chunks are the least recently used
+    # Another tenant's writes: Redis's (sampled, approximate) LRU evicts A's older chunks.
+    for i in range(2000):
         client.set(f"filler:{i}", b"x" * (128 << 10))
+        if i >= 64 and not client.keys(f"{prefix}:*"):
+            break
     assert client.keys(f"{prefix}:*") == []
     b = make_replica(server.url, seed=2)
     assert b.lookup("b", TOKENS) == 0

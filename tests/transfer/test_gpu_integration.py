@@ -61,6 +61,7 @@ from vllm_cuda_layouts import (
     layer_names,
 )
 
+from tests.helpers import full_attention_spec
 from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import FailureCause, LoadChunk, LoadJob, StepPlan, StoreJob
 from tieredkv.transfer.backends.base import CopyBackend
@@ -122,10 +123,8 @@ FORWARD_DELAY_MS = 150.0  # how long the compute stream stays busy before the fo
 
 def _configs(case: LayoutCase, num_layers: int, num_blocks: int) -> tuple[Any, Any]:
     """The fields of vLLM's configs the worker half reads (as tests/vllm/test_worker_side.py)."""
-    spec = SimpleNamespace(
-        block_size=case.block_size, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-        page_size_bytes=case.page_size_bytes,
-    )
+    spec = full_attention_spec(case.block_size, case.num_kv_heads, case.head_size,
+                               case.page_size_bytes)
     kv_cache_config = SimpleNamespace(
         num_blocks=num_blocks, kv_cache_layout=case.layout, hash_block_size=case.block_size,
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=layer_names(num_layers))],

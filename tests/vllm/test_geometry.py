@@ -128,9 +128,12 @@ def test_lora_digest_follows_the_adapter_files(tmp_path, attr):
 
 
 def test_engine_geometry_resolves_the_config_once_for_everyone(tmp_path):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     from tieredkv.config import TieredKVConfig
 
-    spec = SimpleNamespace(block_size=32, num_kv_heads=2, head_size=64, page_size_bytes=4096)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     kv_cache_config = SimpleNamespace(
         kv_cache_layout="LBHNC",
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])],
@@ -143,4 +146,5 @@ def test_engine_geometry_resolves_the_config_once_for_everyone(tmp_path):
     geometry = geo.engine_geometry(vllm_config, kv_cache_config, auto)
     assert geometry.config == auto.resolved(32) and geometry.config.chunk_blocks == 8
     assert geometry.chunk_blocks == geometry.config.chunk_blocks
-    assert geometry.chunk_payload_bytes == 4096 * 2 * 8
+    assert geometry.chunk_payload_bytes == spec.page_size_bytes * 2 * 8
+    assert not geometry.layout.hybrid and geometry.layout.rows == 8

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers import full_attention_spec
 from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import LoadChunk, LoadJob, StepPlan, StoreJob
 from tieredkv.scheduler.planner import Planner
@@ -30,10 +31,7 @@ def fake_configs(
     block: int = BLOCK, content: int = CONTENT,
 ):
     """The (vllm_config, kv_cache_config) fields tieredkv reads, for a float32 LBHNC cache."""
-    spec = SimpleNamespace(
-        block_size=block, num_kv_heads=heads, head_size=content // 2,
-        page_size_bytes=heads * block * content * 4,
-    )
+    spec = full_attention_spec(block, heads, content // 2, heads * block * content * 4)
     kv_cache_config = SimpleNamespace(
         num_blocks=blocks, kv_cache_layout="LBHNC", hash_block_size=block,
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])],
@@ -228,7 +226,8 @@ def test_two_ranks_aggregate_into_the_planner_across_steps():
 
 def test_registered_layout_that_disagrees_with_the_spec_is_refused():
     vllm_config, kv_cache_config = fake_configs()
-    kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes //= 2
+    group = kv_cache_config.kv_cache_groups[0]
+    group.kv_cache_spec = full_attention_spec(BLOCK, HEADS, CONTENT // 2, HEADS * BLOCK * CONTENT * 2)
     worker = WorkerHalf(vllm_config, kv_cache_config, TieredKVConfig.from_dict({"chunk_blocks": 2}))
     with pytest.raises(ValueError, match="bytes per chunk"):
         worker.register_kv_caches(kv_caches(0))

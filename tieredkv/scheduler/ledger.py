@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class JobRecord:
     # store and load jobs: device block ids per chunk (fences; failed blocks -> keys)
     chunk_blocks: tuple[tuple[int, ...], ...] = ()
     started: float = field(default_factory=time.monotonic)
+    sliding: tuple[int, ...] = ()  # a store's sliding-window source blocks (hybrid models)
 
 
 # Called once every rank has reported the job, with the merged outcome.
@@ -48,6 +50,8 @@ class JobLedger:
         self._jobs: dict[int, JobRecord] = {}
         self._handlers: dict[JobKind, CompletionHandler] = {}
         self.plan = StepPlan()
+        # Hybrid models: sliding-window blocks that in-flight stores read (block -> stores).
+        self.sliding_sources: Counter[int] = Counter()
 
     def set_handlers(self, handlers: Mapping[JobKind, CompletionHandler]) -> None:
         """Install the completion table: one handler for every :class:`JobKind`."""
@@ -64,12 +68,16 @@ class JobLedger:
         keys: tuple[bytes, ...],
         req_id: str | None,
         chunk_blocks: tuple[tuple[int, ...], ...] = (),
+        sliding: tuple[int, ...] = (),
     ) -> int:
-        """Record a new job; the caller adds it to :attr:`plan` under the id returned."""
+        """Record a new job; the caller adds it to :attr:`plan` under the id returned.
+        ``sliding``: a store's sliding-window source blocks (see :attr:`sliding_sources`)."""
         job_id = next(self._ids)
         self._jobs[job_id] = JobRecord(
-            job_id, kind, keys, req_id, remaining=self.world_size, chunk_blocks=chunk_blocks
+            job_id, kind, keys, req_id, remaining=self.world_size, chunk_blocks=chunk_blocks,
+            sliding=sliding,
         )
+        self.sliding_sources.update(sliding)
         return job_id
 
     def take_plan(self) -> StepPlan:
@@ -80,7 +88,7 @@ class JobLedger:
         """The request's blocks were freed: this step fences the blocks its stores read."""
         for job_id in state.store_jobs:
             for blocks in self._jobs[job_id].chunk_blocks:
-                self.plan.fence_block_ids.extend(blocks)
+                self.plan.fence_block_ids.extend(b for b in blocks if b >= 0)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -100,6 +108,9 @@ class JobLedger:
             if job.remaining > 0:
                 continue
             del self._jobs[job_id]
+            if job.sliding:
+                self.sliding_sources.subtract(job.sliding)
+                self.sliding_sources += Counter()  # drop the zeros
             self._handlers[job.kind](job, job.outcome)
             self._detach(job)
 

@@ -19,8 +19,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from tieredkv.protocol import JobKind, JobResult, LoadChunk, LoadJob, PromoteJob, RemoteReadJob
+from tieredkv.protocol import (
+    NO_BLOCK,
+    JobKind,
+    JobResult,
+    LoadChunk,
+    LoadJob,
+    PromoteJob,
+    RemoteReadJob,
+)
 from tieredkv.scheduler.ledger import JobRecord
 from tieredkv.scheduler.parts import PlannerParts
 from tieredkv.scheduler.placement import Placer, count_evictions
@@ -53,6 +62,7 @@ class Lookup:
         self.counters = parts.counters
         self._placer = placer
         self.remote = parts.remote
+        self.layout = parts.layout  # None: one full-attention group
         # key -> promote or remote-read job in flight (any request)
         self._promotions: dict[bytes, int] = {}
 
@@ -81,7 +91,10 @@ class Lookup:
             self.release_hit(state)
         if state.load_job is not None:
             return 0
-        limit = (num_tokens - 1) // self.block_size * self.block_size
+        # A hit never covers the last token; hybrid models' hits end on a chunk boundary (the
+        # windows a sliding group stores are those that end there).
+        unit = self.chunk_tokens if self.layout is not None else self.block_size
+        limit = (num_tokens - 1) // unit * unit
         first = num_computed_tokens // self.chunk_tokens
         host_ready = self.host.is_ready
         lower_ready = self.lower.is_ready if self.lower is not None else None
@@ -397,10 +410,13 @@ class Lookup:
             self.host.unpin(key)
         state.pending_hit = None
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM allocated device blocks: turn the pending hit into a load job."""
+    def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
+        """vLLM allocated device blocks (hybrid: one list per group): the hit -> a load job."""
         state = self._requests.ensure(req_id)
-        state.block_ids = list(block_ids)
+        if self.layout is None:
+            state.block_ids = list(block_ids)
+        else:
+            state.set_tables([list(ids) for ids in block_ids])
         hit = state.pending_hit
         if hit is None or num_external_tokens <= 0:
             self.release_hit(state)
@@ -410,6 +426,7 @@ class Lookup:
         start_block = hit.start_token // self.block_size
         end_block = (hit.start_token + num_external_tokens) // self.block_size
         chunks: list[LoadChunk] = []
+        spans: list[int] = []  # blocks of the hit each chunk covers
         keep: list[bytes] = []
         for offset, key in enumerate(hit.keys):
             chunk = hit.first_chunk + offset
@@ -421,30 +438,22 @@ class Lookup:
             keep.append(key)
             placement = self.host.get(key)
             assert placement is not None
-            chunks.append(
-                LoadChunk(
-                    key=key,
-                    host_slot=placement.slot,
-                    first_block=lo - chunk * C,
-                    block_ids=tuple(block_ids[lo:hi]),
-                )
-            )
+            chunks.append(self._load_chunk(key, placement.slot, state, chunk, lo, hi))
+            spans.append(hi - lo)
         if not chunks:
             return
         if hit.partial and keep[-1] == hit.keys[-1]:
             self.counters["partial_hits"] += 1  # a hit that ended inside a chunk
         job_id = self._ledger.issue(
-            JobKind.LOAD, tuple(keep), req_id, chunk_blocks=tuple(c.block_ids for c in chunks)
+            JobKind.LOAD, tuple(keep), req_id,
+            chunk_blocks=tuple(tuple(b for b in c.block_ids if b != NO_BLOCK) for c in chunks),
         )
         self._ledger.plan.loads.append(LoadJob(job_id, req_id, tuple(chunks)))
         state.load_job = job_id
         tokens = end_block * self.block_size - hit.start_token
-        lower_tokens = sum(
-            len(c.block_ids) * self.block_size for c in chunks if c.key in hit.lower_keys
-        )
-        remote_tokens = sum(
-            len(c.block_ids) * self.block_size for c in chunks if c.key in hit.remote_keys
-        )
+        spans_of = dict(zip(keep, spans, strict=True))
+        lower_tokens = sum(spans_of[k] for k in keep if k in hit.lower_keys) * self.block_size
+        remote_tokens = sum(spans_of[k] for k in keep if k in hit.remote_keys) * self.block_size
         host_tokens = tokens - lower_tokens - remote_tokens
         state.hit_tokens = {self._lower_name: lower_tokens, "host": host_tokens}
         if self.remote is not None:
@@ -455,6 +464,21 @@ class Lookup:
         for key in keep:
             self.host.touch(key)
             self._placer.note_seen(key)
+
+    def _load_chunk(
+        self, key: bytes, slot: int, state: RequestState, chunk: int, lo: int, hi: int
+    ) -> LoadChunk:
+        """Blocks ``[lo, hi)`` of ``chunk`` from host slot ``slot`` (hybrid: every group's)."""
+        layout = self.layout
+        if layout is None:
+            C = self.chunk_blocks
+            return LoadChunk(key, slot, lo - chunk * C, tuple(state.block_ids[lo:hi]))
+        unserved = layout.unserved(state.tables, chunk, lo, hi)
+        if unserved:  # vLLM kept more of a window than a hit needs: it would stay unwritten
+            logger.error("tieredkv: load for %s leaves blocks %s unwritten (a sliding window "
+                         "wider than stored)", state.req_id, unserved)
+            self.counters["load_rows_unserved"] += len(unserved)
+        return LoadChunk(key, slot, 0, layout.load_rows(state.tables, chunk, lo, hi))
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         state = self._requests.get(req_id)

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.kv_groups import GroupLayout
 from tieredkv.scheduler.ledger import JobLedger
 from tieredkv.scheduler.lower_tier import LowerTier
 from tieredkv.scheduler.remote_tier import RemoteTier
@@ -27,3 +28,4 @@ class PlannerParts:
     epoch: HitEpoch
     counters: Counter[str]
     remote: RemoteTier | None = None
+    layout: GroupLayout | None = None  # None: one full-attention group

@@ -47,19 +47,25 @@ class Placer:
         self._epoch = parts.epoch
         self.counters = parts.counters
         self.remote = parts.remote
+        self.layout = parts.layout  # None: one full-attention group
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
         self._remote_queue: OrderedDict[bytes, None] = OrderedDict()
 
     # ------------------------------------------------------------------ stores
 
     def plan_stores(
-        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False
+        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False,
+        computed_tokens: int | None = None,
     ) -> None:
         """Store every full chunk below ``storable_tokens`` not stored yet; with ``tail``, also
         the full blocks after the last full chunk, as an entry holding part of its chunk.
 
         ``tail`` is for the end of a prompt (and, with ``store_generated``, of a request):
         a tail stored on every step would be stored again each time it grows by a block.
+
+        Hybrid models store a chunk only in the step that computes its end
+        (``computed_tokens``: computed before this step): vLLM frees a sliding window's older
+        blocks without telling a connector, so a chunk left for later may have lost them.
         """
         state = self._requests.ensure(req_id)
         C = self.chunk_blocks
@@ -67,6 +73,10 @@ class Placer:
         n_chunks = min(storable_tokens // self.chunk_tokens, len(keys))
         n_chunks = min(n_chunks, len(state.block_ids) // C)
         granular = getattr(keys, "block_granular", False)
+        if self.layout is not None:
+            if computed_tokens is None:
+                return  # hybrid: only the step that computes a chunk may store it
+            state.next_store_chunk = max(state.next_store_chunk, computed_tokens // self.chunk_tokens)
         for chunk in range(state.next_store_chunk, n_chunks):
             key = keys[chunk]
             if key in host or host.is_doomed(key):
@@ -79,7 +89,11 @@ class Placer:
                 self.note_seen(key)
                 continue
             aliases = keys.block_keys(chunk * C, chunk * C + C - 1) if granular else ()  # type: ignore[attr-defined]
-            self._store(state, key, aliases, state.block_ids[chunk * C : (chunk + 1) * C])
+            if self.layout is None:
+                self._store(state, key, aliases, state.block_ids[chunk * C : (chunk + 1) * C])
+            else:
+                rows = self.layout.store_rows(state.tables, chunk)
+                self._store(state, key, aliases, rows, self.layout.sliding_blocks(rows))
         state.next_store_chunk = max(state.next_store_chunk, n_chunks)
         if tail and granular and n_chunks == state.next_store_chunk:
             held = min(storable_tokens // self.block_size, len(state.block_ids),
@@ -95,6 +109,8 @@ class Placer:
         state = self._requests.get(req_id)
         if state is None or state.load_job is not None or not state.block_ids:
             return
+        if self.layout is not None:
+            return  # hybrid: a finished request's older sliding blocks may be gone already
         self.plan_stores(req_id, keys, storable_tokens, tail=True)
 
     def _store_tail(self, state: RequestState, keys, chunk: int, count: int) -> None:
@@ -115,7 +131,7 @@ class Placer:
         self.counters["stored_partial_chunks"] += 1
 
     def _store(self, state: RequestState, key: bytes, aliases: tuple[bytes, ...],
-               blocks: Sequence[int]) -> None:
+               blocks: Sequence[int], sliding: tuple[int, ...] = ()) -> None:
         allocation = self.host.allocate(key, aliases)
         if allocation is None:
             self.counters["store_skipped_host_full"] += 1
@@ -123,7 +139,8 @@ class Placer:
         slot, evicted = allocation
         count_evictions(self.counters, "host", evicted)
         blocks = tuple(blocks)
-        job_id = self._ledger.issue(JobKind.STORE, (key,), state.req_id, chunk_blocks=(blocks,))
+        job_id = self._ledger.issue(JobKind.STORE, (key,), state.req_id, chunk_blocks=(blocks,),
+                                    sliding=sliding)
         self._ledger.plan.stores.append(StoreJob(job_id, key, slot, blocks, req_id=state.req_id))
         state.store_jobs.add(job_id)
         self.note_seen(key)

@@ -34,8 +34,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.kv_groups import GroupLayout
 from tieredkv.protocol import JobKind, JobResult, StepPlan
 from tieredkv.scheduler.disk_tier import EMPTY_DISK_GAUGES, DiskTier
 from tieredkv.scheduler.ledger import JobLedger
@@ -70,6 +72,7 @@ class Planner:
         catalog=None,
         lower_tier: LowerTier | None = None,
         remote: RemoteTier | None = None,
+        layout: GroupLayout | None = None,
     ) -> None:
         if not config.chunk_blocks:
             raise ValueError(
@@ -100,13 +103,14 @@ class Planner:
             self.counters.update(disk.recovery_counts)
             self.lower = disk
         self.remote = remote
+        self.layout = layout if layout is not None and layout.hybrid else None
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()
         parts = PlannerParts(
             config=config, block_size=block_size, host=self.host, lower=self.lower,
             requests=self._requests, ledger=self._ledger, epoch=epoch, counters=self.counters,
-            remote=remote,
+            remote=remote, layout=self.layout,
         )
         self._placer = Placer(parts)
         self._lookup = Lookup(parts, placer=self._placer)
@@ -128,13 +132,30 @@ class Planner:
 
     # ------------------------------------------------------------------ requests
 
-    def set_block_ids(self, req_id: str, block_ids: Sequence[int], replace: bool) -> None:
-        """Track the request's device blocks (group 0), as the scheduler output reports them."""
+    def set_block_ids(self, req_id: str, block_ids: Sequence[Any], replace: bool) -> None:
+        """Track the request's device blocks, as the scheduler output reports them: a list
+        (one group), or one list per KV-cache group (hybrid models)."""
         state = self._requests.ensure(req_id)
-        if replace:
-            state.block_ids = list(block_ids)
+        if self.layout is None:
+            if replace:
+                state.block_ids = list(block_ids)
+            else:
+                state.block_ids.extend(block_ids)
+            return
+        self._fence_reused(block_ids)
+        if replace or not state.group_ids:
+            state.set_tables([list(ids) for ids in block_ids])
         else:
-            state.block_ids.extend(block_ids)
+            for table, ids in zip(state.group_ids, block_ids, strict=True):
+                table.extend(ids)
+
+    def _fence_reused(self, tables: Sequence[Sequence[int]]) -> None:
+        """Hybrid models: vLLM frees a sliding window's blocks mid-request, without telling a
+        connector; one handed out again while a store still reads it is fenced this step."""
+        reading = self._ledger.sliding_sources
+        if reading:
+            self._ledger.plan.fence_block_ids.extend(
+                b for ids in tables for b in ids if b in reading)
 
     def lookup(
         self, req_id: str, keys: Sequence[bytes], num_computed_tokens: int, num_tokens: int
@@ -143,8 +164,11 @@ class Planner:
         while disk chunks of the hit are being promoted (see :meth:`Lookup.lookup`)."""
         return self._lookup.lookup(req_id, keys, num_computed_tokens, num_tokens)
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM allocated device blocks: turn the pending hit into a load job."""
+    def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
+        """vLLM allocated device blocks (a list; hybrid models: one per group): turn the
+        pending hit into a load job."""
+        if self.layout is not None:
+            self._fence_reused(block_ids)
         self._lookup.on_alloc(req_id, block_ids, num_external_tokens)
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
@@ -152,11 +176,12 @@ class Planner:
         return self._lookup.hit_tokens(req_id)
 
     def plan_stores(
-        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False
+        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False,
+        computed_tokens: int | None = None,
     ) -> None:
         """Store every full chunk below ``storable_tokens`` not stored yet (and, with ``tail``,
         the full blocks past them); see :meth:`Placer.plan_stores`."""
-        self._placer.plan_stores(req_id, keys, storable_tokens, tail)
+        self._placer.plan_stores(req_id, keys, storable_tokens, tail, computed_tokens)
 
     def finish_tail(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
         """A request finished normally: store what its last steps computed before its blocks
@@ -172,7 +197,7 @@ class Planner:
         if state is None:
             return
         self._ledger.fence_stores(state)
-        state.block_ids = []
+        state.set_tables([])
 
     def finished(self, req_id: str) -> bool:
         """The request finished; True when its blocks must wait for in-flight stores."""

@@ -24,7 +24,9 @@ class PendingHit:
 @dataclass
 class RequestState:
     req_id: str
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # group 0's device blocks
+    # Hybrid models: every KV-cache group's device blocks (group_ids[0] is block_ids).
+    group_ids: list[list[int]] = field(default_factory=list)
     next_store_chunk: int = 0
     store_jobs: set[int] = field(default_factory=set)
     promote_jobs: set[int] = field(default_factory=set)
@@ -38,6 +40,15 @@ class RequestState:
     hit_tokens: dict[str, int] = field(default_factory=dict)
     finished: bool = False
     looked_up: bool = False
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Every group's device blocks (one group: just ``block_ids``)."""
+        return self.group_ids or [self.block_ids]
+
+    def set_tables(self, tables: list[list[int]]) -> None:
+        self.group_ids = tables if len(tables) > 1 else []
+        self.block_ids = tables[0] if tables else []
 
     @property
     def waiting_on_load(self) -> bool:

@@ -22,14 +22,25 @@ def make_tiny_llama(
     vocab_size: int = 2048,
     max_positions: int = 16384,
     seed: int = 0,
+    sliding_window: int | None = None,
+    layer_types: list[str] | None = None,
 ) -> Path:
-    """Write the model once; later calls with the same geometry reuse it."""
+    """Write the model once; later calls with the same geometry reuse it.
+
+    ``sliding_window`` with ``layer_types`` (``"sliding_attention"``/``"full_attention"`` per
+    layer) makes a hybrid like Gemma 2 (vLLM's hybrid KV-cache manager gives each kind its own
+    group); ``sliding_window`` alone an all-sliding model like Mistral."""
     path = Path(directory)
     spec = {
         "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
         "num_kv_heads": num_kv_heads, "vocab_size": vocab_size, "max_positions": max_positions,
         "seed": seed,
     }
+    extra: dict = {}
+    if sliding_window is not None:
+        extra["sliding_window"] = spec["sliding_window"] = sliding_window
+    if layer_types is not None:
+        extra["layer_types"] = spec["layer_types"] = list(layer_types)
     marker = path / SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
@@ -49,6 +60,7 @@ def make_tiny_llama(
         torch_dtype="bfloat16",
         bos_token_id=1,
         eos_token_id=2,
+        **extra,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from tieredkv.protocol import Direction, FailureCause, JobResult, LoadJob
-from tieredkv.transfer.backends.base import Pair, check_pairs
+from tieredkv.transfer.backends.base import Pair, check_pairs, real_blocks, split_holes
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.lanes import CopyLane
@@ -34,7 +34,7 @@ def load_result(job: LoadJob, failure: str | None, failed_from: int) -> JobResul
     (the chunks before it are on the device; vLLM recomputes the rest)."""
     if failure is None:
         return JobResult.done(job.job_id)
-    failed = tuple(b for chunk in job.chunks[failed_from:] for b in chunk.block_ids)
+    failed = tuple(b for chunk in job.chunks[failed_from:] for b in real_blocks(chunk.block_ids))
     return JobResult.fail(job.job_id, failure, failed)
 
 
@@ -60,7 +60,7 @@ class LoadJobs:
 
     def nbytes(self, job: LoadJob) -> int:
         """Bytes the load moves to the device."""
-        return sum(len(chunk.block_ids) for chunk in job.chunks) * self.kv.total_block_bytes
+        return len(job.block_ids) * self.kv.total_block_bytes
 
     def run(self, seq: int, job: LoadJob, t0: float, mark: Any, on_lane: bool) -> None:
         """Copy the load's chunks, in prefix order, on the h2d lane thread (``on_lane``: on its
@@ -75,9 +75,9 @@ class LoadJobs:
                 return
             pairs: list[Pair] = []
             for i, chunk in enumerate(chunks):
-                pair = (chunk.host_slot, chunk.first_block, chunk.block_ids)
+                runs = split_holes(chunk.host_slot, chunk.first_block, chunk.block_ids)
                 try:
-                    check_pairs(self.kv, self.host, self.chunk_blocks, [pair])
+                    check_pairs(self.kv, self.host, self.chunk_blocks, runs)
                 except ValueError as exc:
                     logger.error("tieredkv: load %d chunk %d rejected: %s", job.job_id, i, exc)
                     failure, failed_from = FailureCause.COPY_ERROR, i
@@ -86,7 +86,7 @@ class LoadJobs:
                     failure, failed_from = FailureCause.COPY_ERROR, i
                     break
                 held.append(chunk.host_slot)
-                pairs.append(pair)
+                pairs.extend(runs)
             if not pairs:
                 return
             try:

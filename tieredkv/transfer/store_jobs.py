@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from tieredkv.protocol import Direction, FailureCause, JobResult, StoreJob
-from tieredkv.transfer.backends.base import check_pairs
+from tieredkv.transfer.backends.base import check_pairs, real_blocks, split_holes
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.lanes import CopyLane, CopyRequest
@@ -71,7 +71,7 @@ class StoreJobs:
         """A store was submitted: from now on a fence on its blocks sees it."""
         ticket = StoreTicket(seq, job, mark)
         self._tickets[seq] = ticket
-        for block in job.block_ids:
+        for block in real_blocks(job.block_ids):
             self._block_tickets.setdefault(block, set()).add(seq)
         return ticket
 
@@ -91,7 +91,7 @@ class StoreJobs:
                 ticket.copied.set()
 
     def _unregister(self, ticket: StoreTicket) -> None:
-        for block in ticket.job.block_ids:
+        for block in real_blocks(ticket.job.block_ids):
             seqs = self._block_tickets.get(block)
             if seqs is not None:
                 seqs.discard(ticket.seq)
@@ -158,7 +158,7 @@ class StoreJobs:
         result = JobResult.fail(job.job_id, FailureCause.CANCELLED)
         holding = False
         try:
-            pairs = [(job.host_slot, 0, job.block_ids)]
+            pairs = split_holes(job.host_slot, 0, job.block_ids)
             try:
                 check_pairs(self.kv, self.host, self.chunk_blocks, pairs)
             except ValueError as exc:
@@ -178,7 +178,8 @@ class StoreJobs:
             assert self._lane is not None
             outcome = await self._lane.copy(request)
             if outcome is None and not ticket.late:
-                self._stats.moved(Direction.D2H, len(job.block_ids) * self.kv.total_block_bytes)
+                moved = len(real_blocks(job.block_ids)) * self.kv.total_block_bytes
+                self._stats.moved(Direction.D2H, moved)
                 result = JobResult.done(job.job_id)
             elif outcome is None or outcome == FailureCause.CANCELLED:
                 result = JobResult.fail(job.job_id, FailureCause.CANCELLED)

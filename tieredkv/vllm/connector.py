@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -36,8 +37,11 @@ _SOURCES = {
 }
 
 
-class TieredKVConnector(KVConnectorBase_V1):
-    """Offloads KV chunks to pinned host memory and NVMe; loads them back asynchronously."""
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads KV chunks to pinned host memory and NVMe; loads them back asynchronously.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on (sliding-window layers keep
+    only their window on the device); tieredkv stores every group a hit needs."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -107,7 +111,10 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sending, recving = self._worker.collect(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving,
+            failed_recving=self._worker.take_failed_recving(),
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -165,6 +172,13 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this instead of ``request_finished`` once the connector supports HMA."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request), None
 

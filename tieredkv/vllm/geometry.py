@@ -27,6 +27,8 @@ from typing import Any
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import Namespace
+from tieredkv.kv_groups import GroupLayout
+from tieredkv.vllm.group_layout import group_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class EngineGeometry:
     # The tieredkv config resolved for this engine (chunk_blocks fixed): resolved here, once,
     # and taken from here by both halves and the planner.
     config: TieredKVConfig
+    # The KV-cache groups and where their blocks sit in a slot (one full group: the old layout).
+    layout: GroupLayout
 
 
 # ---------------------------------------------------------------------------- files
@@ -285,16 +289,10 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
     resolved: see ``EngineGeometry.config``); refuse configurations tieredkv cannot serve
     correctly."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            "tieredkv: this model has "
-            f"{len(groups)} KV-cache groups (hybrid or sliding-window attention); tieredkv "
-            "supports exactly one full-attention group for now, so it refuses to start rather "
-            "than serve wrong KV. Remove --kv-transfer-config for this model."
-        )
-    spec = groups[0].kv_cache_spec
-    config = config.resolved(int(spec.block_size))
-    num_layers = len(groups[0].layer_names)
+    config = config.resolved(int(groups[0].kv_cache_spec.block_size)) if groups else config
+    shape = group_geometry(kv_cache_config, config.chunk_blocks)
+    spec, group_layout = shape.spec, shape.layout
+    num_layers = shape.layers_per_group
     parallel = vllm_config.parallel_config
     world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     cache = vllm_config.cache_config
@@ -316,7 +314,9 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
         head_size=int(getattr(spec, "head_size", 0)),
         tp_size=parallel.tensor_parallel_size,
         weights_version=weights,
-        cache_shape=f"pp{parallel.pipeline_parallel_size}",
+        # Hybrid models: the group layout decides what a slot holds (single groups: unchanged).
+        cache_shape=f"pp{parallel.pipeline_parallel_size}"
+        + (f";groups={group_layout.describe()}" if group_layout.hybrid else ""),
         engine_config=settings,
     )
     fingerprint = namespace.fingerprint()
@@ -326,9 +326,10 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
         fingerprint=fingerprint,
         block_size=int(spec.block_size),
         chunk_blocks=config.chunk_blocks,
-        chunk_payload_bytes=int(spec.page_size_bytes) * num_layers * config.chunk_blocks,
+        chunk_payload_bytes=shape.page_size_bytes * num_layers * group_layout.rows,
         num_layers=num_layers,
         world_size=world_size,
         stable_hashes=stable,
         config=config,
+        layout=group_layout,
     )

@@ -46,6 +46,11 @@ class SchedulerHalf:
                 f"{hash_block}-token hash blocks; change chunk_blocks"
             )
         self._hashes_per_chunk = geometry.block_size * config.chunk_blocks // hash_block
+        # Hybrid models (several KV-cache groups, or a sliding window): whole chunks only.
+        self._hybrid = geometry.layout.hybrid
+        if self._hybrid:
+            logger.info("tieredkv: KV-cache groups %s: hits end on %d-token chunk boundaries",
+                        geometry.layout.describe(), geometry.block_size * config.chunk_blocks)
         # Hits end at the last vLLM block held when a block is a whole number of hash blocks
         # (always so in vLLM 0.32: the hash block size divides every group's block size).
         if geometry.block_size % hash_block == 0:
@@ -95,6 +100,7 @@ class SchedulerHalf:
             world_size=geometry.world_size,
             catalog=catalog,
             remote=remote,
+            layout=geometry.layout,
         )
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":
@@ -169,7 +175,7 @@ class SchedulerHalf:
             extra = self._adapters.digest(lora) if lora is not None else b""
             keys = self._keys[request.request_id] = LazyChunkKeys(
                 self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk, extra,
-                hashes_per_block=self._hashes_per_block,
+                hashes_per_block=0 if self._hybrid else self._hashes_per_block,
             )
         elif keys.refresh():
             logger.debug("tieredkv: request %s: block hashes replaced, keys re-derived", request.request_id)
@@ -192,6 +198,9 @@ class SchedulerHalf:
         return hit, hit > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._hybrid:
+            self.planner.on_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+            return
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         self.planner.on_alloc(request.request_id, block_ids, num_external_tokens)
 
@@ -203,13 +212,14 @@ class SchedulerHalf:
         planner = self.planner
         for req_id in scheduler_output.preempted_req_ids or ():
             planner.preempted(req_id)
+        group = slice(None) if self._hybrid else 0  # hybrid: every group's blocks
         for new in scheduler_output.scheduled_new_reqs:
-            planner.set_block_ids(new.req_id, new.block_ids[0], replace=True)
+            planner.set_block_ids(new.req_id, new.block_ids[group], replace=True)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
             if new_ids is not None:
-                planner.set_block_ids(req_id, new_ids[0], replace=req_id in resumed)
+                planner.set_block_ids(req_id, new_ids[group], replace=req_id in resumed)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -226,7 +236,8 @@ class SchedulerHalf:
             tail = request.num_computed_tokens < prompt <= after
             if tail:
                 storable = max(storable, prompt)
-            planner.plan_stores(req_id, self.keys_for(request), storable, tail=tail)
+            planner.plan_stores(req_id, self.keys_for(request), storable, tail=tail,
+                                computed_tokens=request.num_computed_tokens)
         plan = planner.take_plan()
         plan.compute_idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         return TieredKVMetadata(plan=plan)

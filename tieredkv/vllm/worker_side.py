@@ -64,6 +64,10 @@ class WorkerHalf:
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        # vLLM takes block-level load errors from one KV-cache group only: with several, a
+        # failed load is reported as a failed request (failed_recving) and recomputed whole.
+        self._errors_by_request = len(self.geometry.layout.groups) > 1
         self._results: dict[int, JobResult] = {}
         self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
         self._compute_idle = False
@@ -82,7 +86,7 @@ class WorkerHalf:
         from tieredkv.transfer.kv_views import KVViews
 
         views = KVViews.from_kv_caches(kv_caches, self.num_blocks, layout=self.geometry.namespace.kv_layout)
-        payload = views.slot_payload_bytes(self.config.chunk_blocks)
+        payload = views.slot_payload_bytes(self.geometry.layout.rows)
         if payload != self.geometry.chunk_payload_bytes:
             raise ValueError(
                 f"tieredkv: registered KV caches give {payload} bytes per chunk, the KV-cache "
@@ -216,7 +220,9 @@ class WorkerHalf:
         merge_results(self._results, [result])
         load_req = self._load_reqs.pop(job_id, None)
         if load_req is not None:
-            if not result.ok:
+            if not result.ok and self._errors_by_request:
+                self._failed_recving.add(load_req)
+            elif not result.ok:
                 self._load_errors.update(result.failed_block_ids)
                 logger.warning(
                     "tieredkv: load for %s failed (%s): %d blocks will be recomputed",
@@ -245,6 +251,10 @@ class WorkerHalf:
         if self.engine is not None:
             self.engine.resume_device_jobs()
             logger.info("tieredkv: worker rank %d resumed device copies", self.rank)
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

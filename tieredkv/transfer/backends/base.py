@@ -13,10 +13,32 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from tieredkv.protocol import NO_BLOCK
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 Pair = tuple[int, int, Sequence[int]]  # (host_slot, first_block, device block_ids)
+
+
+def real_blocks(ids: Sequence[int]) -> list[int]:
+    """The device blocks among ``ids`` (holes, :data:`NO_BLOCK`, left out)."""
+    return [b for b in ids if b != NO_BLOCK]
+
+
+def split_holes(host_slot: int, first: int, ids: Sequence[int]) -> list[Pair]:
+    """``(host_slot, first, ids)`` as pairs of contiguous real blocks: rows holding
+    :data:`NO_BLOCK` (a hybrid model's rows no block fills) are skipped, never copied."""
+    if NO_BLOCK not in ids:
+        return [(host_slot, first, ids)]
+    pairs: list[Pair] = []
+    start = None
+    for j, block in enumerate([*ids, NO_BLOCK]):
+        if block != NO_BLOCK and start is None:
+            start = j
+        elif block == NO_BLOCK and start is not None:
+            pairs.append((host_slot, first + start, tuple(ids[start:j])))
+            start = None
+    return pairs
 
 
 def check_pairs(dev: KVViews, host: HostPool, chunk_blocks: int, pairs: Sequence[Pair]) -> None:

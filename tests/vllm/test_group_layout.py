@@ -1,0 +1,87 @@
+"""Hybrid KV-cache groups: what tieredkv serves, what it refuses, and where each block goes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
+from tieredkv.protocol import NO_BLOCK
+from tieredkv.vllm.group_layout import group_geometry
+
+H = NO_BLOCK
+
+
+def _spec(kind: str, window: int = 64, block_size: int = 32):
+    from vllm.v1 import kv_cache_interface as kvi
+
+    common = {"block_size": block_size, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    if kind == "full":
+        return kvi.FullAttentionSpec(**common)
+    if kind == "sliding":
+        return kvi.SlidingWindowSpec(**common, sliding_window=window)
+    if kind == "chunked":
+        return kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
+    if kind == "mamba":
+        return kvi.MambaSpec(block_size=block_size, shapes=((2, 4),), dtypes=(torch.float32,))
+    raise AssertionError(kind)
+
+
+def _config(*specs) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.attn", f"model.layers.{i + 2}.attn"])
+        for i, spec in enumerate(specs)
+    ])
+
+
+def test_one_full_attention_group_keeps_the_old_layout():
+    shape = group_geometry(_config(_spec("full")), chunk_blocks=4)
+    assert not shape.layout.hybrid and shape.layout.rows == 4
+    assert shape.layout.store_rows([[7, 8, 9, 10, 11, 12, 13, 14]], 1) == (11, 12, 13, 14)
+
+
+def test_sliding_and_full_groups_are_served_with_their_windows():
+    # Gemma-2 style: group 0 is the sliding one (vLLM orders groups by first layer).
+    shape = group_geometry(_config(_spec("sliding", window=64), _spec("full")), chunk_blocks=4)
+    assert shape.layout.groups == (KVGroup(SLIDING, 2), KVGroup(FULL))  # cdiv(63, 32) = 2
+    assert shape.layout.hybrid and shape.layout.rows == 8
+    assert shape.layers_per_group == 2
+    assert group_geometry(_config(_spec("sliding", window=200)), 4).layout.groups == (KVGroup(SLIDING, 7),)
+
+
+@pytest.mark.parametrize(("kind", "words"), [("mamba", "Mamba/SSM"), ("chunked", "does not store")])
+def test_state_tieredkv_cannot_reproduce_is_refused_naming_the_layer(kind, words):
+    with pytest.raises(ValueError, match=words) as err:
+        group_geometry(_config(_spec("full"), _spec(kind)), chunk_blocks=4)
+    assert "group 1" in str(err.value) and "model.layers.1.attn" in str(err.value)
+    assert "--kv-transfer-config" in str(err.value)
+
+
+def test_groups_of_different_block_sizes_are_refused():
+    with pytest.raises(ValueError, match="block size"):
+        group_geometry(_config(_spec("full"), _spec("sliding", block_size=64)), chunk_blocks=4)
+
+
+def test_store_rows_keep_what_a_hit_at_a_chunk_boundary_needs():
+    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=4)
+    sliding = [0, 0, 0, 0, 0, 21, 22, 23, 24, 25]  # freed blocks are vLLM's null block 0
+    full = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]
+    # chunk 1 = blocks 4..7: the window's last two blocks of the chunk, all four full blocks.
+    assert layout.store_rows([sliding, full], 1) == (H, H, 22, 23, 34, 35, 36, 37)
+    # A hole where vLLM already freed a block the window would need is never read.
+    assert layout.store_rows([[0] * 8, full], 1) == (H, H, H, H, 34, 35, 36, 37)
+
+
+def test_load_rows_fill_every_real_block_from_the_rows_stored():
+    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=4)
+    # A hit of 2 chunks (blocks 0..7) after a 1-block local hit: vLLM gave the sliding group
+    # real blocks only for the window's last two blocks.
+    sliding = [0, 0, 0, 0, 0, 0, 51, 52]
+    full = [60, 61, 62, 63, 64, 65, 66, 67]
+    assert layout.load_rows([sliding, full], 0, 1, 4) == (H, H, H, H, H, 61, 62, 63)
+    assert layout.load_rows([sliding, full], 1, 4, 8) == (H, H, 51, 52, 64, 65, 66, 67)
+    assert layout.unserved([sliding, full], 1, 4, 8) == []
+    # A real sliding block outside the rows stored would stay unwritten: it is reported.
+    assert layout.unserved([[0, 0, 0, 0, 0, 50, 51, 52], full], 1, 4, 8) == [50]
