@@ -241,7 +241,8 @@ def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fr
     failed = {k: v for k, v in b.planner.counters.items() if k.startswith("remote_probe_failed_")}
     # The deadline passed, or the store's own timeout (or a reset connection) answered first.
     assert sum(failed.values()) == 1 and set(failed) <= {
-        "remote_probe_failed_timeout", "remote_probe_failed_io_error"}, failed
+        "remote_probe_failed_timeout", "remote_probe_failed_io_error",
+        "remote_probe_failed_unavailable"}, failed  # unavailable: a ping found it down first
     assert b.planner.counters["remote_read_chunks"] == 0
 
 
@@ -278,3 +279,24 @@ def test_keys_redis_evicts_are_misses_and_counted(make_replica, fresh_server, pr
         a.planner.gauges()
         time.sleep(0.05)
     assert a.planner.counters["evictions_remote"] >= 5
+
+
+def test_a_probe_sent_on_arrival_saves_the_first_ask_again(make_replica, redis_server):
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    b = make_replica(redis_server.url, seed=2)
+    b.planner.prefetch_remote("b", keys_for(TOKENS), len(TOKENS))  # vLLM's on_new_request
+    probe = b.planner.remote.probe  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10.0
+    while probe.in_flight("b") and time.monotonic() < deadline:
+        time.sleep(0.002)  # the forward pass vLLM runs meanwhile
+    # The first lookup already knows what Redis holds: it reads the chunks at once.
+    assert b.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) is None
+    plan = b.planner.take_plan()
+    assert len(plan.remote_reads) == 5
+    b.engine.submit(plan.remote_reads)
+    assert b.engine.drain(10.0)
+    b.planner.apply(b.engine.poll())
+    assert b.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) == 5 * CHUNK_TOKENS
+    b.planner.take_counter_deltas()
+    assert b.planner.counters["remote_probes"] == 1

@@ -21,18 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tieredkv.protocol import (
-    NO_BLOCK,
-    JobKind,
-    JobResult,
-    LoadChunk,
-    LoadJob,
-    PromoteJob,
-    RemoteReadJob,
-)
+from tieredkv.protocol import NO_BLOCK, JobKind, JobResult, LoadChunk, LoadJob, PromoteJob
 from tieredkv.scheduler.ledger import JobRecord
 from tieredkv.scheduler.parts import PlannerParts
 from tieredkv.scheduler.placement import Placer, count_evictions
+from tieredkv.scheduler.remote_reads import RemoteReads
 from tieredkv.scheduler.requests import PendingHit, RequestState
 
 logger = logging.getLogger(__name__)
@@ -65,6 +58,9 @@ class Lookup:
         self.layout = parts.layout  # None: one full-attention group
         # key -> promote or remote-read job in flight (any request)
         self._promotions: dict[bytes, int] = {}
+        self.remote_reads = (
+            RemoteReads(parts, placer, self._promotions) if parts.remote is not None else None
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -133,18 +129,20 @@ class Lookup:
         # Past host and disk: the whole chunks the remote tier holds for every rank.
         remote_chunks: list[bytes] = []
         remote_pos = len(run)
-        if self.remote is not None and i < last and not state.remote_done:
+        if self.remote_reads is not None and i < last and not state.remote_done:
             if materialize is not None:
                 keys = materialize(last)
-            found_remote = self.remote.poll(req_id, keys[i:last])
+            # The probe asks from chunk 0 (as ``RemoteReads.prefetch`` did, when the request
+            # arrived): its answer is the remote tier's leading run; past i it extends ours.
+            found_remote = self.remote_reads.probe(req_id, keys[:last])
             if found_remote is None:
                 if not state.promote_deadline:
                     state.promote_deadline = time.monotonic() + self.load_timeout_s
                 return None  # the probe is in flight: ask again (nothing is pinned)
-            remote_chunks = list(keys[i : i + found_remote])
+            remote_chunks = list(keys[i:found_remote])
             run.extend(remote_chunks)
             state.remote_done = True
-            self.remote.forget(req_id)
+            self.remote_reads.forget(req_id)
         # The run of whole chunks ends at chunk i: the hit may go on into chunk i, up to the
         # last of its blocks some entry holds (this prompt's tail, or a chunk of another
         # prompt sharing these blocks).
@@ -294,47 +292,14 @@ class Lookup:
             if lower_chunks:
                 run = self._promote_run(state, run, lower_chunks)
             if remote_chunks and len(run) == remote_pos + len(remote_chunks):
-                run = self._read_remote(state, run, remote_pos, first, request_keys)
+                assert self.remote_reads is not None
+                run = self.remote_reads.issue(state, run, remote_pos, first, request_keys)
             elif remote_chunks:
                 run = run[: min(len(run), remote_pos)]  # a hole before them: they cannot serve
             return run
         finally:
             for key in resident:
                 self.host.unpin(key)
-
-    def _read_remote(
-        self, state: RequestState, run: list[bytes], pos: int, first: int,
-        request_keys: Sequence[bytes],
-    ) -> list[bytes]:
-        """Queue remote -> host reads for ``run[pos:]`` (the run starts at chunk ``first``)."""
-        C = self.chunk_blocks
-        granular = getattr(request_keys, "block_granular", False)
-        issued = False
-        for offset in range(pos, len(run)):
-            key = run[offset]
-            if key in self.host or self.host.is_doomed(key) or key in self._promotions:
-                return run[:offset]  # someone else holds it now
-            chunk = first + offset
-            aliases = request_keys.block_keys(chunk * C, chunk * C + C - 1) if granular else ()  # type: ignore[attr-defined]
-            allocation = self.host.allocate(key, aliases)
-            if allocation is None:
-                self.counters["promote_no_host_slot"] += 1
-                run = run[:offset]
-                break
-            host_slot, evicted = allocation
-            count_evictions(self.counters, "host", evicted)
-            job_id = self._ledger.issue(JobKind.REMOTE_READ, (key,), state.req_id)
-            self._ledger.plan.remote_reads.append(
-                RemoteReadJob(job_id, key, host_slot, req_id=state.req_id)
-            )
-            self._promotions[key] = job_id
-            state.promote_jobs.add(job_id)
-            state.remote_keys.add(key)
-            issued = True
-        if issued:
-            state.promote_rounds += 1
-            state.promote_deadline = time.monotonic() + self.load_timeout_s
-        return run
 
     def _promote_run(self, state: RequestState, run: list[bytes], lower_chunks: list[bytes]) -> list[bytes]:
         lower = self.lower
@@ -369,21 +334,6 @@ class Lookup:
             state.promote_rounds += 1
             state.promote_deadline = time.monotonic() + self.load_timeout_s
         return run
-
-    def complete_remote_read(self, job: JobRecord, outcome: JobResult) -> None:
-        (key,) = job.keys
-        if self._promotions.get(key) == job.job_id:
-            del self._promotions[key]
-        remote = self.remote
-        assert remote is not None
-        if outcome.failed:
-            self.host.abort(key)
-            remote.forget_key(key)
-            self.counters[f"remote_read_failed_{outcome.failure or 'unknown'}"] += 1
-        elif self.host.mark_ready(key):
-            remote.remember(key)  # no need to write it back
-            self.counters["remote_read_chunks"] += 1
-            self._placer.settle(self.host, key)
 
     def complete_promote(self, job: JobRecord, outcome: JobResult) -> None:
         (key,) = job.keys

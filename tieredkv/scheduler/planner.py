@@ -120,9 +120,13 @@ class Planner:
             JobKind.SPILL: self._placer.complete_spill,
             JobKind.PROMOTE: self._lookup.complete_promote,
             JobKind.LOAD: self._lookup.complete_load,
-            JobKind.REMOTE_READ: self._lookup.complete_remote_read,
+            JobKind.REMOTE_READ: self._complete_remote_read,
             JobKind.REMOTE_WRITE: self._placer.complete_remote_write,
         })
+
+    def _complete_remote_read(self, job, outcome: JobResult) -> None:
+        assert self._lookup.remote_reads is not None
+        self._lookup.remote_reads.complete(job, outcome)
 
     @property
     def disk(self) -> TierIndex | None:
@@ -163,6 +167,11 @@ class Planner:
         """Tokens beyond ``num_computed_tokens`` that can be loaded from the host tier; None
         while disk chunks of the hit are being promoted (see :meth:`Lookup.lookup`)."""
         return self._lookup.lookup(req_id, keys, num_computed_tokens, num_tokens)
+
+    def prefetch_remote(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> None:
+        """A request arrived: probe the remote tier for its prompt now (never waits)."""
+        if self._lookup.remote_reads is not None:
+            self._lookup.remote_reads.prefetch(req_id, keys, num_tokens)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
         """vLLM allocated device blocks (a list; hybrid models: one per group): turn the

@@ -185,6 +185,10 @@ class SchedulerHalf:
 
     def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = request
+        if self.planner.remote is not None and not getattr(request, "skip_reading_prefix_cache", False):
+            # Probe Redis while the current step's forward runs: the first lookup then
+            # usually finds the answer instead of asking vLLM to come back a step later.
+            self.planner.prefetch_remote(request.request_id, self.keys_for(request), request.num_tokens)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request

@@ -65,9 +65,11 @@ class WorkerHalf:
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
-        # vLLM takes block-level load errors from one KV-cache group only: with several, a
-        # failed load is reported as a failed request (failed_recving) and recomputed whole.
-        self._errors_by_request = len(self.geometry.layout.groups) > 1
+        # vLLM takes block-level load errors from one KV-cache group only, and recomputes from
+        # the first failed block: with several groups, or a sliding window (the window before
+        # that block was never loaded: its blocks are vLLM's null block), a failed load is
+        # reported as a failed request (failed_recving) and recomputed whole.
+        self._errors_by_request = self.geometry.layout.hybrid
         self._results: dict[int, JobResult] = {}
         self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
         self._compute_idle = False
