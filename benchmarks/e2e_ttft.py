@@ -17,7 +17,16 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    prompts A and B alternate, so each measured prompt was evicted from host by the other and
    is promoted (read + checksum) from the slab file before it is promised;
 6. ``tieredkv_disk_restart``: a fresh engine on the same ``disk_path`` (index recovered from
-   the journal), the same alternation.
+   the journal), the same alternation;
+7. ``tieredkv_remote`` (row 6 in the table): a hit from the shared remote tier (a real redis-server on loopback),
+   the multi-replica case: one engine (replica A: small host tier, no disk, ``remote_url``)
+   computes both prompts, which writes their whole chunks to Redis, and exits; a fresh engine
+   (replica B, same Redis, host tier holding one prompt) measures, A and B alternating as in
+   the disk rows, so each measured prompt is read from Redis. The remote tier stores whole
+   chunks only (a prompt's partial last chunk stays in the replica that computed it), so this
+   hit is chunk-aligned: shorter than vLLM's prefix-cache hit by the prompt's tail blocks,
+   which replica B computes. It is checked against that chunk-aligned length (and
+   ``hit_tokens_remote``); no target is named for it, its ratios are printed.
 
 Every configuration runs in its own subprocess (vLLM's worker-side connector is a process
 global); the parent orchestrates, measures the raw O_DIRECT read bandwidth of the disk tier's
@@ -31,13 +40,16 @@ host-tier load is a memcpy, not a PCIe transfer.
     python -m benchmarks.e2e_ttft            # quick profile (4,000 tokens and a random ~4k)
     python -m benchmarks.e2e_ttft --full     # 8,000 tokens and a random ~8k, more repeats
     python -m benchmarks.e2e_ttft --trace    # also a per-step timeline of tieredkv hits
+    python -m benchmarks.e2e_ttft --no-remote   # without the remote-tier row (no redis-server needed)
 
-The exit status is 1 when a target (wall-clock verdict) fails.
+The exit status is 1 when a target (wall-clock verdict) fails, or when the remote row's hits
+did not happen.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import mmap
 import os
@@ -104,6 +116,17 @@ def prefix_hit(tokens: int) -> int:
 def host_entries(tokens: int) -> int:
     """tieredkv host slots one prompt takes: its whole chunks and its tail."""
     return -(-(tokens // BLOCK_SIZE) // CHUNK_BLOCKS)
+
+
+def remote_hit(tokens: int) -> int:
+    """The hit a fresh replica gets from the remote tier for a prompt another replica
+    computed: the prompt's whole chunks only (the partial last chunk is never written to the
+    remote tier), and never more than vLLM takes from any cache (:func:`prefix_hit`)."""
+    return min(tokens // CHUNK_TOKENS * CHUNK_TOKENS, prefix_hit(tokens))
+
+
+REMOTE_KEY_PREFIX = "e2e_ttft"  # remote_key_prefix of both replicas (keys: prefix:namespace:r0:...)
+REMOTE_CONFIGS = ("tieredkv_remote_writer", "tieredkv_remote")
 
 # ============================================================================ helpers
 
@@ -409,6 +432,8 @@ def child_main(spec_path: str) -> None:
             if not _step_until_idle(llm, phase.get("timeout_s", 60.0)):
                 raise RuntimeError("tieredkv did not finish its pending jobs in time")
             return None
+        if kind == "counters":  # tieredkv's counters since start (e.g. remote_written_chunks)
+            return {"label": phase["label"], "counters": counters()}
         assert kind == "generate", kind
         name = phase["prompt"]
         before = counters()
@@ -580,10 +605,12 @@ def tieredkv_transfer_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int]) -> dict[str, dict[str, Any]]:
+def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
+                remote_url: str | None = None) -> dict[str, dict[str, Any]]:
     """Every configuration: engine settings, set-up phases (not measured unless labelled
     ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index,
-    ``{AB}`` = prompt A in even rounds, B in odd ones)."""
+    ``{AB}`` = prompt A in even rounds, B in odd ones). The remote rows (replica A, which
+    only writes, and replica B, which measures) exist when ``remote_url`` is given."""
     prof = PROFILES[args.profile]
     longest = max(lengths.values())
     prompt_kv = longest * kv_bytes_per_token(MODEL, DTYPE_BYTES)
@@ -670,12 +697,72 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int]) -> d
             "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
         },
     }
+    if remote_url is not None:
+        # Both replicas: host tier = one prompt (as the disk rows), no disk, the same Redis.
+        remote_cfg = tieredkv_transfer_config(
+            host_bytes=one_prompt_slots * chunk_payload, remote_url=remote_url,
+            remote_key_prefix=REMOTE_KEY_PREFIX,
+        )
+        specs.update({
+            # 7a. replica A: computes A and B (their whole chunks go to Redis), then exits.
+            "tieredkv_remote_writer": {
+                "prefix_caching": True, "kv_transfer_config": remote_cfg,
+                "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                          gen("B", "cold B"), drain, {"kind": "counters", "label": "counters"}],
+                "round": [],
+            },
+            # 7b. replica B, a fresh process started after A exited: its host tier holds one
+            #     prompt and A, B alternate, so each measured prompt is read from Redis (the
+            #     other one evicted it from host); after the remote hit the prompt (with the
+            #     tail B computed) is in host again: a host-tier hit of the same engine follows.
+            "tieredkv_remote": {
+                "prefix_caching": True, "kv_transfer_config": remote_cfg,
+                "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
+            },
+        })
     example_dir.mkdir(parents=True, exist_ok=True)
     for config, spec in specs.items():
         spec.update({k: v for k, v in base.items() if k not in spec})
         spec["config"] = config
         spec["log"] = str(work / f"{config}.log")
     return specs
+
+
+# Configurations whose rounds are numbered from 0 in their own engine (A/B alternation starts
+# with A); the others continue their numbering when they run again beside the late engines.
+OWN_ROUND_NUMBERS = ("tieredkv_disk", "tieredkv_disk_restart", "tieredkv_remote")
+
+
+def _default_remote_timeout_s() -> float:
+    """tieredkv's default ``remote_timeout_s`` (both replicas run with it)."""
+    import dataclasses
+
+    from tieredkv.config import TieredKVConfig
+
+    return next(f.default for f in dataclasses.fields(TieredKVConfig) if f.name == "remote_timeout_s")
+
+
+def writer_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Remote replica A's cold runs and its tieredkv counters at the end of its set-up."""
+    records = result["records"]
+    counters = next((r["counters"] for r in reversed(records) if "counters" in r), {})
+    return {
+        "cold_s": [r["seconds"] for r in records if r["label"].startswith("cold")],
+        "num_cached_tokens": {r["label"]: r["num_cached_tokens"] for r in records if "seconds" in r},
+        "counters": {k: v for k, v in counters.items() if k.startswith(("remote", "stored", "hit"))},
+        "startup_s": result.get("startup_s"),
+    }
+
+
+def wait_for_keys(redis, prefix: str, expected: int, timeout_s: float = 15.0) -> int:
+    """Keys under ``prefix`` once ``expected`` are there (replica A's queued writes may land
+    just after it exits), or however many there are after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = len(redis.cli("--scan", "--pattern", f"{prefix}:*").split())
+        if count >= expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.2)
 
 
 def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
@@ -690,19 +777,26 @@ def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _check_hits(runs: list[dict[str, Any]], expected: dict[str, int], tier: str | None) -> list[str]:
-    """Every run hit exactly vLLM's prefix-cache hit of its prompt (from ``tier``, if given)."""
+def _check_hits(runs: list[dict[str, Any]], expected: dict[str, int], tier: str | None,
+                what: str = "the prefix-cache hit") -> list[str]:
+    """Every run hit exactly ``expected`` of its prompt (vLLM's prefix-cache hit unless told),
+    and from ``tier`` if given; a remote read that failed is a problem too."""
     problems = []
     wrong = [(r["prompt"], r["num_cached_tokens"]) for r in runs
              if r["num_cached_tokens"] != expected[r["prompt"]]]
     if wrong:
-        problems.append(f"num_cached_tokens {wrong}: {len(wrong)} run(s) other than the "
-                        f"prefix-cache hit {expected}")
+        problems.append(f"num_cached_tokens {wrong}: {len(wrong)} run(s) other than "
+                        f"{what} {expected}")
     if tier is not None:
         short = [(r["prompt"], r["tieredkv"].get(f"hit_tokens_{tier}", 0)) for r in runs
                  if r["tieredkv"].get(f"hit_tokens_{tier}", 0) < expected[r["prompt"]]]
         if short:
             problems.append(f"tieredkv hit_tokens_{tier} {short}: not every hit came from the {tier} tier")
+    if tier == "remote":
+        failed = sorted({k for r in runs for k, v in r["tieredkv"].items()
+                         if v and k.startswith(("remote_read_failed_", "remote_probe_failed_"))})
+        if failed:
+            problems.append(f"remote reads or probes failed: {', '.join(failed)}")
     return problems
 
 
@@ -717,8 +811,27 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int]) -> dict[str, Any]:
-    """The measured runs of one configuration, with the proof that each hit hit."""
+def by_prompt(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Medians per prompt (A and B differ in what a chunk-aligned hit leaves to compute)."""
+    out: dict[str, dict[str, Any]] = {}
+    for prompt in sorted({r["prompt"] for r in runs}):
+        mine = [r for r in runs if r["prompt"] == prompt]
+        timed = [r for r in mine if r.get("forward_s") is not None]
+        out[prompt] = {
+            "n": len(mine),
+            "median_s": _median([r["seconds"] for r in mine]),
+            "forward_median_s": _median([r["forward_s"] for r in timed]),
+            "overhead_median_s": _median([r["seconds"] - r["forward_s"] for r in timed]),
+            "samples_s": [r["seconds"] for r in mine],
+        }
+    return out
+
+
+def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
+              expected_remote: dict[str, int] | None = None) -> dict[str, Any]:
+    """The measured runs of one configuration, with the proof that each hit hit.
+
+    ``expected_remote``: the remote row's chunk-aligned hit per prompt (:func:`remote_hit`)."""
     records = result["records"]
 
     def runs(prefix: str) -> list[dict[str, Any]]:
@@ -732,8 +845,12 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int])
     else:
         tier = None
         if config.startswith("tieredkv"):
-            tier = "host" if config == "tieredkv_host" else "disk"
-        problems = _check_hits(main, expected_hit, tier)
+            tier = {"tieredkv_host": "host", "tieredkv_remote": "remote"}.get(config, "disk")
+        if config == "tieredkv_remote":
+            problems = _check_hits(main, expected_remote or {}, tier,
+                                   "the chunk-aligned remote hit")
+        else:
+            problems = _check_hits(main, expected_hit, tier)
     row: dict[str, Any] = {
         "config": config,
         "n": len(secs),
@@ -756,12 +873,16 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int])
     }
     if config.startswith("tieredkv"):
         row["tieredkv_counters"] = [r["tieredkv"] for r in main]
+    row["by_prompt"] = by_prompt(main)
     pfloor = runs("pfloor")
     if pfloor:
         # pfloor{i} ran right after hit{i} in the same engine: a vLLM prefix-cache hit.
         by_label = {r["label"]: r for r in records}
-        ratios = [h["seconds"] / by_label[f"pfloor{h['label'][3:]}"]["seconds"]
-                  for h in main if f"pfloor{h['label'][3:]}" in by_label]
+        pairs = [(h["prompt"], h["seconds"] / by_label[f"pfloor{h['label'][3:]}"]["seconds"])
+                 for h in main if f"pfloor{h['label'][3:]}" in by_label]
+        ratios = [x for _, x in pairs]
+        for prompt, figures in row["by_prompt"].items():
+            figures["same_engine_ratio"] = _median([x for q, x in pairs if q == prompt])
         row["paired_floor"] = {
             "median_s": _median([r["seconds"] for r in pfloor]),
             "forward_median_s": _median([r["forward_s"] for r in pfloor]),
@@ -813,6 +934,7 @@ LABELS = {
     "tieredkv_host": "4. tieredkv host-tier hit",
     "tieredkv_disk": "5a. tieredkv disk-tier hit (evicted from host)",
     "tieredkv_disk_restart": "5b. tieredkv disk-tier hit after restart",
+    "tieredkv_remote": "6. tieredkv remote-tier hit (Redis; fresh replica B, chunk-aligned hit)",
 }
 
 
@@ -937,7 +1059,7 @@ def table_markdown(payload: dict[str, Any]) -> str:
     ]
 
     def line(label: str, row: dict[str, Any], samples: list[float], hit: str,
-             same_engine: float | None = None) -> str:
+             same_engine: float | None = None, chunk_aligned: bool = False) -> str:
         med = _median(samples)
         ratio = f"{med / floor:.2f}" if floor and med else "n/a"
         same = f"{same_engine:.2f}" if same_engine is not None else "—"
@@ -947,7 +1069,10 @@ def table_markdown(payload: dict[str, Any]) -> str:
             eq = _fmt_ms(compute + ovh)
         by_prompt = row.get("hit_tokens_by_prompt")
         tokens = _by_prompt_text(by_prompt) if by_prompt else _compact(row["num_cached_tokens"])
-        if by_prompt and row is not rows["recompute"]:
+        if chunk_aligned:  # the remote row: its expected hit is whole chunks, short of the floor's
+            hit += " (= whole chunks, expected; **< floor's** by the tail blocks)" if (
+                row["hit_ok"]) else " (**≠ expected whole chunks**)"
+        elif by_prompt and row is not rows["recompute"]:
             hit += " (= floor)" if same_hits(row, floor_row) else " (**≠ floor**)"
         return (
             f"| {label} | {_fmt_ms(med)} | {_fmt_ms(min(samples))}–{_fmt_ms(max(samples))} "
@@ -956,10 +1081,13 @@ def table_markdown(payload: dict[str, Any]) -> str:
         )
 
     for config, label in LABELS.items():
+        if config not in rows:
+            continue
         row = rows[config]
         hit = "n/a (ceiling)" if config == "recompute" else ("yes" if row["hit_ok"] else "**NO — FAIL**")
         lines.append(line(label, row, row["samples_s"], hit,
-                          (row.get("paired_floor") or {}).get("ratio_median")))
+                          (row.get("paired_floor") or {}).get("ratio_median"),
+                          chunk_aligned=config == "tieredkv_remote"))
         for key, text in (("from_disk", "↳ same, files dropped from the page cache first (read from disk)"),
                           ("host_hits_same_engine", "↳ host-tier hit of the same prompt, same engine, right after")):
             extra = row.get(key)
@@ -982,7 +1110,7 @@ def table_markdown(payload: dict[str, Any]) -> str:
         vlines.append(f"| {v['target']} | {v['limit']} | " + " | ".join(cells) + " |")
     disk = payload["raw_disk_read"]
     p = payload["params"]
-    restart = rows["tieredkv_disk_restart"].get("first_after_restart_s")
+    restart = rows.get("tieredkv_disk_restart", {}).get("first_after_restart_s")
     cold = {c: rows[c]["cold_s"] for c in rows if rows[c]["cold_s"]}
     cold_text = "; ".join(f"{c} {', '.join(_fmt_ms(s) for s in v)} ms" for c, v in cold.items())
     return "\n".join([
@@ -1028,6 +1156,123 @@ def table_markdown(payload: dict[str, Any]) -> str:
         "\n".join(vlines),
         "",
         ratio_text(payload),
+        "",
+        remote_markdown(payload),
+    ])
+
+
+def remote_ratios(row: dict[str, Any], floor_row: dict[str, Any],
+                  recompute_row: dict[str, Any]) -> dict[str, float | None]:
+    """The remote row against the floor (cross-engine and same-engine, as
+    :func:`engine_ratios`) and against recompute (row median / recompute median, and its
+    inverse: how many times faster than recomputing the whole prompt)."""
+    out: dict[str, float | None] = dict(engine_ratios(row, floor_row))
+    mine, recompute = row.get("median_s"), recompute_row.get("median_s")
+    out["x_recompute"] = mine / recompute if mine and recompute else None
+    out["speedup_vs_recompute"] = recompute / mine if mine and recompute else None
+    return out
+
+
+def remote_ratios_by_prompt(row: dict[str, Any], floor_row: dict[str, Any],
+                            recompute_row: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """:func:`remote_ratios` per prompt: A's chunk-aligned hit leaves many more tokens to
+    compute than B's, so the two prompts' TTFTs are far apart and their median hides both."""
+    out: dict[str, dict[str, float | None]] = {}
+    floors, recomputes = floor_row.get("by_prompt") or {}, recompute_row.get("by_prompt") or {}
+    for prompt, mine in (row.get("by_prompt") or {}).items():
+        median = mine.get("median_s")
+        floor = (floors.get(prompt) or {}).get("median_s")
+        recompute = (recomputes.get(prompt) or {}).get("median_s")
+        out[prompt] = {
+            "median_s": median,
+            "cross_engine_ratio": median / floor if median and floor else None,
+            "same_engine_ratio": mine.get("same_engine_ratio"),
+            "x_recompute": median / recompute if median and recompute else None,
+            "speedup_vs_recompute": recompute / median if median and recompute else None,
+            "forward_median_s": mine.get("forward_median_s"),
+            "overhead_median_s": mine.get("overhead_median_s"),
+        }
+    return out
+
+
+def remote_markdown(payload: dict[str, Any]) -> str:
+    """Row 6 on its own: how replica A filled Redis, the chunk-aligned hit replica B got, and
+    its ratios to the floor and to recompute (no target is named for it)."""
+    remote = payload.get("remote") or {}
+    rows = payload["rows"]
+    if "tieredkv_remote" not in rows:
+        return f"**Row 6 (remote tier) not run**: {remote.get('skipped', 'not selected')}."
+    row, floor_row, recompute_row = rows["tieredkv_remote"], rows["vllm_prefix"], rows["recompute"]
+    r = remote_ratios(row, floor_row, recompute_row)
+    p = payload["params"]
+    lengths, floor_hit = p["prompt_lengths"], p["expected_hit_tokens"]
+    expected = p["expected_remote_hit_tokens"]
+
+    def fmt(x: float | None, digits: int = 2) -> str:
+        return "n/a" if x is None else f"{x:.{digits}f}"
+
+    writer = remote.get("writer") or {}
+    hit = "yes" if row["hit_ok"] else "**NO — FAIL** (" + "; ".join(row["problems"]) + ")"
+    read_chunks = sorted({c.get("remote_read_chunks", 0) for c in row.get("tieredkv_counters", [])})
+    table = [
+        "| remote-tier row (no target named) | TTFT median (ms) | x floor, cross-engine "
+        "| x floor, same engine | x recompute (row / recompute) | recompute / row "
+        "| hit tokens per prompt | expected (whole chunks) | floor's hit | tokens computed per "
+        "prompt (remote hit vs floor) | forward compute, median (ms) | TTFT − compute, median (ms) "
+        "| hit? |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---|",
+        f"| {LABELS['tieredkv_remote']}, both prompts | {_fmt_ms(row['median_s'])} "
+        f"| {fmt(r['cross_engine_ratio'])} | {fmt(r['same_engine_ratio'])} "
+        f"| {fmt(r['x_recompute'], 3)} | {fmt(r['speedup_vs_recompute'], 1)} "
+        f"| {_by_prompt_text(row.get('hit_tokens_by_prompt') or {})} "
+        f"| {'; '.join(f'{k} {v}' for k, v in expected.items())} "
+        f"| {'; '.join(f'{k} {v}' for k, v in floor_hit.items())} "
+        f"| {'; '.join(f'{k} {lengths[k] - expected[k]} vs {lengths[k] - floor_hit[k]}' for k in lengths)} "
+        f"| {_fmt_ms(row.get('forward_median_s'))} | {_fmt_ms(row.get('overhead_median_s'))} | {hit} |",
+    ]
+    for prompt, q in remote_ratios_by_prompt(row, floor_row, recompute_row).items():
+        table.append(
+            f"| ↳ prompt {prompt} only ({lengths[prompt]:,} tokens; ratios against the floor's "
+            f"and recompute's {prompt}) | {_fmt_ms(q['median_s'])} | {fmt(q['cross_engine_ratio'])} "
+            f"| {fmt(q['same_engine_ratio'])} | {fmt(q['x_recompute'], 3)} "
+            f"| {fmt(q['speedup_vs_recompute'], 1)} "
+            f"| {_compact((row.get('hit_tokens_by_prompt') or {}).get(prompt, []))} "
+            f"| {expected[prompt]} | {floor_hit[prompt]} "
+            f"| {lengths[prompt] - expected[prompt]} vs {lengths[prompt] - floor_hit[prompt]} "
+            f"| {_fmt_ms(q['forward_median_s'])} | {_fmt_ms(q['overhead_median_s'])} | |")
+    keys = remote.get("keys_after_writer")
+    return "\n".join([
+        "**Row 6, the shared remote tier (multi-replica).** "
+        f"{remote.get('server', 'redis-server')} on loopback (no persistence), key prefix "
+        f"`{REMOTE_KEY_PREFIX}`, `remote_timeout_s` {remote.get('timeout_s', 0.5):g} s (the "
+        "default). Replica A (its own engine process; host tier "
+        f"{remote.get('host_slots', '?')} slots = one prompt, no disk) computed A and B cold "
+        f"({', '.join(_fmt_ms(x) for x in writer.get('cold_s', []))} ms), wrote "
+        f"{writer.get('counters', {}).get('remote_written_chunks', 'n/a')} chunks "
+        f"(Redis held {keys if keys is not None else 'n/a'} keys under the prefix after A exited: "
+        f"the whole chunks of both prompts, {remote.get('expected_keys', '?')} expected), and "
+        "exited. Replica B, a fresh process started after that on the same Redis, the same host "
+        "size, measured: A and B alternate, so each measured prompt was evicted from B's host "
+        "tier by the other and is read from Redis (chunks read per hit: "
+        f"{', '.join(str(x) for x in read_chunks) or 'n/a'}).",
+        "",
+        "**The remote hit is chunk-aligned, shorter than the floor's.** The remote tier stores "
+        "whole chunks only (a prompt's partial last chunk stays in the replica that computed "
+        "it), so replica B's hit ends at the last whole chunk: "
+        + "; ".join(f"{k} {expected[k]:,} tokens, against vLLM's prefix-cache hit of "
+                    f"{floor_hit[k]:,}" for k in lengths)
+        + ". B computes the rest of the prompt ("
+        + " and ".join(f"{lengths[k] - expected[k]} tokens for {k}" for k in lengths)
+        + ", against "
+        + " and ".join(f"{lengths[k] - floor_hit[k]}" for k in lengths)
+        + " in every other hit row), so its forward compute is longer and its TTFT is not "
+        "comparable with the floor at equal hit tokens; the ratios below compare TTFTs as a "
+        "user sees them. Its \"at equal compute\" figure in the table above is the floor's "
+        "forward plus this row's TTFT − compute (what the Redis read and load cost). The "
+        "↳ host-tier row under it is the same prompt hit again in replica B's host tier "
+        "(tail included) right after.",
+        "",
+        "\n".join(table),
     ])
 
 
@@ -1061,18 +1306,20 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = payload["rows"]
-    configs = list(LABELS)
+    configs = [c for c in LABELS if c in rows]
     short = {
         "recompute": "recompute\n(ceiling)", "vllm_prefix": "vLLM prefix\nhit (floor)",
         "example_connector": "Example-\nConnector", "tieredkv_host": "tieredkv\nhost",
         "tieredkv_disk": "tieredkv\ndisk", "tieredkv_disk_restart": "tieredkv disk\nafter restart",
+        "tieredkv_remote": "tieredkv remote\n(other replica,\nwhole chunks)",
     }
-    colors = dict(zip(configs, ["#999999", "#4c72b0", "#dd8452", "#55a868", "#2e7d32", "#1b5e20"],
-                      strict=True))
+    colors = dict(zip(LABELS, ["#999999", "#4c72b0", "#dd8452", "#55a868", "#2e7d32", "#1b5e20",
+                               "#8172b3"], strict=True))
     p = payload["params"]
     floor = rows["vllm_prefix"]["median_s"] * 1000
     read_ms = p["kv_bytes"] / (payload["raw_disk_read"]["gb_per_s"] * 1e9) * 1000
-    fig, axes = plt.subplots(1, 3, figsize=(19, 6.4), gridspec_kw={"width_ratios": [1.1, 1, 1]})
+    fig, axes = plt.subplots(1, 3, figsize=(21 if "tieredkv_remote" in rows else 19, 6.4),
+                             gridspec_kw={"width_ratios": [1.1, 1, 1]})
 
     def bars(ax, shown, values, samples, fmt="{:,.0f}"):
         xs = range(len(shown))
@@ -1101,8 +1348,11 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7.5, loc="upper right")
 
     hits = configs[1:]
+    # The targets' panel leaves the remote row out: its chunk-aligned hit computes the tail
+    # blocks too, so its TTFT is several times the others' and would flatten them.
+    targeted = [c for c in hits if c != "tieredkv_remote"]
     ax = axes[1]
-    bars(ax, hits, [rows[c]["median_s"] * 1000 for c in hits], ms)
+    bars(ax, targeted, [rows[c]["median_s"] * 1000 for c in targeted], ms)
     for value, text, color in ((HOST_TARGET * floor, "host target: 1.3 x floor", "tab:green"),
                                (DISK_TARGET * (floor + read_ms), "disk target: 1.3 x (floor + KV/BW)",
                                 "tab:red")):
@@ -1110,7 +1360,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         ax.annotate(text, xy=(0.01, value), xycoords=("axes fraction", "data"), xytext=(0, 2),
                     textcoords="offset points", fontsize=7.5, color=color)
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title("Hits: wall-clock TTFT (machine load makes the forward swing)", fontsize=10)
+    ax.set_title("Hits at the floor's hit length: wall-clock TTFT (machine load makes the "
+                 "forward swing)" if "tieredkv_remote" in rows else
+                 "Hits: wall-clock TTFT (machine load makes the forward swing)", fontsize=10)
 
     ax = axes[2]
     ovh = {c: [x * 1000 for x in rows[c]["overhead_samples_s"]] for c in hits}
@@ -1126,9 +1378,16 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         "TTFT, prompts of " + " and ".join(f"{n:,}" for n in p["prompt_lengths"].values())
         + f" tokens ({p['kv_bytes'] / MiB:.0f} MiB KV per hit), "
         f"CPU-build vLLM, {payload['machine']['cpu']}", fontsize=11)
+    remote_note = ""
+    if "tieredkv_remote" in rows:
+        expected = p["expected_remote_hit_tokens"]
+        remote_note = (" Remote: a fresh replica's hit from Redis, whole chunks only ("
+                       + ", ".join(f"{k} {v:,} of {p['expected_hit_tokens'][k]:,} tokens"
+                                   for k, v in expected.items())
+                       + "): it computes the tail blocks too.")
     fig.text(0.005, 0.005, "CPU build: the device KV cache and the host tier share the same RAM "
-             "(a host-tier load is a memcpy). Dots: every measured run.", fontsize=7.5,
-             color="dimgrey")
+             "(a host-tier load is a memcpy). Dots: every measured run." + remote_note,
+             fontsize=7.5, color="dimgrey")
     fig.tight_layout(rect=(0, 0.03, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1148,6 +1407,7 @@ def parent_main(args) -> int:
                   f"that is no multiple of {CHUNK_TOKENS}", file=sys.stderr)
             return 2
     expected_hit = {name: prefix_hit(n) for name, n in lengths.items()}
+    expected_remote = {name: remote_hit(n) for name, n in lengths.items()}
     kv_per_token = kv_bytes_per_token(MODEL, DTYPE_BYTES)
     kv_bytes = sum(expected_hit.values()) // len(expected_hit) * kv_per_token
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tieredkv_e2e_ttft_", dir=args.tmp_root))
@@ -1156,9 +1416,36 @@ def parent_main(args) -> int:
     from tieredkv.tools.tiny_model import make_tiny_llama
 
     make_tiny_llama(model_dir, **MODEL)
-    specs = build_specs(args, model_dir, work, lengths)
-    if args.only:
-        specs = {c: s for c, s in specs.items() if c in args.only.split(",")}
+    only = set(args.only.split(",")) if args.only else None
+    if only and "tieredkv_remote" in only:
+        only.add("tieredkv_remote_writer")  # replica B reads what replica A wrote
+    remote_info: dict[str, Any] = {}
+    redis = None
+    want_remote = not args.no_remote and not args.rerender and (only is None or "tieredkv_remote" in only)
+    if want_remote:
+        try:
+            from tieredkv.testing.redis_procs import RedisNotInstalledError, RedisServer
+        except ImportError as exc:  # pragma: no cover - the module ships with tieredkv
+            remote_info["skipped"] = f"tieredkv.testing.redis_procs unavailable ({exc})"
+        else:
+            try:
+                redis = RedisServer(work / "redis").start()
+                atexit.register(redis.stop)  # stopped in the run's finally; this if it never gets there
+            except (RedisNotInstalledError, RuntimeError) as exc:
+                remote_info["skipped"] = f"no redis-server ({exc})"
+                print(f"row 6 (remote tier) skipped: {exc}", file=sys.stderr)
+    elif args.no_remote:
+        remote_info["skipped"] = "--no-remote"
+    specs = build_specs(args, model_dir, work, lengths, redis.url if redis is not None else None)
+    if only:
+        specs = {c: s for c, s in specs.items() if c in only}
+    if redis is not None:
+        remote_info.update({
+            "server": "redis-server " + redis.cli("INFO", "server").split("redis_version:")[1].split()[0],
+            "timeout_s": _default_remote_timeout_s(), "key_prefix": REMOTE_KEY_PREFIX,
+            "host_slots": max(host_entries(n) for n in lengths.values()),
+            "expected_keys": sum(n // CHUNK_TOKENS for n in lengths.values()),
+        })
     reps = args.repeats or prof["hit_repeats"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -1167,7 +1454,8 @@ def parent_main(args) -> int:
         return sum(1 for p in phases if p["kind"] == "generate")
 
     total = 1 + sum(gens(s["setup"]) + reps * gens(s["round"]) for s in specs.values())
-    if "tieredkv_disk_restart" in specs:  # the floor/host/example rounds run again beside it
+    late = [c for c in ("tieredkv_disk_restart", "tieredkv_remote") if c in specs]
+    if late:  # the floor/host/example rounds run again beside the engines started late
         total += reps * sum(gens(specs[c]["round"]) for c in ("vllm_prefix", "example_connector",
                                                                "tieredkv_host") if c in specs)
     progress = common.Progress(total, "raw disk read bandwidth")
@@ -1179,6 +1467,7 @@ def parent_main(args) -> int:
         disk, results = raw["raw_disk_read"], raw["results"]
         wall_s, load_end = raw.get("wall_s"), raw.get("load_average_end")
         git = raw.get("git")
+        remote_info = raw.get("remote") or {"skipped": "not in the kept raw results"}
         progress.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -1188,10 +1477,12 @@ def parent_main(args) -> int:
         try:
             disk = raw_read_bandwidth(work / "tieredkv_disk", kv_bytes, CHUNK_TOKENS * kv_per_token)
             progress.advance(1, f"raw disk {disk['gb_per_s']:.2f} GB/s")
-            # All engines but the restarted one start together and stay up, so the measured
-            # hits of every configuration can be interleaved in time: on a shared machine the
-            # load drifts, and configurations measured minutes apart would see different loads.
-            first = [c for c in specs if c != "tieredkv_disk_restart"]
+            # All engines but the restarted one and remote replica B start together and stay
+            # up, so the measured hits of every configuration can be interleaved in time: on a
+            # shared machine the load drifts, and configurations measured minutes apart would
+            # see different loads. Remote replica A (the writer) starts with them and exits
+            # after its set-up.
+            first = [c for c in specs if c not in late]
             progress.set_label(f"starting {len(first)} engines")
             for config in first:
                 engines[config] = Engine(specs[config], env, progress)
@@ -1202,12 +1493,19 @@ def parent_main(args) -> int:
                 engines[config].run(specs[config]["setup"], timeout)
             if "recompute" in engines:  # measured in its set-up; free its memory
                 results["recompute"] = engines.pop("recompute").close()
+            if "tieredkv_remote_writer" in engines:  # replica A exits (queued writes flushed)
+                writer = engines.pop("tieredkv_remote_writer").close()
+                results["tieredkv_remote_writer"] = writer
+                assert redis is not None
+                remote_info["writer"] = writer_summary(writer)
+                remote_info["keys_after_writer"] = wait_for_keys(
+                    redis, REMOTE_KEY_PREFIX, remote_info["expected_keys"])
 
             def rounds(configs: list[str], offset: int) -> None:
                 for i in range(reps):
                     order = configs[i % len(configs):] + configs[:i % len(configs)]
                     for config in order:
-                        j = i if config.startswith("tieredkv_disk") else offset + i
+                        j = i if config in OWN_ROUND_NUMBERS else offset + i
                         engines[config].run(round_phases(specs[config], j), timeout)
 
             live = [c for c in ("vllm_prefix", "example_connector", "tieredkv_host", "tieredkv_disk")
@@ -1215,29 +1513,39 @@ def parent_main(args) -> int:
             rounds(live, 0)
             if "tieredkv_disk" in engines:
                 results["tieredkv_disk"] = engines.pop("tieredkv_disk").close()  # journal flushed
-            if "tieredkv_disk_restart" in specs:
-                progress.set_label("restarting the disk tier's engine")
-                engines["tieredkv_disk_restart"] = Engine(specs["tieredkv_disk_restart"], env, progress)
-                engines["tieredkv_disk_restart"].ready(timeout)
-                engines["tieredkv_disk_restart"].run(specs["tieredkv_disk_restart"]["setup"], timeout)
-                rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host",
-                                    "tieredkv_disk_restart") if c in engines], reps)
+            if late:
+                # The restarted disk engine and remote replica B (fresh: it never saw the
+                # prompts) start together, then their rounds interleave with the others'.
+                progress.set_label("starting " + " and ".join(late))
+                for config in late:
+                    engines[config] = Engine(specs[config], env, progress)
+                for config in late:
+                    engines[config].ready(timeout)
+                for config in late:
+                    engines[config].run(specs[config]["setup"], timeout)
+                rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host", *late)
+                        if c in engines], reps)
             for config in list(engines):
                 results[config] = engines.pop(config).close()
             (work / "raw_results.json").write_text(json.dumps({
                 "raw_disk_read": disk, "results": results, "wall_s": time.monotonic() - t_start,
-                "load_average_end": list(os.getloadavg()), "git": common.git_revision(HERE)}))
+                "load_average_end": list(os.getloadavg()), "git": common.git_revision(HERE),
+                "remote": remote_info}))
         finally:
             for engine in engines.values():
                 engine.kill()
+            if redis is not None:
+                redis.stop()
             progress.close()
             if not args.keep:
                 shutil.rmtree(work, ignore_errors=True)
     results = {c: results[c] for c in LABELS if c in results}
     if args.only:
-        print(json.dumps({c: summarize(c, r, expected_hit) for c, r in results.items()}, indent=1))
+        print(json.dumps({c: summarize(c, r, expected_hit, expected_remote)
+                          for c, r in results.items()}, indent=1))
+        print(json.dumps({"remote": remote_info}, indent=1))
         return 0
-    rows = {c: summarize(c, r, expected_hit) for c, r in results.items()}
+    rows = {c: summarize(c, r, expected_hit, expected_remote) for c, r in results.items()}
     floor = rows["vllm_prefix"]["median_s"]
     import vllm
 
@@ -1251,6 +1559,7 @@ def parent_main(args) -> int:
             "chunk_blocks": CHUNK_BLOCKS, "prompt_lengths": lengths,
             "prompt_seed": args.prompt_seed,
             "expected_hit_tokens": expected_hit, "kv_bytes_per_token": kv_per_token,
+            "expected_remote_hit_tokens": expected_remote,
             "kv_bytes": kv_bytes,
             "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
             "disk_limit_s": DISK_TARGET * (floor + kv_bytes / (disk["gb_per_s"] * 1e9)),
@@ -1259,8 +1568,15 @@ def parent_main(args) -> int:
         "raw_disk_read": disk,
         "load_average_end": load_end if args.rerender else list(os.getloadavg()),
         "rows": rows,
+        "remote": remote_info,
     }
     payload["verdicts"] = verdicts(rows, kv_bytes, disk["gb_per_s"] * 1e9)
+    if "tieredkv_remote" in rows:  # no target: the figures, and whether the hit happened
+        remote_info["ratios"] = remote_ratios(rows["tieredkv_remote"], rows["vllm_prefix"],
+                                              rows["recompute"])
+        remote_info["ratios_by_prompt"] = remote_ratios_by_prompt(
+            rows["tieredkv_remote"], rows["vllm_prefix"], rows["recompute"])
+        remote_info["hit_ok"] = rows["tieredkv_remote"]["hit_ok"]
     if args.trace:
         payload["traces"] = {
             c: {r["label"]: r.get("trace") for r in results[c]["records"] if r.get("trace")}
@@ -1277,7 +1593,12 @@ def parent_main(args) -> int:
                     continue  # all of them are in the JSON
                 print(f"\n--- trace {config} {label}")
                 print("\n".join(lines))
-    return 0 if all(v["pass"] for v in payload["verdicts"] if "(info)" not in v["target"]) else 1
+    remote_ok = remote_info.get("hit_ok", True)
+    if not remote_ok:
+        print("row 6 (remote tier): the hits did not happen: "
+              + "; ".join(rows["tieredkv_remote"]["problems"]), file=sys.stderr)
+    targets_ok = all(v["pass"] for v in payload["verdicts"] if "(info)" not in v["target"])
+    return 0 if targets_ok and remote_ok else 1
 
 
 def main() -> int:
@@ -1305,6 +1626,8 @@ def main() -> int:
                         help="diagnostic: the children's sys.setswitchinterval (default: Python's 5 ms)")
     parser.add_argument("--rerender", default=None, metavar="RAW_JSON",
                         help="rebuild the outputs from a kept run's WORK_DIR/raw_results.json")
+    parser.add_argument("--no-remote", action="store_true",
+                        help="skip the remote-tier row (row 6; it needs redis-server)")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # debugging: some configs only
     args = parser.parse_args()
     return parent_main(args)

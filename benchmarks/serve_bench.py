@@ -60,7 +60,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,17 +360,24 @@ def stream_completion(url: str, tokens: Sequence[int], max_tokens: int, timeout_
 
 
 def run_level(
-    server_url: str,
+    server_url: str | Sequence[str],
     spec: ChatWorkload,
     level: int,
     *,
     timeout_s: float,
     request_timeout_s: float,
     on_done: Any = None,
+    conversations: Sequence[Conversation] | None = None,
+    route: Callable[[int, int, int], int] | None = None,
 ) -> tuple[list[dict[str, Any]], float]:
-    """Play one level's conversations concurrently (one thread per user); (records, wall s)."""
+    """Play one level's conversations concurrently (one thread per user); (records, wall s).
+
+    Several ``server_url``s (replicas): turn ``t`` of user ``u`` goes to
+    ``server_url[route(u, t, len(server_url))]``, recorded as the turn's ``replica``."""
+    urls = [server_url] if isinstance(server_url, str) else list(server_url)
     system = list(system_prompt(spec))
-    conversations = make_conversations(spec, level)
+    if conversations is None:
+        conversations = make_conversations(spec, level)
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
     start = time.monotonic()
@@ -378,19 +385,22 @@ def run_level(
 
     def user_loop(conv: Conversation) -> None:
         history = list(system)
-        for turn in range(spec.turns):
+        for turn, text in enumerate(conv.user_texts):
             wait = conv.think_s[turn]
             if time.monotonic() + wait >= deadline:
                 return
             time.sleep(wait)
-            prompt = history + list(conv.user_texts[turn])
+            prompt = history + list(text)
+            replica = route(conv.user, turn, len(urls)) if route is not None else 0
             record: dict[str, Any] = {
                 "user": conv.user, "turn": turn, "prompt_tokens": len(prompt),
                 "t_start": time.monotonic() - start,
             }
+            if len(urls) > 1:
+                record["replica"] = replica
             try:
                 ttft, out = stream_completion(
-                    server_url, prompt, spec.reply_tokens,
+                    urls[replica], prompt, spec.reply_tokens,
                     min(request_timeout_s, max(1.0, deadline - time.monotonic() + request_timeout_s)),
                 )
                 record.update(ok=True, ttft_s=ttft, output=out,
