@@ -55,9 +55,10 @@ def tieredkv_config(**extra) -> dict:
     }
 
 
-def run_engine(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
-    """Start one engine in its own process, run its phases, return the parsed result."""
-    return _run_engine_process([str(RUNNER)], spec, env, timeout)
+def run_engine(spec: dict, env: dict | None = None, timeout: int = 600, log: bool = False) -> dict:
+    """Start one engine in its own process, run its phases, return the parsed result; with
+    ``log``, the process's output too (vLLM logs to stdout, tieredkv to stderr) as ``result["log"]``."""
+    return _run_engine_process([str(RUNNER)], spec, env, timeout, log)
 
 
 def run_engine_with_options(spec: dict, env: dict | None = None, timeout: int = 600) -> dict:
@@ -70,7 +71,8 @@ def run_engine_with_options(spec: dict, env: dict | None = None, timeout: int = 
     return _run_engine_process(["-c", bootstrap], spec, env, timeout)
 
 
-def _run_engine_process(argv: list[str], spec: dict, env: dict | None, timeout: int) -> dict:
+def _run_engine_process(argv: list[str], spec: dict, env: dict | None, timeout: int,
+                        log: bool = False) -> dict:
     """Run ``python ARGV SPEC_FILE`` and parse its ``RESULT=`` line."""
     _require_vllm()
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
@@ -91,6 +93,8 @@ def _run_engine_process(argv: list[str], spec: dict, env: dict | None, timeout: 
         if line.startswith("RESULT="):
             result = json.loads(line[len("RESULT="):])
             _assert_resets_took_effect(result)
+            if log:
+                result["log"] = proc.stdout + proc.stderr
             return result
     raise AssertionError(
         f"engine run failed (exit {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\n"

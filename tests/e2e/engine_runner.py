@@ -26,6 +26,23 @@ def find_scheduler_half(llm):
     return getattr(connector, "_scheduler", None)
 
 
+def engine_info(llm) -> dict:
+    """What vLLM made of the engine: the hybrid KV-cache manager's switch, the KV-cache groups
+    (spec class names), the device blocks, and the capacity vLLM logs at start-up ("KV cache
+    size: N tokens, Maximum concurrency ...": ``kv_cache_utils.update_kv_cache_capacity``)."""
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    config = getattr(core, "vllm_config", None) or llm.llm_engine.vllm_config
+    kv_cache_config = core.scheduler.kv_cache_config
+    return {
+        "disable_hybrid_kv_cache_manager": config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "kv_cache_groups": [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups],
+        "num_blocks": kv_cache_config.num_blocks,
+        "kv_cache_size_tokens": getattr(config.cache_config, "kv_cache_size_tokens", None),
+        "kv_cache_max_concurrency": getattr(config.cache_config, "kv_cache_max_concurrency", None),
+    }
+
+
 def drain(llm, timeout_s: float = 30.0) -> None:
     """Step the engine until tieredkv has no pending job (spills journaled, stores done)."""
     half = find_scheduler_half(llm)
@@ -69,6 +86,7 @@ def main() -> None:
         result["startup_traceback"] = traceback.format_exc()
         print("RESULT=" + json.dumps(result), flush=True)
         return
+    result["engine"] = engine_info(llm)
     for phase in spec["phases"]:
         kind = phase["kind"]
         record: dict = {"kind": kind, "names": phase.get("names")}

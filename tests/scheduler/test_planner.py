@@ -212,6 +212,25 @@ def test_preemption_fences_blocks_of_in_flight_stores():
     assert sorted(plan.fence_block_ids) == list(range(40, 48))
 
 
+def test_a_store_the_preemption_fence_cancelled_is_stored_when_the_chunk_is_recomputed():
+    planner = make()
+    tokens = list(range(2 * CHUNK_TOKENS + 1))
+    keys = keys_for(tokens)
+    planner.set_block_ids("a", list(range(40, 50)), replace=True)
+    planner.plan_stores("a", keys, len(tokens))
+    first = planner.take_plan()
+    planner.preempted("a")
+    planner.take_plan()
+    planner.apply([JobResult(first.stores[0].job_id, failed=1, failure="cancelled"),
+                   JobResult(first.stores[1].job_id, ok=1)])
+    assert not planner.host.is_ready(keys[0]) and planner.host.is_ready(keys[1])
+    # Resumed with new blocks, it computes the prompt again: chunk 0 is stored this time.
+    planner.set_block_ids("a", list(range(60, 70)), replace=True)
+    planner.plan_stores("a", keys, len(tokens))
+    (store,) = planner.take_plan().stores
+    assert (store.key, store.block_ids) == (keys[0], (60, 61, 62, 63))
+
+
 def test_abort_during_load_is_not_delayed_and_unpins_after_result():
     planner = make()
     tokens = list(range(2 * CHUNK_TOKENS + 1))

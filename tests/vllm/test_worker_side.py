@@ -193,6 +193,30 @@ def _failed_load_flow(w: WorkerHalf, caches) -> None:
     assert torch.equal(block(caches, 0, 30), untouched)
 
 
+def test_failed_load_with_a_sliding_window_fails_the_request(monkeypatch):
+    """vLLM recomputes from the first failed block, but a sliding window's earlier blocks
+    were never loaded (vLLM's null block): the request is failed_recving, recomputed whole."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"fail_loads": 1}))
+    vllm_config, kv_cache_config = fake_configs()
+    full = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    kv_cache_config.kv_cache_groups[0].kv_cache_spec = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=CONTENT // 2, dtype=torch.int8,
+        sliding_window=200, page_size_padded=full.page_size_bytes)
+    config = TieredKVConfig.from_dict({"host_bytes": "8MiB", "chunk_blocks": CHUNK_BLOCKS})
+    w = WorkerHalf(vllm_config, kv_cache_config, config)
+    w.register_kv_caches(kv_caches(0))
+    try:
+        load = LoadJob(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
+        reported = step(w, StepPlan(loads=[load]))
+        _, recving, _ = collect_until(w, lambda s, r, m: "b" in r, after=reported)
+        assert w.take_failed_recving() == {"b"}
+        assert w.take_load_errors() == set()
+    finally:
+        w.shutdown()
+
+
 def run_rank(worker: WorkerHalf, plan: StepPlan) -> TieredKVWorkerMetadata:
     """Run a plan's stores on one rank; its reports, aggregated as vLLM would within a step."""
     step(worker, plan)

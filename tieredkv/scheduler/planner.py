@@ -200,13 +200,16 @@ class Planner:
     # ------------------------------------------------------------------ lifecycle
 
     def preempted(self, req_id: str) -> None:
-        """vLLM freed the request's blocks: fence in-flight stores that read them."""
+        """vLLM freed the request's blocks: fence in-flight stores that read them. The
+        request computes its chunks again once resumed: a chunk whose store the fence cancelled
+        is stored then (one already held is only touched)."""
         state = self._requests.get(req_id)
         self.counters["preemptions"] += 1
         if state is None:
             return
         self._ledger.fence_stores(state)
         state.set_tables([])
+        state.next_store_chunk = 0
 
     def finished(self, req_id: str) -> bool:
         """The request finished; True when its blocks must wait for in-flight stores."""
