@@ -256,7 +256,8 @@ def test_disk_bytes_zero_still_means_no_disk_tier(tmp_path):
 
 def test_every_numeric_key_rejects_nan_and_infinity(tmp_path):
     numeric = ["host_bytes", "disk_bytes", "disk_admission", "chunk_blocks", "io_threads",
-               "load_timeout_s", "spill_queue_depth", "metrics_port"]
+               "load_timeout_s", "spill_queue_depth", "metrics_port", "remote_timeout_s",
+               "remote_ttl_s", "remote_admission", "remote_write_queue_bytes"]
     # A numeric key added later must join this list (and get a stated range).
     assert {f.name for f in fields(TieredKVConfig) if f.type in ("int", "float", "int | None")} == set(numeric)
     for key in numeric:
@@ -264,4 +265,6 @@ def test_every_numeric_key_rejects_nan_and_infinity(tmp_path):
             extra = {key: raw}
             if key == "disk_bytes":
                 extra["disk_path"] = str(tmp_path)
+            if key.startswith("remote_"):
+                extra["remote_url"] = "redis://127.0.0.1:6379/0"
             _fails_naming(extra, key)

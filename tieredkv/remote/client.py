@@ -95,9 +95,14 @@ def make_client(
 
 
 async def handshake(client: RemoteClient) -> None:
-    """Prove the client can talk: load the Cluster's slot map, then PING (raises on failure)."""
+    """Prove the client can talk: load the Cluster's slot map, then PING (raises on failure).
+
+    A Cluster PINGs every primary: each gets its connection now, not in the first probe, which
+    would otherwise pay for them against its deadline (``remote_timeout_s``)."""
     if isinstance(client, RedisCluster):
         await client.initialize()
+        await client.ping(target_nodes=RedisCluster.PRIMARIES)  # type: ignore[call-arg]
+        return
     await client.ping()
 
 
