@@ -108,9 +108,12 @@ class JobLedger:
             if job.remaining > 0:
                 continue
             del self._jobs[job_id]
-            if job.sliding:
-                self.sliding_sources.subtract(job.sliding)
-                self.sliding_sources += Counter()  # drop the zeros
+            for block in job.sliding:  # this store's blocks only, not the whole counter
+                left = self.sliding_sources[block] - 1
+                if left > 0:
+                    self.sliding_sources[block] = left
+                else:
+                    del self.sliding_sources[block]
             self._handlers[job.kind](job, job.outcome)
             self._detach(job)
 

@@ -117,11 +117,6 @@ class RemoteDriver:
             self._stats.moved(Direction.REMOTE_READ, self._payload_bytes)
         self._finish(seq, result, t0)
 
-    @property
-    def reads_in_flight(self) -> int:
-        with self._lock:
-            return len(self._reads)
-
     def gauges(self) -> dict[str, int]:
         """The store's write backlog (items), for the ``remote_write_queue`` gauge."""
         if self.jobs is None:
