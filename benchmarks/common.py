@@ -115,7 +115,9 @@ def git_revision(path: Path | None = None) -> str | None:
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+            # Results files change as benchmarks run; they are not code.
+            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--", ":/",
+             ":(top,exclude)benchmarks/results"],
             capture_output=True, text=True, timeout=10, check=False,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -169,7 +171,9 @@ def summarize(samples: Sequence[float]) -> dict[str, float]:
 
 
 def results_dir(directory: Path | str | None = None) -> Path:
-    path = Path(directory) if directory is not None else RESULTS_DIR
+    if directory is None:
+        directory = os.environ.get("TIEREDKV_RESULTS_DIR") or RESULTS_DIR  # run_all --out
+    path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -154,47 +154,62 @@ def _series(fn, n=60, period=5.0):
 
 def test_leak_check_flat_noisy_and_plateau_pass():
     rnd = random.Random(1)
-    rule = soak.LeakRule(abs_tol=64, rel_tol=0.05, rise_frac=0.05)
-    ts, ys = _series(lambda t: 2000 + rnd.uniform(-20, 20))
-    assert soak.leak_check(ts, ys, rule)["verdict"] == "PASS"
-    # Fast growth during warm-up, then a plateau: not a leak.
-    ts, ys = _series(lambda t: min(2000.0, 1000 + 20 * t))
-    assert soak.leak_check(ts, ys, rule)["verdict"] == "PASS"
+    rule = soak.LeakRule(per_hour=16, rise=32)
+    ts, ys = _series(lambda t: 2000 + rnd.uniform(-5, 5), n=400, period=10.0)  # 66 min, noise only
+    res = soak.leak_check(ts, ys, rule, warmup_s=600)
+    assert res["verdict"] == "PASS" and res["mode"] == "hourly"
+    # Fast growth during the warm-up, then a plateau: not a leak.
+    ts, ys = _series(lambda t: min(2000.0, 1000 + 2 * t), n=400, period=10.0)
+    assert soak.leak_check(ts, ys, rule, warmup_s=600)["verdict"] == "PASS"
 
 
-def test_leak_check_linear_growth_fails():
-    rule = soak.LeakRule(abs_tol=64, rel_tol=0.05, rise_frac=0.05)
+def test_leak_check_hourly_rule_bites_on_slow_growth():
+    """20 units/h over an hour: a 16/h limit fails it, though it climbs less than the rise."""
+    rule = soak.LeakRule(per_hour=16, rise=32)
+    ts, ys = _series(lambda t: 2000 + 20 * t / 3600, n=400, period=10.0)
+    res = soak.leak_check(ts, ys, rule, warmup_s=600)
+    assert res["verdict"] == "FAIL" and res["mode"] == "hourly"
+    assert res["slope_per_h"] == pytest.approx(20.0)
+    assert "/h" in res["reason"]
+    ok = soak.leak_check(*_series(lambda t: 2000 + 12 * t / 3600, n=400, period=10.0), rule, warmup_s=600)
+    assert ok["verdict"] == "PASS" and ok["slope_per_h"] == pytest.approx(12.0)
+
+
+def test_leak_check_short_run_judges_the_climb():
+    rule = soak.LeakRule(per_hour=16, rise=32)
     ts, ys = _series(lambda t: 2000 + 2.0 * t)  # +600 over 300 s
-    res = soak.leak_check(ts, ys, rule)
-    assert res["verdict"] == "FAIL"
+    res = soak.leak_check(ts, ys, rule, warmup_s=60)
+    assert res["verdict"] == "FAIL" and res["mode"] == "short run"
     assert res["slope_per_s"] == pytest.approx(2.0)
-    assert res["projected"] == pytest.approx(2.0 * 295)
-    assert "slope" in res["reason"]
+    assert res["climb"] == pytest.approx(2.0 * res["span_s"])
+    assert "climbs" in res["reason"]
+    # The same slope as the hourly failure above climbs too little to judge on a short run.
+    slow = soak.leak_check(*_series(lambda t: 2000 + 20 * t / 3600), rule, warmup_s=60)
+    assert slow["verdict"] == "PASS" and slow["mode"] == "short run"
 
 
 def test_leak_check_late_step_fails_on_ceiling():
-    rule = soak.LeakRule(abs_tol=4, rel_tol=0.05, rise_frac=0.05)
+    rule = soak.LeakRule(per_hour=1, rise=2)
     ts, ys = _series(lambda t: 100 if t < 280 else 130)  # a jump in the last samples
-    res = soak.leak_check(ts, ys, rule)
+    res = soak.leak_check(ts, ys, rule, warmup_s=60)
     assert res["verdict"] == "FAIL" and "last-quarter" in res["reason"]
 
 
-def test_leak_check_slow_growth_projected_over_long_run():
-    rule = soak.LeakRule(abs_tol=64 * 1024, rel_tol=0.0, rise_frac=0.0)
-    ts, ys = _series(lambda t: 1000 + 100 * t)  # 100 B/s: 30 KB over 5 min
-    short = soak.leak_check(ts, ys, rule, run_s=300)
-    long = soak.leak_check(ts, ys, rule, run_s=4 * 3600)
-    assert long["verdict"] == "FAIL"
-    assert long["projected"] == pytest.approx(100 * 4 * 3600)
-    assert short["projected"] < 64 * 1024
-
-
 def test_leak_check_undecided_is_not_a_pass():
-    rule = soak.LeakRule(abs_tol=1)
-    assert soak.leak_check([0, 1, 2], [1, 1, 1], rule)["verdict"] == "n/a"
-    assert soak.leak_check([], [], rule)["verdict"] == "n/a"
+    rule = soak.LeakRule(per_hour=1, rise=1)
+    assert soak.leak_check([0, 1, 2], [1, 1, 1], rule, warmup_s=0)["verdict"] == "n/a"
+    assert soak.leak_check([], [], rule, warmup_s=0)["verdict"] == "n/a"
+    # Everything inside the warm-up: nothing to judge.
+    assert soak.leak_check(*_series(lambda t: 1.0), rule, warmup_s=1e6)["verdict"] == "n/a"
     assert soak.lsq_slope([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(2.0)
     assert soak.lsq_slope([1, 1], [0, 5]) == 0.0
+
+
+def test_rss_rule_is_16_mib_per_hour():
+    assert soak.LEAK_RULES["rss_bytes"].per_hour == 16 * soak.MiB
+    assert all(p["warmup_s"] > 0 for p in soak.PROFILES.values())
+    assert soak.PROFILES["full"]["duration_s"] - soak.PROFILES["full"]["warmup_s"] >= \
+        soak.LEAK_RULES["rss_bytes"].judge_span_s
 
 
 def test_flip_payload_bytes(tmp_path):
