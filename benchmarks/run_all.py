@@ -81,7 +81,7 @@ BENCHES: tuple[Bench, ...] = (
           ("serve_bench.json", "serve_bench.md"), ("serve_bench.json", "serve_bench.md"), (15, 45)),
     Bench("multi_replica", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
           ("multi_replica.json", "multi_replica.md"), ("multi_replica.json", "multi_replica.md"), (8, 30)),
-    Bench("soak", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full", "--label", "full"),
+    Bench("soak", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
           ("soak.json", "soak.md"), ("soak-full.json", "soak-full.md"), (7, 65)),
 )
 BENCH_NAMES = tuple(b.name for b in BENCHES)

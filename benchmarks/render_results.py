@@ -1,0 +1,319 @@
+"""Render ``benchmarks/RESULTS.md`` from the kept results files, so no figure can drift.
+
+Every figure on that page is read here from a JSON file under ``benchmarks/results/``
+(written by the benchmark, stamped by :mod:`benchmarks.run_all`). For each benchmark the page
+shows its stamp (commit, profile, date, machine, load before and after), whether the code it
+measured has changed since (``git diff`` of ``tieredkv/`` and the benchmark's script against
+the checkout), and every judged target with its measured figure and verdict. A missed target is a
+``MISS`` in the headline table, whatever another run did. Prose lives in
+``benchmarks/README.md``, which quotes no figures.
+
+    python -m benchmarks.render_results            # rewrite benchmarks/RESULTS.md
+    python -m benchmarks.render_results --check    # exit 1 if RESULTS.md is not what the files give
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+
+Row = dict[str, str]  # what, measured, target, verdict
+
+
+@dataclass
+class Section:
+    """What the page says about one results file."""
+
+    name: str
+    file: str
+    title: str
+    stamp: dict[str, Any] | None
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def judged(self) -> list[Row]:
+        return [r for r in self.rows if r["verdict"] in ("PASS", "MISS")]
+
+    @property
+    def misses(self) -> list[Row]:
+        return [r for r in self.rows if r["verdict"] == "MISS"]
+
+
+def _num(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return f"{x:,.{digits}f}"
+
+
+def _verdict(ok: Any) -> str:
+    """PASS/MISS from a bool or a benchmark's own word (PASS, FAIL, MISS, PASS (within noise))."""
+    if isinstance(ok, bool):
+        return "PASS" if ok else "MISS"
+    word = str(ok).split()[0].upper() if ok else ""
+    if word in ("PASS", "OK"):
+        return "PASS"
+    if word in ("FAIL", "MISS"):
+        return "MISS"
+    return "info"
+
+
+def _row(what: str, measured: str, target: str, verdict: str) -> Row:
+    return {"what": what, "measured": measured, "target": target, "verdict": verdict}
+
+
+# ---------------------------------------------------------------------------- per benchmark
+
+
+def transfer_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for r in d["rows"]:
+        if r.get("target") is None:
+            continue
+        ratios = r["ratio_to_contig"]
+        backend = "native" if "native" in ratios else ("cupy" if "cupy" in ratios else "torch")
+        what = f"{r['direction']} {r['chunk_bytes'] // 1024} KiB chunks x {r['batch']} ({backend})"
+        rows.append(_row(what, f"{ratios[backend]:.2f} of contiguous ({r['gbps'][backend]:.2f} GB/s)",
+                         f">= {r['target']}", _verdict(r.get("result"))))
+    notes = [f"{d.get('device')}, torch {d.get('torch')}, {d.get('clock')}, {d.get('rounds')} rounds per row; "
+             f"load average at the end {d.get('loadavg_end')}."]
+    return rows, notes
+
+
+def disk_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for r in d["rows"]:
+        target = f">= {r['target']}" if r.get("target") is not None else "info"
+        verdict = "info" if r.get("passed") is None else _verdict(bool(r["passed"]))
+        rows.append(_row(f"{r['what']} {r['chunk_bytes'] // 1024} KiB",
+                         f"{r['ratio']:.2f} of raw ({r['tieredkv_gbs']:.2f} vs {r['raw_gbs']:.2f} GB/s)",
+                         target, verdict))
+    mode = "O_DIRECT" if d.get("direct") else f"buffered ({d.get('direct_note')})"
+    notes = [f"{d.get('filesystem')} at {d.get('directory')}, {mode}, {d.get('repeats')} passes of "
+             f"{d.get('total_bytes', 0) // (1 << 20)} MiB, {d.get('inflight')} I/Os in flight."]
+    return rows, notes
+
+
+def scheduler_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for r in d["rows"]:
+        rows.append(_row(f"{r['operation']} @ {r['size_label']}",
+                         f"{r['ratio']:.2f}x vLLM ({_num(r['tieredkv_median_us'], 1)} vs "
+                         f"{_num(r['vllm_median_us'], 1)} us median)", r.get("target", ""),
+                         _verdict(r.get("verdict"))))
+    targets = d.get("targets", {})
+    if "lookup_128k_under_2ms" in targets:
+        rows.append(_row("128k-token lookup", str(targets["lookup_128k_under_2ms"]), "< 2 ms",
+                         _verdict(targets["lookup_128k_under_2ms"])))
+    notes = [str(d["keying"]["summary"])] if isinstance(d.get("keying"), Mapping) and "summary" in d["keying"] else []
+    return rows, notes
+
+
+def remote_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for r in d["rows"]:
+        if r.get("tieredkv_mb_s") is not None and r.get("baseline_mb_s") is not None:
+            rate = f"{r['tieredkv_mb_s']:,.0f} vs {r['baseline_mb_s']:,.0f} MB/s"
+        else:
+            rate = f"{r['tieredkv_ops_s']:,.0f} vs {r['baseline_ops_s']:,.0f} ops/s"
+        rows.append(_row(f"{r['op']} {r['size_label'].split(' (')[0]} c={r['clients']} vs {r['baseline']}",
+                         f"{r['ratio']:.2f} ({rate})",
+                         f">= {r['target']}", _verdict(r.get("verdict"))))
+    return rows, [f"{d.get('deployment')}; versions {d.get('versions')}."]
+
+
+def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for r in d["rows"].values():
+        hits = r.get("hit_tokens_by_prompt") or {}
+        hit_text = ", ".join(f"{p}: {'/'.join(str(x) for x in sorted(set(v)))}" for p, v in hits.items())
+        rows.append(_row(f"TTFT {r['config']}", f"{r['median_s'] * 1e3:,.1f} ms median (n={r['n']})"
+                         + (f"; hit tokens {hit_text}" if hit_text else ""), "", "info"))
+    for v in d.get("verdicts", []):
+        wall, eq = v.get("wall", {}), v.get("equal_compute", {})
+        measured = f"{v['worse_ratio']:.2f}x floor (worse of cross/same engine)"
+        if wall:
+            measured += f"; {wall['value_s'] * 1e3:,.1f} ms vs limit {wall['limit_s'] * 1e3:,.1f} ms"
+        if eq:
+            measured += f"; equal compute {eq['value_s'] * 1e3:,.1f} vs {eq['limit_s'] * 1e3:,.1f} ms " \
+                        f"({'pass' if eq.get('pass') else 'miss'})"
+        rows.append(_row(v["target"], measured, v.get("limit", ""), _verdict(bool(v["pass"]))))
+    notes = []
+    for v in d.get("hybrid_verdicts", []):
+        eq = v.get("equal_compute", {})
+        notes.append(f"Reference line, not a target (chunk-aligned hybrid hits recompute the tail): "
+                     f"{v['target']}: {v['worse_ratio']:.2f}x on the wall clock "
+                     f"({'pass' if v['pass'] else 'miss'}); at equal compute {eq.get('value_s', math.nan) * 1e3:,.1f} "
+                     f"vs {eq.get('limit_s', math.nan) * 1e3:,.1f} ms ({'pass' if eq.get('pass') else 'miss'}).")
+    return rows, notes
+
+
+def serve_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for t in d.get("targets", []):
+        what = f"{t.get('config')} @ {t.get('users')} users: {t.get('target')}"
+        rows.append(_row(what, str(t.get("measured", "")), str(t.get("target", "")), _verdict(t.get("verdict"))))
+    for c in d.get("comparisons", []):
+        rows.append(_row(str(c.get("what", "")), str(c.get("measured", "")), str(c.get("target", "")),
+                         _verdict(c.get("verdict")) if c.get("verdict") in ("PASS", "FAIL", "MISS") else "info"))
+    notes = [str(d["consistency_note"])] if d.get("consistency_note") else []
+    notes += [str(n) for n in d.get("notes", [])]
+    return rows, notes
+
+
+def multi_replica_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = [_row(c["check"], c["measured"], "", _verdict(c["verdict"])) for c in d.get("checks", [])]
+    for r in d.get("ratios", []):
+        per_round = ", ".join(f"{x:.2f}" for x in r.get("ttft_p50_ratio_per_round", []))
+        rows.append(_row(f"{r['users']} users: TTFT shared / separate",
+                         f"p50 {r['ttft_p50_ratio']:.2f} (rounds {per_round}), p99 {r['ttft_p99_ratio']:.2f}",
+                         "", "info"))
+    notes = [str(d["consistency_note"])] if d.get("consistency_note") else []
+    return rows, notes
+
+
+def soak_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = [_row(c["check"], c["measured"], "", _verdict(c["verdict"])) for c in d.get("checks", [])]
+    for series, res in d.get("leaks", {}).items():
+        if "slope_per_h" not in res:
+            rows.append(_row(f"leak rule: {series}", res.get("reason", ""), "", _verdict(res.get("verdict"))))
+            continue
+        unit, scale = ("MiB", 1 << 20) if series.endswith("bytes") else ("", 1)
+        rows.append(_row(f"leak rule: {series} ({res['mode']})",
+                         f"slope {res['slope_per_h'] / scale:+,.2f} {unit}/h, judged {res['climb'] / scale:+,.2f}",
+                         f"<= {res['limit'] / scale:,.2f}", _verdict(res.get("verdict"))))
+    s = d.get("summary", {})
+    notes = [f"{s.get('requests', 0):,} requests over {s.get('load_s', 0):,.0f} s, {s.get('faults', 0)} disk slots "
+             f"corrupted on purpose; warm-up {d.get('params', {}).get('warmup_s', 'n/a')} s."]
+    return rows, notes
+
+
+Extractor = Callable[[Mapping[str, Any]], tuple[list[Row], list[str]]]
+# (results file, benchmark script, title, extractor), in the order of the page.
+FILES: tuple[tuple[str, str, str, Extractor], ...] = (
+    ("transfer_bench_cpu.json", "transfer_bench", "Transfer engine, CPU (quick)", transfer_rows),
+    ("transfer_bench_cpu_full.json", "transfer_bench", "Transfer engine, CPU (full)", transfer_rows),
+    ("disk_bench.json", "disk_bench", "Disk tier: slab I/O vs raw I/O (quick)", disk_rows),
+    ("disk_bench_full.json", "disk_bench", "Disk tier: slab I/O vs raw I/O (full)", disk_rows),
+    ("scheduler_bench.json", "scheduler_bench", "Scheduler half vs vLLM's OffloadingConnector", scheduler_rows),
+    ("remote_throughput.json", "remote_throughput", "Remote tier (Redis) throughput", remote_rows),
+    ("e2e_ttft.json", "e2e_ttft", "TTFT of long prompts on real vLLM", e2e_ttft_rows),
+    ("serve_bench.json", "serve_bench", "Multi-turn chat served by vLLM's OpenAI server", serve_rows),
+    ("multi_replica.json", "multi_replica", "Two replicas sharing a Redis tier", multi_replica_rows),
+    ("soak.json", "soak", "Soak (quick)", soak_rows),
+    ("soak-full.json", "soak", "Soak (full: one hour)", soak_rows),
+)
+
+
+def code_changed_since(commit: str, script: str, root: Path = ROOT) -> bool | None:
+    """Whether ``tieredkv/`` or the benchmark's script differ between ``commit`` and the checkout.
+
+    Compared with the working tree, not HEAD, so a page rendered just before a commit and
+    checked on a clean clone of that commit give the same answer.
+    """
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(root), "diff", "--quiet", commit, "--", "tieredkv",
+             f"benchmarks/{script}.py", "benchmarks/common.py"],
+            capture_output=True, check=False, timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: False, 1: True}.get(proc.returncode)
+
+
+def load_sections(results: Path) -> list[Section]:
+    sections = []
+    for file, script, title, extract in FILES:
+        path = results / file
+        if not path.exists():
+            continue
+        payload = json.loads(path.read_text())
+        rows, notes = extract(payload)
+        sections.append(Section(script, file, title, payload.get("stamp"), rows, notes))
+    return sections
+
+
+def _stamp_cells(s: Section) -> tuple[str, str, str, str]:
+    if not s.stamp:
+        return "not stamped (predates run_all)", "", "", ""
+    st = s.stamp
+    changed = code_changed_since(st["commit"], s.name)
+    fresh = {False: "no", True: "**yes**", None: "unknown"}[changed]
+    load = f"{st['load_before'][0]:.1f} → {st['load_after'][0]:.1f}"
+    dirty = " (dirty)" if st.get("dirty") else ""
+    return f"`{st['commit'][:8]}`{dirty} {st['profile']}", st["date_start"][:16], load, fresh
+
+
+def render(sections: Sequence[Section]) -> str:
+    out = [
+        "# Benchmark results",
+        "",
+        "<!-- Generated by `python -m benchmarks.render_results` from the JSON files in `results/`; "
+        "do not edit by hand. -->",
+        "",
+        "Generated from the kept results files under `results/` by `benchmarks/render_results.py`; "
+        "`python -m benchmarks.run_all` regenerates them all and this page. Each row below is read "
+        "from the named JSON file. **Load** is the 1-minute load average before and after the "
+        "benchmark (this machine is shared; compare configurations within one run, never across "
+        "files). **Code changed since** says whether `tieredkv/` or the benchmark's script differ "
+        "between the stamped commit and the checkout this page was rendered from. What each benchmark "
+        "measures and why: `benchmarks/README.md`.",
+        "",
+        "| benchmark | file | commit, profile | started (UTC) | load | code changed since | targets met | missed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in sections:
+        commit, date, load, fresh = _stamp_cells(s)
+        judged, misses = s.judged, s.misses
+        met = f"{len(judged) - len(misses)} of {len(judged)}" if judged else "none judged"
+        missed = "; ".join(r["what"] for r in misses[:4]) + (f"; +{len(misses) - 4} more" if len(misses) > 4 else "")
+        out.append(f"| {s.title} | `results/{s.file}` | {commit} | {date} | {load} | {fresh} | {met} | "
+                   f"{('**MISS**: ' + missed) if misses else ''} |")
+    machines = sorted({s.stamp["machine"]["name"] for s in sections if s.stamp})
+    if machines:
+        out += ["", "Machines: " + "; ".join(machines) + "."]
+    for s in sections:
+        out += ["", f"## {s.title}", "", f"From `results/{s.file}`"
+                + (f" (`{s.stamp['command']}`, {s.stamp['wall_s']:,.0f} s, exit status {s.stamp['exit_status']})."
+                   if s.stamp else " (not stamped by run_all: it predates it).")]
+        for note in s.notes:
+            out += ["", note]
+        if s.rows:
+            out += ["", common.markdown_table(s.rows, [("what", "what"), ("measured", "measured"),
+                                                       ("target", "target"), ("verdict", "verdict")])]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=None, help="results directory (default: benchmarks/results)")
+    parser.add_argument("--output", type=Path, default=RESULTS_MD)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from what the files give")
+    args = parser.parse_args(argv)
+    text = render(load_sections(common.results_dir(args.results)))
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            print(f"{args.output} is out of date: run python -m benchmarks.render_results", file=sys.stderr)
+            return 1
+        return 0
+    args.output.write_text(text)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""benchmarks.run_all stamps what a benchmark wrote; benchmarks.render_results renders only what files say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from benchmarks import render_results, run_all
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+def _stamp(t_start: float, exit_status: int = 0) -> dict:
+    return {
+        "commit": "0123456789abcdef", "dirty": [], "profile": "quick", "command": "python -m benchmarks.x",
+        "machine": {"name": "test CPU, 2 usable cores, no GPU"}, "load_before": [1.0, 1.0, 1.0],
+        "load_after": [2.0, 1.5, 1.2], "date_start": "2026-11-25 05:00:00 UTC",
+        "date_end": "2026-11-25 05:01:00 UTC", "wall_s": 60.0, "exit_status": exit_status, "t_start": t_start,
+    }
+
+
+def test_stamp_files_adds_the_stamp_once_and_reports_stale_or_missing_files(tmp_path):
+    t_start = time.time() - 5
+    (tmp_path / "x.json").write_text(json.dumps({"benchmark": "x", "value": 1}))
+    (tmp_path / "x.md").write_text("# X\n\nbody\n")
+    stale = tmp_path / "old.json"
+    stale.write_text("{}")
+    os.utime(stale, (t_start - 100, t_start - 100))
+    problems = run_all.stamp_files([tmp_path / "x.json", tmp_path / "x.md", stale, tmp_path / "gone.json"],
+                                   _stamp(t_start))
+    assert problems == ["old.json is older than this run (not rewritten)", "gone.json was not written"]
+    payload = json.loads((tmp_path / "x.json").read_text())
+    assert payload["value"] == 1
+    assert payload["stamp"]["commit"] == "0123456789abcdef" and "t_start" not in payload["stamp"]
+    assert payload["stamp"]["load_before"] == [1.0, 1.0, 1.0]
+    # Stamping again (a rerun) replaces the line instead of adding a second one.
+    run_all.stamp_files([tmp_path / "x.md"], _stamp(t_start, exit_status=1))
+    lines = (tmp_path / "x.md").read_text().splitlines()
+    assert lines[0] == "# X"
+    stamped = [x for x in lines if x.startswith(run_all.STAMP_PREFIX)]
+    assert len(stamped) == 1 and "exit status 1" in stamped[0] and "`0123456789`" in stamped[0]
+    assert "body" in lines
+
+
+def test_tree_changes_ignores_results_files_only(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("a = 1\n")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert run_all.tree_changes(tmp_path) == []
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"new": 1}\n')
+    assert run_all.tree_changes(tmp_path) == []
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert run_all.tree_changes(tmp_path) == ["code.py"]
+
+
+def test_run_one_runs_a_real_benchmark_and_stamps_its_files(tmp_path):
+    bench = run_all.Bench("transfer_bench", ("--device", "cpu", "--smoke", "--json", "{out}/t.json"), (),
+                          ("t.json", "t.txt"), (), (1, 1), keeps_stdout=True)
+    run = run_all.run_one(bench, False, tmp_path, tmp_path, "feedc0de" * 5, [])
+    assert run["problems"] == [] and run["status"] in ("ok", "target missed")
+    payload = json.loads((tmp_path / "t.json").read_text())
+    assert payload["rows"], "the benchmark's own figures are kept"
+    stamp = payload["stamp"]
+    assert stamp["commit"] == "feedc0de" * 5 and stamp["profile"] == "quick"
+    assert stamp["command"].startswith("python -m benchmarks.transfer_bench --device cpu --smoke")
+    assert len(stamp["load_before"]) == 3 and len(stamp["load_after"]) == 3
+    assert stamp["machine"]["usable_cpus"] >= 1 and stamp["exit_status"] == run["exit_status"]
+    assert "targets met" in (tmp_path / "t.txt").read_text()  # its printed table is kept
+
+
+def test_run_all_refuses_unknown_benchmarks():
+    try:
+        run_all.main(["--only", "nope", "--list"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("an unknown benchmark name must be refused")
+
+
+def _write_soak(results: Path, rss_verdict: str) -> None:
+    payload = {
+        "benchmark": "soak", "checks": [{"check": "every response equals its float32 reference",
+                                         "measured": "10/10 equal", "verdict": "PASS"}],
+        "leaks": {"rss_bytes": {"verdict": rss_verdict, "mode": "hourly", "slope_per_h": 20 * 2**20,
+                                "climb": 20 * 2**20, "limit": 16 * 2**20}},
+        "summary": {"requests": 10, "load_s": 3600, "faults": 2}, "params": {"warmup_s": 600},
+        "stamp": {k: v for k, v in _stamp(0).items() if k != "t_start"},
+    }
+    (results / "soak-full.json").write_text(json.dumps(payload))
+
+
+def test_render_puts_a_missed_target_in_the_headline(tmp_path):
+    _write_soak(tmp_path, "FAIL")
+    page = render_results.render(render_results.load_sections(tmp_path))
+    headline = next(line for line in page.splitlines() if line.startswith("| Soak (full"))
+    assert "1 of 2" in headline and "**MISS**: leak rule: rss_bytes (hourly)" in headline
+    assert "slope +20.00 MiB/h" in page and "<= 16.00" in page
+    _write_soak(tmp_path, "PASS")
+    page = render_results.render(render_results.load_sections(tmp_path))
+    headline = next(line for line in page.splitlines() if line.startswith("| Soak (full"))
+    assert "2 of 2" in headline and "MISS" not in headline
+
+
+def test_check_flags_a_page_that_differs_from_the_files(tmp_path):
+    _write_soak(tmp_path, "PASS")
+    out = tmp_path / "RESULTS.md"
+    assert render_results.main(["--results", str(tmp_path), "--output", str(out)]) == 0
+    assert render_results.main(["--results", str(tmp_path), "--output", str(out), "--check"]) == 0
+    out.write_text(out.read_text().replace("2 of 2", "3 of 3"))
+    assert render_results.main(["--results", str(tmp_path), "--output", str(out), "--check"]) == 1
+
+
+def test_every_kept_results_file_renders():
+    """Each JSON under benchmarks/results/ that the page lists is read without error, with verdicts."""
+    sections = render_results.load_sections(REPO / "benchmarks" / "results")
+    assert sections, "no kept results files found"
+    for s in sections:
+        assert s.rows, f"{s.file}: nothing rendered"
+        assert {r["verdict"] for r in s.rows} <= {"PASS", "MISS", "info"}
+
+
+def test_results_page_is_rendered_from_the_kept_files():
+    """benchmarks/RESULTS.md says exactly what the kept files say (re-render after a new run)."""
+    assert render_results.main(["--check"]) == 0, "run: python -m benchmarks.render_results"
