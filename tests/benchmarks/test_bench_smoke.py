@@ -102,8 +102,8 @@ def test_level_summary_and_hit_rates():
 
 
 def test_judge_targets():
-    def r(p50):
-        return {"ttft_p50_s": p50}
+    def r(p50):  # three repeats, +-5 % apart
+        return [{"ttft_p50_s": p50 * f} for f in (0.95, 1.0, 1.05)]
 
     results = {
         "no_cache": {1: r(1.0), 4: r(2.0)},
@@ -250,3 +250,16 @@ def test_root_cause_finds_the_engine_error(tmp_path):
     )
     assert soak.root_cause(log) == "KeyError: 'tieredkv: host tier: key ab is already present'"
     assert soak.root_cause(tmp_path / "missing.log") is None
+
+
+def test_soak_results_name():
+    """The full profile is kept as soak-full.* (a run once wrote soak-spills_dropped.*: the
+    name was taken from a variable a later loop reused)."""
+    assert soak.results_name(None, False) == "soak"
+    assert soak.results_name(None, True) == "soak-full"
+    assert soak.results_name("single-client", False) == "soak-single-client"
+    import inspect
+
+    body = inspect.getsource(soak.main)
+    assert "out_name = results_name(args.label, args.full)" in body
+    assert body.count("out_name =") == 1, "the output name is set once, before any loop"

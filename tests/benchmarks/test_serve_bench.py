@@ -1,0 +1,319 @@
+"""Pure pieces of benchmarks.serve_bench: random prompt lengths, sizing from the generated
+conversations, the equal-memory control, repeats / spread / verdicts, the configuration list
+and the report round trip.
+
+No vLLM server is started (the client runs against a stand-in for the HTTP call).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import serve_bench as sb
+
+QUICK = sb.PROFILES["quick"]
+
+
+def quick_spec(**kw) -> sb.ChatWorkload:
+    base = {k: QUICK[k] for k in ("system_tokens", "user_tokens", "reply_tokens", "turns", "think_mean_s", "jitter")}
+    return sb.ChatWorkload(**{**base, **kw})
+
+
+def all_lengths(spec: sb.ChatWorkload, levels=(1, 4, 8), repeats=3) -> list[int]:
+    return [n for r in range(repeats) for lv in levels for c in sb.make_conversations(spec, lv, r)
+            for n in sb.prompt_lengths(spec, c)]
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+def test_random_lengths_are_no_chunk_or_block_multiples_and_deterministic():
+    spec = quick_spec()
+    lengths = all_lengths(spec)
+    assert all(n % sb.BLOCK_SIZE for n in lengths)  # hence no chunk multiple either
+    assert len({n % sb.CHUNK_TOKENS for n in lengths}) > 40
+    stats = sb.length_stats(lengths)
+    assert stats["chunk_multiple_frac"] == 0 and stats["block_multiple_frac"] == 0
+    assert stats["min"] < stats["median"] < stats["max"] and stats["prompts"] == len(lengths)
+    # Deterministic per seed; another seed or repeat gives other conversations and lengths.
+    assert all_lengths(spec) == lengths
+    assert sb.make_conversations(spec, 4, 1) == sb.make_conversations(spec, 4, 1)
+    assert all_lengths(quick_spec(seed=1)) != lengths
+    assert sb.make_conversations(spec, 4, 0) != sb.make_conversations(spec, 4, 1)
+    # Within +-40 % of the profile's sizes, and actually spread over that range.
+    sys_lo, sys_hi = round(0.6 * spec.system_tokens), round(1.4 * spec.system_tokens)
+    convs = [c for r in range(3) for lv in (1, 4, 8) for c in sb.make_conversations(spec, lv, r)]
+    assert all(sys_lo <= c.system_len <= sys_hi for c in convs)
+    assert len({c.system_len for c in convs}) > 20
+    users = [len(t) for c in convs for t in c.user_texts]
+    assert min(users) >= round(0.6 * spec.user_tokens) and max(users) <= round(1.4 * spec.user_tokens)
+    assert len(set(users)) > 50
+    assert len(sb.system_prompt(spec)) == spec.max_system_tokens == sys_hi
+
+
+def test_no_jitter_keeps_the_nominal_workload():
+    spec = sb.ChatWorkload(system_tokens=1024, user_tokens=192, reply_tokens=32, turns=4)
+    convs = sb.make_conversations(spec, 3)
+    assert all(c.system_len is None and all(len(t) == 192 for t in c.user_texts) for c in convs)
+    assert sb.prompt_lengths(spec, convs[0]) == [spec.prompt_tokens(t) for t in range(4)]
+    assert sb.working_set_blocks_of(spec, convs, 32) == sb.working_set_blocks(spec, 3, 32)
+    assert sb.chunks_of_convs(spec, convs, 256) == sb.chunks_of(spec, 3, 256)
+    assert len(sb.system_prompt(spec)) == 1024
+
+
+def test_working_set_counts_shared_system_blocks_once():
+    spec = sb.ChatWorkload(system_tokens=100, user_tokens=10, reply_tokens=4, turns=2, jitter=0.5)
+    a = sb.Conversation(1, 0, ((0,) * 10, (0,) * 10), (0.0, 0.0), system_len=70)  # ends at 70+10+4+10+4 = 98
+    b = sb.Conversation(1, 1, ((1,) * 10, (1,) * 10), (0.0, 0.0), system_len=130)  # ends at 158
+    # 32-token blocks: system-only blocks 2 (a) and 4 (b), shared: 4 distinct; a adds 4 - 2, b 5 - 4.
+    assert sb.working_set_blocks_of(spec, [a, b], 32) == 4 + 2 + 1
+    # 64-token chunks of the last prompts (94 and 154 tokens): system-only 1 and 2, distinct 2.
+    assert sb.chunks_of_convs(spec, [a, b], 64) == 2 + 0 + 0
+
+
+def test_client_sends_each_conversation_its_own_system_prefix(monkeypatch):
+    spec = quick_spec(think_mean_s=0.0, turns=3, system_tokens=100, user_tokens=40, reply_tokens=4)
+    convs = sb.make_conversations(spec, 3, 2)
+    calls = []
+
+    def fake(url, tokens, max_tokens, timeout_s):
+        calls.append(list(tokens))
+        return 0.01, [7] * max_tokens
+
+    monkeypatch.setattr(sb, "stream_completion", fake)
+    records, _ = sb.run_level("http://x", spec, 3, conversations=convs, timeout_s=30, request_timeout_s=5)
+    assert len(records) == 9 and all(r["ok"] for r in records)
+    system = list(sb.system_prompt(spec))
+    for conv in convs:
+        want = sb.prompt_lengths(spec, conv)
+        got = [r["prompt_tokens"] for r in records if r["user"] == conv.user]
+        assert got == want
+        first = next(c for c in calls if c[conv.system_len:conv.system_len + len(conv.user_texts[0])]
+                     == list(conv.user_texts[0]) and len(c) == want[0])
+        assert first[:conv.system_len] == system[:conv.system_len]
+
+
+def test_plan_sizes_the_device_and_tiers_from_the_generated_conversations(tmp_path):
+    spec = quick_spec()
+    plan = sb.make_plan(spec, (1, 4, 8), 3, tmp_path)
+    for r in range(3):  # every repeat's two conversations fit, with vLLM's null block
+        assert sb.working_set_blocks_of(spec, sb.make_conversations(spec, 2, r)) <= plan.device_blocks - 1
+    assert plan.exceeding == [4, 8]  # the point of the benchmark: larger levels do not fit
+    assert max(plan.working_set[1]) <= plan.device_blocks - 1
+    convs = [c for cs in plan.conversations.values() for c in cs]
+    assert max(sb.conversation_tokens_of(spec, c) for c in convs) <= plan.max_model_len
+    assert plan.max_model_len % sb.BLOCK_SIZE == 0
+    assert plan.total_chunks == sb.chunks_of_convs(spec, convs)
+    assert plan.host_all == 2 * plan.total_chunks * plan.chunk_bytes
+    assert plan.host_half < plan.host_all
+    assert plan.conversations[8, 2] == sb.make_conversations(spec, 8, 2)
+
+
+# ---------------------------------------------------------------------------- configurations
+
+
+def test_equal_memory_block_arithmetic(tmp_path):
+    block = 32 * 4096  # 32 tokens x 4 KiB of K+V per token (4 layers, 2 KV heads, 64 dims, fp32)
+    assert sb.equal_mem_blocks(159, 534 << 20, block) == (159 + 4272, 4272)
+    assert sb.equal_mem_blocks(10, 3 * block + 5, block) == (13, 3)  # whole blocks only
+    assert sb.equal_mem_blocks(10, 0, block) == (10, 0)
+    plan = sb.make_plan(quick_spec(), (1, 4, 8), 3, tmp_path)
+    assert plan.block_bytes == block
+    configs = {c.name: c for c in sb.make_configs(plan)}
+    eq, host = configs["prefix_cache_equal_mem"], configs["tieredkv_host"]
+    args = sb.config_server_args(plan, eq)
+    assert args.count("--num-gpu-blocks-override") == 1
+    blocks = int(args[args.index("--num-gpu-blocks-override") + 1])
+    assert (blocks - plan.device_blocks) * plan.block_bytes == host.kv_config["kv_connector_extra_config"]["host_bytes"]
+    assert eq.role == "equal_mem" and eq.prefix_caching and eq.kv_config is None
+    assert "disk" in eq.notes  # says the disk tier is not matched
+    same = sb.config_server_args(plan, configs["prefix_cache"])
+    assert same[same.index("--num-gpu-blocks-override") + 1] == str(plan.device_blocks)
+
+
+def test_merge_args_replaces_named_flags():
+    base = ["--dtype", "float32", "--num-gpu-blocks-override", "10", "--disable-uvicorn-access-log"]
+    assert sb.merge_args(base, ["--num-gpu-blocks-override", "20"]) == [
+        "--dtype", "float32", "--disable-uvicorn-access-log", "--num-gpu-blocks-override", "20"]
+    assert sb.merge_args(base, ["--enable-prefix-caching"]) == base + ["--enable-prefix-caching"]
+
+
+def test_default_configs_drop_example_connector_and_take_registered_peers(tmp_path):
+    assert sb.DEFAULT_CONFIGS == ["no_cache", "prefix_cache", "prefix_cache_equal_mem",
+                                  "tieredkv_host", "tieredkv_disk"]
+    assert "example_connector" not in sb.DEFAULT_CONFIGS and "example_connector" in sb.CONFIG_BUILDERS
+    plan = sb.make_plan(quick_spec(), (1, 4), 1, tmp_path)
+    assert [c.name for c in sb.make_configs(plan)] == sb.DEFAULT_CONFIGS
+    example = sb.make_configs(plan, ["example_connector"])[0]
+    assert example.kv_config["kv_connector"] == "ExampleConnector" and example.role == "baseline"
+    defaults = list(sb.DEFAULT_CONFIGS)
+    try:
+        sb.register_config("peer", lambda p: sb.BenchConfig(
+            "peer", "a peer connector", {"kv_connector": "Peer", "kv_role": "kv_both"},
+            ["--enable-prefix-caching"], env={"PEER": "1"}, python="/opt/peer/bin/python"))
+        assert sb.DEFAULT_CONFIGS == defaults  # not a default unless asked
+        peer = sb.make_configs(plan, ["prefix_cache", "peer"])[1]
+        assert (peer.python, peer.env, peer.role) == ("/opt/peer/bin/python", {"PEER": "1"}, "baseline")
+        assert "--enable-prefix-caching" in sb.config_server_args(plan, peer)
+        if "python" not in {f.name for f in __import__("dataclasses").fields(sb.Server)}:
+            with pytest.raises(ValueError, match="python"):
+                sb.make_server(peer, tmp_path, tmp_path / "log", [])
+    finally:
+        sb.CONFIG_BUILDERS.pop("peer", None)
+        sb.DEFAULT_CONFIGS[:] = defaults
+
+
+def test_schedule_runs_repeat_r_of_everything_before_repeat_r_plus_1():
+    order = sb.schedule((1, 4), 2, ["a", "b"])
+    assert order == [(0, 1, "a"), (0, 1, "b"), (0, 4, "b"), (0, 4, "a"),
+                     (1, 1, "a"), (1, 1, "b"), (1, 4, "b"), (1, 4, "a")]
+    assert sorted(order) == sorted((r, lv, c) for r in (0, 1) for lv in (1, 4) for c in "ab")
+
+
+# ---------------------------------------------------------------------------- spread, verdicts
+
+
+def test_spread_and_compare():
+    s = sb.spread([3.0, 1.0, math.nan, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert sb.spread([])["n"] == 0 and math.isnan(sb.spread([])["median"])
+    assert sb.compare([1, 2, 3], [4, 5, 6]) == "better"  # worst (3) beats the other's best (4)
+    assert sb.compare([4, 5, 6], [1, 2, 3]) == "worse"
+    assert sb.compare([1, 2, 5], [4, 5, 6]) == "within spread"  # overlap
+    assert sb.compare([1, 2, 4], [4, 5, 6]) == "within spread"  # touching is not a win
+    assert sb.compare([10, 11], [5, 6], higher_is_better=True) == "better"
+    assert sb.compare([1], []) == "n/a"
+    assert sb.compare([1], [5, 6]) == sb.compare([1, 2], [5]) == sb.NO_SPREAD  # one run: no spread
+    assert sb.ratio_verdict([4.0], [1.0], 2.0)[0] == sb.NO_SPREAD
+    assert sb.ratio_verdict([4.0, 4.4], [1.0, 1.1], 2.0)[0] == "PASS"  # worst 4 / 1.1 = 3.6
+    assert sb.ratio_verdict([2.0, 2.2], [1.0, 1.2], 2.0)[0] == "within spread"  # 1.67-2.2
+    verdict, mid, worst, best = sb.ratio_verdict([1.5, 1.6], [1.0, 1.1], 2.0)
+    assert verdict == "FAIL" and worst == pytest.approx(1.5 / 1.1) and best == pytest.approx(1.6)
+    assert mid == pytest.approx(1.55 / 1.05)
+    assert sb.ratio_verdict([], [1.0], 2.0)[0] == "n/a"
+
+
+def reps(*p50s, p99=None, tput=100.0, hits=0.0):
+    return [{"ttft_p50_s": v, "ttft_p99_s": p99 or 2 * v, "prompt_tokens_per_s": tput,
+             "completed": 4, "requests": 4, "prompt_tokens": 1000,
+             "hits": {"tieredkv_host_tokens": hits, "tieredkv_disk_tokens": 0.0}} for v in p50s]
+
+
+ROLES = {"no_cache": "baseline", "prefix_cache": "baseline", "prefix_cache_equal_mem": "equal_mem",
+         "tieredkv_host": "tieredkv"}
+
+
+def test_judge_counts_a_win_only_outside_the_spread():
+    runs = {
+        "no_cache": {4: reps(2.0, 2.1, 2.2)},
+        "prefix_cache": {4: reps(0.9, 1.0, 1.1)},
+        "prefix_cache_equal_mem": {4: reps(0.2, 0.25, 0.3)},  # better than tieredkv: no target
+        "tieredkv_host": {4: reps(0.5, 0.6, 0.7)},
+    }
+    rows = sb.judge(runs, [4], roles=ROLES)
+    assert [r["verdict"] for r in rows] == ["PASS", "PASS"]  # 2.0 / 0.7 = 2.9x; 0.7 < 0.9
+    assert sb.overall_verdict(rows) == "PASS"
+    runs["prefix_cache"][4] = reps(0.6, 0.8, 1.0)  # overlaps 0.5-0.7
+    rows = sb.judge(runs, [4], roles=ROLES)
+    assert rows[1]["verdict"] == "within spread" and "within spread" in rows[1]["measured"]
+    assert sb.overall_verdict(rows) == "within spread"
+    runs["prefix_cache"][4] = reps(0.3, 0.35, 0.4)
+    assert sb.judge(runs, [4], roles=ROLES)[1]["verdict"] == "FAIL"
+    assert sb.overall_verdict([{"verdict": "FAIL"}, {"verdict": "within spread"}]) == "FAIL"
+    assert sb.overall_verdict([]) == "n/a"
+    assert sb.overall_verdict([{"verdict": "PASS"}, {"verdict": sb.NO_SPREAD}]) == sb.NO_SPREAD
+
+
+def test_comparisons_and_noise_floor():
+    runs = {
+        "no_cache": {1: reps(0.6, 0.7, 0.8), 4: reps(2.0, 2.1, 2.2)},
+        "prefix_cache": {1: reps(0.20, 0.22, 0.25), 4: reps(0.9, 1.0, 1.1, tput=80.0)},
+        "prefix_cache_equal_mem": {1: reps(0.21, 0.23, 0.24), 4: reps(0.5, 0.6, 0.75)},
+        "tieredkv_host": {1: reps(0.19, 0.22, 0.26), 4: reps(0.5, 0.6, 0.7, tput=120.0)},
+    }
+    rows = {(r["users"], r["kind"]): r for r in sb.comparisons(runs, (1, 4), ROLES)}
+    assert set(rows) == {(1, "same device"), (1, "equal memory"), (4, "same device"), (4, "equal memory")}
+    same, equal = rows[4, "same device"], rows[4, "equal memory"]
+    assert same["reference"] == "prefix_cache" and equal["reference"] == "prefix_cache_equal_mem"
+    assert same["ttft_p50_s"] == "better" and same["ttft_p50_s_ratio"] == pytest.approx(0.6)
+    assert same["prompt_tokens_per_s"] == "better"  # higher is better for throughput
+    assert rows[1, "same device"]["prompt_tokens_per_s"] == "within spread"  # equal figures: no win
+    assert equal["ttft_p50_s"] == "within spread"
+    assert rows[1, "same device"]["ttft_p50_s"] == "within spread"
+    noise = sb.noise_floor(runs, 1, ["prefix_cache", "prefix_cache_equal_mem", "tieredkv_host"])
+    assert noise["ttft_p50_s"]["min"] == 0.19 and noise["ttft_p50_s"]["max"] == 0.26
+    assert noise["ttft_p50_s"]["n"] == 9 and noise["ttft_p50_s"]["rel"] == pytest.approx(0.07 / 0.22)
+    assert noise["tieredkv_hit_tokens"] == 0
+    lines = sb.noise_lines(noise)
+    assert lines and lines[0].startswith("NOISE FLOOR (1 user(s)")
+    assert "TTFT p50 190–260 ms" in lines[0] and "throughput 100–100 prompt tok/s" in lines[0]
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def payload_for(tmp_path: Path) -> dict:
+    plan = sb.make_plan(quick_spec(), (1, 4), 3, tmp_path)
+    configs = sb.make_configs(plan)
+    runs = {c.name: {1: reps(0.2, 0.22, 0.25), 4: reps(0.9, 1.0, 1.1)} for c in configs}
+    runs["no_cache"] = {1: reps(0.6, 0.7, 0.8), 4: reps(2.0, 2.1, 2.2)}
+    runs["tieredkv_host"][4] = reps(0.4, 0.45, 0.5, hits=300.0)
+    return {
+        "benchmark": sb.NAME, "profile": "quick", "started": "now", "git": "abc",
+        "machine": {"name": "test machine"}, "workload": sb.asdict(plan.spec), "levels": [1, 4],
+        "repeats": 3, "device_blocks": plan.device_blocks, "exceeding_levels": plan.exceeding,
+        "working_set_blocks": plan.working_set, "wall_s": 1.0,
+        "memory": {"block_bytes": plan.block_bytes, "chunk_bytes": plan.chunk_bytes,
+                   "host_all": plan.host_all, "host_half": plan.host_half, "disk_bytes": plan.disk_bytes,
+                   "equal_mem_extra_blocks": plan.host_all // plan.block_bytes},
+        "prompt_lengths": {"planned": sb.length_stats([1001, 1500, 2300]), "sent": sb.length_stats([1001])},
+        "configs": [{**sb.asdict(c), "prefix_caching": c.prefix_caching} for c in configs],
+        "runs": runs, "requests": {}, "errors": [],
+    }
+
+
+def test_report_round_trip_and_from_json(tmp_path, capsys):
+    payload = payload_for(tmp_path)
+    json_path, md_path, _ = sb.write_outputs(payload, tmp_path / "a")
+    md = md_path.read_text()
+    assert "NOISE FLOOR (1 user(s)" in md and "equal memory" in md and "same device" in md
+    assert "0.0 % a multiple of the 256-token chunk" in md
+    assert "| 220 (200–250) |" in md  # TTFT cells in ms, median (min–max)
+    verdicts = {(r["config"], r["target"].split()[4]): r["verdict"] for r in payload["targets"]}
+    assert verdicts[("tieredkv_host", "better")] == verdicts[("tieredkv_host", "every")] == "PASS"
+    assert verdicts[("tieredkv_disk", "better")] == verdicts[("tieredkv_disk", "every")] == "within spread"
+    assert payload["verdict"] == "within spread"
+    sb.print_report(payload)
+    out = capsys.readouterr().out
+    assert "same device: (GPU users read this one)" in out and "equal memory:" in out
+    assert sb.main(["--from-json", str(json_path), "--out", str(tmp_path / "b")]) == 0
+    again = json.loads((tmp_path / "b" / "serve_bench.json").read_text())
+    assert again["verdict"] == payload["verdict"] and again["repeats"] == 3
+    assert (tmp_path / "b" / "serve_bench.md").read_text() == md
+
+
+def test_from_json_reads_a_run_from_before_repeats(tmp_path):
+    old = {
+        "benchmark": sb.NAME, "profile": "quick", "started": "then", "git": "old",
+        "machine": {"name": "m"}, "levels": [1, 4], "exceeding_levels": [4], "device_blocks": 173,
+        "workload": {"system_tokens": 1024, "user_tokens": 384, "reply_tokens": 64, "turns": 5,
+                     "think_mean_s": 0.5, "seed": 0},
+        "configs": [{"name": n, "kv_config": None, "prefix_caching": n != "no_cache", "notes": "", "sizes": {}}
+                    for n in ("no_cache", "prefix_cache", "tieredkv_host")],
+        "results": {"no_cache": {"1": reps(0.7)[0], "4": reps(2.2)[0]},
+                    "prefix_cache": {"1": reps(0.2)[0], "4": reps(0.5)[0]},
+                    "tieredkv_host": {"1": reps(0.2)[0], "4": reps(0.3)[0]}},
+        "requests": {}, "targets": [], "verdict": "PASS",
+    }
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    payload = sb.load_payload(path)
+    assert payload["runs"]["tieredkv_host"][4][0]["ttft_p50_s"] == 0.3 and payload["repeats"] == 1
+    _, md_path, _ = sb.write_outputs(payload, tmp_path / "out")
+    assert "TieredKVConnector host only" in md_path.read_text()
+    assert {t["verdict"] for t in payload["targets"]} == {sb.NO_SPREAD}  # one repeat: nothing called
+    assert payload["verdict"] == sb.NO_SPREAD
