@@ -151,6 +151,9 @@ def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
                         f"({'pass' if eq.get('pass') else 'miss'})"
         rows.append(_row(v["target"], measured, v.get("limit", ""), _verdict(bool(v["pass"]))))
     notes = []
+    lmcache = d.get("lmcache") or {}
+    if (lmcache.get("comparison") or {}).get("text"):
+        notes.append(f"Peer (info, not a target): {lmcache['comparison']['text']}")
     for v in d.get("hybrid_verdicts", []):
         eq = v.get("equal_compute", {})
         notes.append(f"Reference line, not a target (chunk-aligned hybrid hits recompute the tail): "
@@ -163,12 +166,24 @@ def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
 def serve_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     rows = []
     for t in d.get("targets", []):
-        what = f"{t.get('config')} @ {t.get('users')} users: {t.get('target')}"
-        rows.append(_row(what, str(t.get("measured", "")), str(t.get("target", "")), _verdict(t.get("verdict"))))
+        # A target is met only by a PASS: "within spread" is no demonstrated win.
+        verdict = "PASS" if str(t.get("verdict", "")).upper().startswith("PASS") else "MISS"
+        rows.append(_row(f"{t.get('config')} @ {t.get('users')} users", str(t.get("measured", "")),
+                         str(t.get("target", "")), verdict))
     for c in d.get("comparisons", []):
-        rows.append(_row(str(c.get("what", "")), str(c.get("measured", "")), str(c.get("target", "")),
-                         _verdict(c.get("verdict")) if c.get("verdict") in ("PASS", "FAIL", "MISS") else "info"))
-    notes = [str(d["consistency_note"])] if d.get("consistency_note") else []
+        cells = [f"{label} {c[key]}" for key, label in (("ttft_p50_s_cell", "TTFT p50"), ("ttft_p99_s_cell", "p99"),
+                                                        ("prompt_tokens_per_s_cell", "prompt tok/s")) if key in c]
+        rows.append(_row(f"{c.get('config')} vs {c.get('reference')} ({c.get('kind')}) @ {c.get('users')} users",
+                         "; ".join(cells), "", "info"))
+    notes = []
+    noise = d.get("noise_floor") or {}
+    p50 = noise.get("ttft_p50_s") if isinstance(noise, Mapping) else None
+    if p50:
+        notes.append(f"Noise floor ({noise.get('users')} user, no tieredkv hits expected): TTFT p50 of "
+                     f"{', '.join(noise.get('configs', []))} spans {p50['min'] * 1e3:,.0f}–{p50['max'] * 1e3:,.0f} ms "
+                     f"({p50['rel'] * 100:,.0f} % of the median) across repeats.")
+    if d.get("consistency_note"):
+        notes.append(str(d["consistency_note"]))
     notes += [str(n) for n in d.get("notes", [])]
     return rows, notes
 
