@@ -78,7 +78,7 @@ BENCHES: tuple[Bench, ...] = (
           (3, 10)),
     Bench("e2e_ttft", (), ("--full",), ("e2e_ttft.json", "e2e_ttft.md"), ("e2e_ttft.json", "e2e_ttft.md"), (10, 25)),
     Bench("serve_bench", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
-          ("serve_bench.json", "serve_bench.md"), ("serve_bench.json", "serve_bench.md"), (15, 45)),
+          ("serve_bench.json", "serve_bench.md"), ("serve_bench.json", "serve_bench.md"), (25, 60)),
     Bench("multi_replica", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
           ("multi_replica.json", "multi_replica.md"), ("multi_replica.json", "multi_replica.md"), (8, 30)),
     Bench("soak", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),

