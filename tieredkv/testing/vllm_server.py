@@ -28,6 +28,33 @@ BLOCK_SIZE = 32
 SERVED_MODEL_NAME = "tiny"
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str, log_path: Path) -> None:
+    """Poll ``url`` until it answers 200; a process that exits first fails at once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited during start-up; see {log_path}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(1.0)
+    raise TimeoutError(f"{what} did not start within {timeout_s:.0f}s; see {log_path}")
+
+
+def stop_process_group(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGINT to the process's session (started with ``start_new_session``), SIGKILL if it lingers."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @dataclass
 class Server:
     """One ``vllm.entrypoints.openai.api_server`` process on loopback."""
@@ -71,29 +98,16 @@ class Server:
             Path(self.cwd).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                      start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited during start-up; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except OSError:
-                time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vLLM server did not start within {timeout_s:.0f}s; see {self.log_path}")
+        try:
+            wait_until_healthy(self.proc, self.url + "/health", timeout_s, "vLLM server", self.log_path)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGINT, then wait: the connector flushes its journal on a clean shutdown."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_process_group(self.proc, timeout_s)
 
     def __enter__(self) -> Server:
         return self.start()

@@ -1,0 +1,41 @@
+"""The launcher's start/stop helpers, on plain child processes (no vLLM needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tieredkv.testing.ports import free_port
+from tieredkv.testing.vllm_server import stop_process_group, wait_until_healthy
+
+
+def test_wait_until_healthy_returns_once_the_url_answers_and_stop_ends_the_session(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}/", 60, "http.server", tmp_path / "log")
+        assert proc.poll() is None
+    finally:
+        stop_process_group(proc, 10)
+    assert proc.poll() is not None
+    stop_process_group(proc, 10)  # stopping a stopped process is a no-op
+
+
+def test_a_process_that_exits_during_start_up_fails_at_once(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
+    with pytest.raises(RuntimeError, match="exited during start-up; see .*log"):
+        wait_until_healthy(proc, f"http://127.0.0.1:{free_port()}/health", 60, "x", tmp_path / "log")
+
+
+def test_a_process_that_never_answers_times_out(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        with pytest.raises(TimeoutError, match="did not start within 1s"):
+            wait_until_healthy(proc, f"http://127.0.0.1:{free_port()}/health", 1, "sleeper", tmp_path / "log")
+    finally:
+        stop_process_group(proc, 5)
+    assert proc.poll() is not None
