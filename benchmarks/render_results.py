@@ -233,14 +233,15 @@ FILES: tuple[tuple[str, str, str, Extractor], ...] = (
 
 
 def code_changed_since(commit: str, script: str, root: Path = ROOT) -> bool | None:
-    """Whether ``tieredkv/`` or the benchmark's script differ between ``commit`` and the checkout.
+    """Whether ``tieredkv/`` (its ``testing/`` harness aside) or the benchmark's script differ
+    between ``commit`` and the checkout.
 
     Compared with the working tree, not HEAD, so a page rendered just before a commit and
     checked on a clean clone of that commit give the same answer.
     """
     try:
         proc = subprocess.run(
-            ["git", "-C", str(root), "diff", "--quiet", commit, "--", "tieredkv",
+            ["git", "-C", str(root), "diff", "--quiet", commit, "--", "tieredkv", ":(exclude)tieredkv/testing",
              f"benchmarks/{script}.py", "benchmarks/common.py"],
             capture_output=True, check=False, timeout=30,
         )
@@ -283,7 +284,8 @@ def render(sections: Sequence[Section]) -> str:
         "`python -m benchmarks.run_all` regenerates them all and this page. Each row below is read "
         "from the named JSON file. **Load** is the 1-minute load average before and after the "
         "benchmark (this machine is shared; compare configurations within one run, never across "
-        "files). **Code changed since** says whether `tieredkv/` or the benchmark's script differ "
+        "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside), "
+        "`benchmarks/common.py` or the benchmark's script differ "
         "between the stamped commit and the checkout this page was rendered from. What each benchmark "
         "measures and why: `benchmarks/README.md`.",
         "",
