@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: no test leaks logging state into the next one."""
+"""Suite-wide settings and fixtures: the same Hypothesis settings everywhere; no test leaks
+logging state into the next one."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 pytest_plugins = ["tests.redis_fixtures"]  # Redis servers for tests/remote, transfer, scheduler
+
+# Hypothesis switches to its "ci" profile by itself when it sees CI (or another CI variable):
+# derandomized examples, no deadline, no example database. Load it always, so the property
+# tests a newcomer runs (scripts/test.sh) are the ones CI runs, example for example.
+settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

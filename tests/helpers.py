@@ -1,8 +1,38 @@
-"""Key makers the test packages share (import as ``from tests.helpers import ...``)."""
+"""Key makers and helpers the test packages share (import as ``from tests.helpers import ...``)."""
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+#: How long :func:`finishes` lets a call run: no healthy run comes near it on a loaded machine.
+HANG_S = 30.0
+
+
+def finishes(call: Callable[[], _T], within_s: float = HANG_S) -> _T:
+    """``call()``'s result, run on a thread; fails the test if it has not returned within
+    ``within_s``. The bound only turns a hang into a failure: tests assert what the call did
+    and in what order, never how long it took."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="tests-finishes", daemon=True)
+    thread.start()
+    thread.join(within_s)
+    assert outcome, f"{getattr(call, '__name__', call)!s} did not return within {within_s:.0f} s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def short_key(i: int) -> bytes:

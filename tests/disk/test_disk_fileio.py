@@ -7,10 +7,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tieredkv.disk.fileio import FileIO
+from tieredkv.testing import faulty_fileio
 from tieredkv.testing.faulty_fileio import FaultyFileIO
 
 
@@ -165,14 +167,18 @@ def test_short_write_leaves_an_aligned_prefix(tmp_path: Path) -> None:
     io.close(fd)
 
 
-def test_delay_and_hang_with_release(tmp_path: Path) -> None:
+def test_delay_and_hang_with_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     io = FaultyFileIO()
     fd = _file(tmp_path, io)
+    slept: list[float] = []
+    clock = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)
+    monkeypatch.setattr(faulty_fileio, "time", clock)
     io.delay("read", 0.05, times=1)
     out = [memoryview(bytearray(4096))]
-    start = time.monotonic()
+    assert io.pread_into(fd, out, 0) == 4096
+    assert slept == [0.05]  # the read waited its delay once, then was done
     io.pread_into(fd, out, 0)
-    assert time.monotonic() - start >= 0.05
+    assert slept == [0.05]  # times=1: the next read is not delayed
     event = io.hang("read", times=1)
     done = threading.Event()
     thread = threading.Thread(target=lambda: (io.pread_into(fd, out, 0), done.set()))

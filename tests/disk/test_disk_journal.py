@@ -14,7 +14,13 @@ import pytest
 from tests.helpers import wide_key as k
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES, Op, encode_record
+from tieredkv.disk.journal_records import (
+    FILE_HEADER_BYTES,
+    RECORD_BYTES,
+    JournalFiles,
+    Op,
+    encode_record,
+)
 from tieredkv.disk.layout import JOURNAL_NAME, journal_path
 from tieredkv.protocol import FailureCause
 
@@ -48,20 +54,43 @@ def test_latest_add_to_a_slot_wins(tmp_path: Path) -> None:
     assert Journal.recover(path) == {k(2): 5, k(3): 7}
 
 
+class GatedFiles(JournalFiles):
+    """Journal file calls whose writes, once ``armed``, wait for ``gate`` (a disk that hangs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.writing, self.gate = threading.Event(), threading.Event()
+
+    def write(self, fd: int, data: bytes) -> None:
+        if self.armed:
+            self.writing.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        super().write(fd, data)
+
+
 def test_appends_are_batched_not_blocking(tmp_path: Path) -> None:
     path = journal_path(tmp_path)
-    with Journal(path, flush_interval_s=0.05) as journal:
-        start = time.perf_counter()
-        for i in range(2000):
-            journal.record_add(k(i), i)
-        assert time.perf_counter() - start < 0.5  # queueing only
+    files = GatedFiles()
+    with Journal(path, flush_interval_s=0.05, files=files) as journal:
+        files.armed = True
+        journal.record_add(k(0), 0)
+        assert files.writing.wait(30)  # the flusher took it and is stuck in the write
+        # Recording while the disk hangs: every call returns (queueing only), nothing written.
+        adder = threading.Thread(target=lambda: [journal.record_add(k(i), i) for i in range(1, 2000)])
+        adder.start()
+        adder.join(30)
+        assert not adder.is_alive(), "record_add waited on the hung disk write"
+        assert journal.records_written == 0
+        files.gate.set()
         journal.flush()
         assert len(Journal.recover(path)) == 2000
         assert journal.records_written == 2000
-        # Without flush(), the background flusher still makes records durable within ~50 ms.
+        # Without flush(), the background flusher still makes records durable (every ~50 ms).
         journal.record_add(k(5000), 1)
-        deadline = time.monotonic() + 2
-        while k(5000) not in Journal.recover(path) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # only so a flusher that never runs fails, not hangs
+        while k(5000) not in Journal.recover(path):
+            assert time.monotonic() < deadline, "the background flusher never wrote the record"
             time.sleep(0.01)
         assert Journal.recover(path)[k(5000)] == 1
 

@@ -113,8 +113,12 @@ def expected_hit_tokens(prompt_len: int) -> int:
 
 
 def _assert_resets_took_effect(result: dict) -> None:
-    """A refused reset would let the next phase hit vLLM's own cache and pass for tieredkv's hit."""
+    """A refused reset would let the next phase hit vLLM's own cache and pass for tieredkv's hit;
+    a drain that gave up would leave stores or spills in flight that the next phase relies on.
+    Checked on every engine run (``run_engine``, ``run_engine_with_options``)."""
     for index, phase in enumerate(result.get("phases", [])):
+        if phase["kind"] in ("reset_prefix", "reset_all", "drain"):
+            assert phase.get("drained") is True, f"phase {index} ({phase['kind']}): tieredkv did not drain"
         if phase["kind"] in ("reset_prefix", "reset_all"):
             assert phase.get("ok") is True, f"phase {index} ({phase['kind']}): vLLM refused the reset"
 
@@ -129,6 +133,59 @@ def generate(*names: str, salt: str | None = None) -> dict:
 
 def outputs_by_name(phase: dict) -> dict[str, dict]:
     return dict(zip(phase["names"], phase["outputs"], strict=True))
+
+
+TIERS = ("host", "disk", "remote")
+
+
+def counter_delta(phases: list[dict], index: int, counter: str) -> int:
+    """How much ``counter`` grew during phase ``index`` (the runner's counters are totals)."""
+    before = phases[index - 1]["counters"].get(counter, 0) if index else 0
+    return phases[index]["counters"].get(counter, 0) - before
+
+
+def cached_tokens(phase: dict) -> dict[str, int]:
+    """Each prompt's ``RequestOutput.num_cached_tokens`` (vLLM's cache and tieredkv's)."""
+    return {name: out["num_cached_tokens"] for name, out in outputs_by_name(phase).items()}
+
+
+def tieredkv_tokens(phase: dict) -> dict[str, int]:
+    """Each prompt's tokens vLLM took from tieredkv (summed over its allocations)."""
+    return {name: out["tieredkv"]["tokens"] for name, out in outputs_by_name(phase).items()}
+
+
+def tieredkv_tokens_by_tier(phase: dict) -> dict[str, int]:
+    """tieredkv's own per-request account of the phase's hits, summed by tier."""
+    total = dict.fromkeys(TIERS, 0)
+    for out in phase["outputs"]:
+        for tier, count in out["tieredkv"]["by_tier"].items():
+            total[tier] += count
+    return total
+
+
+def assert_counters_match_requests(phases: list[dict], index: int) -> None:
+    """tieredkv's hit counters grew during phase ``index`` by exactly what its requests were
+    served, tier by tier: no hit is counted that no request got, none is lost."""
+    phase = phases[index]
+    by_tier = tieredkv_tokens_by_tier(phase)
+    counted = {tier: counter_delta(phases, index, f"hit_tokens_{tier}") for tier in TIERS}
+    assert counted == by_tier, (counted, by_tier)
+    taken = sum(out["tieredkv"]["tokens"] for out in phase["outputs"])
+    assert sum(by_tier.values()) == taken, (by_tier, taken)
+
+
+def assert_hits(phases: list[dict], index: int, expected: dict[str, int],
+                tiers: dict[str, int] | None = None) -> None:
+    """Phase ``index``: every prompt's own ``num_cached_tokens`` is exactly ``expected[name]``
+    and all of it came from tieredkv (vLLM's own cache was reset); tieredkv's hit counters grew
+    by exactly those tokens; with ``tiers``, their split by tier (missing tiers: 0) too."""
+    phase = phases[index]
+    assert cached_tokens(phase) == expected, ("num_cached_tokens", cached_tokens(phase), expected)
+    assert tieredkv_tokens(phase) == expected, ("served by tieredkv", tieredkv_tokens(phase), expected)
+    assert_counters_match_requests(phases, index)
+    if tiers is not None:
+        want = {tier: tiers.get(tier, 0) for tier in TIERS}
+        assert tieredkv_tokens_by_tier(phase) == want, (tieredkv_tokens_by_tier(phase), want)
 
 
 @pytest.fixture(scope="session")

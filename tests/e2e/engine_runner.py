@@ -6,6 +6,12 @@ Phases run in order on the same engine: ``generate`` (a batch of prompts), ``res
 (vLLM's own prefix cache, so the next phase can only hit tieredkv), ``reset_all`` (tieredkv
 too), ``drain`` (wait until tieredkv has no job in flight), ``wait_for_file`` (create the file
 ``touch``, then wait for the file ``path``: the test acts on the world between two phases).
+
+Each output carries ``num_cached_tokens`` (vLLM's count: its own prefix cache and the
+connector's tokens together) and ``tieredkv``: the tokens vLLM took from tieredkv for that
+request (``num_external_tokens`` of every allocation: ``allocs``, and their sum) and tieredkv's own
+account of them by tier (``planner.hit_tokens``), so a test can tell tieredkv's hit from vLLM's
+and attribute each counter to a request.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ def engine_info(llm) -> dict:
     }
 
 
-def drain(llm, timeout_s: float = 30.0) -> None:
-    """Step the engine until tieredkv has no pending job (spills journaled, stores done)."""
+def drain(llm, timeout_s: float = 30.0) -> bool:
+    """Step the engine until tieredkv has no pending job (spills journaled, stores done);
+    whether it got there (``timeout_s`` only keeps a stuck job from hanging the test)."""
     half = find_scheduler_half(llm)
     deadline = time.monotonic() + timeout_s
     core = llm.llm_engine.engine_core
@@ -52,6 +59,41 @@ def drain(llm, timeout_s: float = 30.0) -> None:
     while half is not None and half.has_pending_work() and time.monotonic() < deadline:
         core.step_fn() if hasattr(core, "step_fn") else core.step()
         time.sleep(0.01)
+    return half is None or not half.has_pending_work()
+
+
+def record_external_hits(llm) -> dict[str, dict]:
+    """Wrap the connector's ``update_state_after_alloc``: per request (vLLM's internal id),
+    the tokens vLLM took from tieredkv and tieredkv's split of them by tier."""
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    connector = core.scheduler.connector
+    half = find_scheduler_half(llm)
+    seen: dict[str, dict] = {}
+    if connector is None or half is None:
+        return seen
+    plain = connector.update_state_after_alloc
+
+    def update_state_after_alloc(request, blocks, num_external_tokens):
+        plain(request, blocks, num_external_tokens)
+        if num_external_tokens > 0:
+            entry = seen.setdefault(request.request_id, {"tokens": 0, "allocs": [], "by_tier": {}})
+            entry["tokens"] += num_external_tokens
+            entry["allocs"].append(num_external_tokens)
+            for tier, count in half.planner.hit_tokens(request.request_id).items():
+                entry["by_tier"][tier] = entry["by_tier"].get(tier, 0) + count
+
+    connector.update_state_after_alloc = update_state_after_alloc
+    return seen
+
+
+def external_hits_of(seen: dict[str, dict], request_id: str) -> dict:
+    """The entry of the request whose output id is ``request_id`` (vLLM's internal id is the
+    output's id and a random suffix: ``{id}-{8 hex}``)."""
+    for internal, entry in seen.items():
+        if internal == request_id or internal.rsplit("-", 1)[0] == request_id:
+            return entry
+    return {"tokens": 0, "allocs": [], "by_tier": {}}
 
 
 def main() -> None:
@@ -87,6 +129,7 @@ def main() -> None:
         print("RESULT=" + json.dumps(result), flush=True)
         return
     result["engine"] = engine_info(llm)
+    external = record_external_hits(llm)
     for phase in spec["phases"]:
         kind = phase["kind"]
         record: dict = {"kind": kind, "names": phase.get("names")}
@@ -112,6 +155,7 @@ def main() -> None:
                         for lp, tok in zip(out.outputs[0].logprobs or [], out.outputs[0].token_ids, strict=False)
                     ],
                     "num_cached_tokens": out.num_cached_tokens,
+                    "tieredkv": external_hits_of(external, out.request_id),
                     "finish_reason": out.outputs[0].finish_reason,
                 }
                 for out in outputs
@@ -119,13 +163,13 @@ def main() -> None:
         elif kind == "reset_prefix":
             # Stores still in flight hold device blocks (delayed frees) and make vLLM refuse
             # the reset; the next phase would then hit vLLM's own cache, not tieredkv.
-            drain(llm, phase.get("timeout_s", 30.0))
+            record["drained"] = drain(llm, phase.get("timeout_s", 30.0))
             record["ok"] = llm.reset_prefix_cache()
         elif kind == "reset_all":
-            drain(llm, phase.get("timeout_s", 30.0))
+            record["drained"] = drain(llm, phase.get("timeout_s", 30.0))
             record["ok"] = llm.reset_prefix_cache(reset_connector=True)
         elif kind == "drain":
-            drain(llm, phase.get("timeout_s", 30.0))
+            record["drained"] = drain(llm, phase.get("timeout_s", 30.0))
         elif kind == "wait_for_file":
             open(phase["touch"], "w").close()
             deadline = time.monotonic() + phase.get("timeout_s", 120.0)

@@ -28,6 +28,7 @@ from tests.e2e.conftest import (
     BLOCK_SIZE,
     CHUNK_TOKENS,
     MAX_TOKENS,
+    assert_hits,
     assert_same_as_reference,
     run_engine,
     tieredkv_config,
@@ -129,14 +130,19 @@ def baseline(tiny_model) -> tuple[dict[str, int], dict[str, dict]]:
 
 def check_history(phases: list[dict], names: list[str], floor: dict[str, int],
                   reference: dict[str, dict]) -> dict[str, int]:
-    """Every prompt: tieredkv's hit == vLLM's own, outputs == the run without tieredkv."""
+    """Every prompt: tieredkv's hit == vLLM's own, outputs == the run without tieredkv.
+
+    Each prompt is its own phase, after a reset of vLLM's cache: its ``num_cached_tokens`` is
+    the hit, all of it served by tieredkv, and tieredkv's counters grew by exactly that much
+    during the phase (``assert_hits``)."""
     got = {}
-    for phase in phases:
+    for index, phase in enumerate(phases):
         if phase["kind"] != "generate" or phase["names"][0] not in names:
             continue
         name = phase["names"][0]
         got[name] = phase["outputs"][0]["num_cached_tokens"]
         assert_same_as_reference(phase, [name], reference)
+        assert_hits(phases, index, {name: floor[name]})
     assert got == {name: floor[name] for name in names}, {n: (got[n], floor[n]) for n in names}
     return got
 

@@ -29,12 +29,16 @@ from tests.e2e.conftest import (
     CHUNK_TOKENS,
     MAX_TOKENS,
     PROMPTS,
+    assert_counters_match_requests,
+    assert_hits,
     assert_same_as_reference,
+    cached_tokens,
     make_prompt,
     outputs_by_name,
     run_engine,
     run_engine_with_options,
     tieredkv_config,
+    tieredkv_tokens,
 )
 
 pytestmark = pytest.mark.vllm
@@ -76,17 +80,9 @@ def expected_warm_hits() -> dict[str, int]:
     return {**{n: hybrid_hit(n) for n in WARM}, "short_b": CHUNK_TOKENS}
 
 
-def hits(phase: dict) -> dict[str, int]:
-    return {name: out["num_cached_tokens"] for name, out in outputs_by_name(phase).items()}
-
-
 def tkv_spec(model: str, phases: list[dict], **kv) -> dict:
     return {"model": model, "max_tokens": MAX_TOKENS, "phases": phases,
             "kv_transfer_config": tieredkv_config(**kv)}
-
-
-def served(counters: dict, tier: str) -> int:
-    return counters.get(f"hit_tokens_{tier}", 0)
 
 
 # --- models and references ----------------------------------------------------------------
@@ -150,13 +146,12 @@ def alt_tier(alt_model, tmp_path_factory) -> tuple[dict, Path]:
 
 
 def check_host_hits(result: dict, reference: dict) -> None:
-    cold, _, warm = result["phases"][:3]
+    phases = result["phases"]
+    cold, _, warm = phases[:3]
     assert_same_as_reference(cold, COLD, reference["outputs"])
     assert_same_as_reference(warm, WARM, reference["outputs"])
-    got = hits(warm)
-    assert got == expected_warm_hits()
-    assert served(warm["counters"], "host") - served(cold["counters"], "host") == sum(got.values())
-    assert served(warm["counters"], "disk") == 0
+    expected = expected_warm_hits()
+    assert_hits(phases, 2, expected, tiers={"host": sum(expected.values())})
 
 
 def test_alternating_window_smaller_than_a_chunk_host_hit(alt_tier, alt_reference):
@@ -183,12 +178,9 @@ def test_alternating_disk_hit_after_restart(alt_model, alt_tier, alt_reference):
     names = ["p1", "boundary_plus_1"]
     result = run_engine(tkv_spec(alt_model, [gen(n) for n in names],
                                  host_bytes="8MiB", disk_path=str(disk), disk_bytes="256MiB"))
-    for phase, name in zip(result["phases"], names, strict=True):
-        assert_same_as_reference(phase, [name], alt_reference["outputs"])
-        assert hits(phase) == {name: hybrid_hit(name)}
-    counters = result["phases"][-1]["counters"]
-    assert served(counters, "disk") == sum(hybrid_hit(n) for n in names), counters
-    assert served(counters, "host") == 0, counters
+    for index, name in enumerate(names):
+        assert_same_as_reference(result["phases"][index], [name], alt_reference["outputs"])
+        assert_hits(result["phases"], index, {name: hybrid_hit(name)}, tiers={"disk": hybrid_hit(name)})
 
 
 # --- vLLM's hybrid manager and capacity -----------------------------------------------------
@@ -235,14 +227,37 @@ def test_preemption_keeps_outputs_identical(alt_model, alt_reference):
         },
         env={"TIEREDKV_FAULTS": json.dumps({"store_delay_s": 0.05})},
     )
-    cold, _, warm = result["phases"]
+    phases = result["phases"]
+    cold, _, warm = phases
     assert cold["counters"].get("preemptions", 0) > 0, cold["counters"]
     for phase in (cold, warm):
-        assert_same_as_reference(phase, names, reference)
-    assert served(warm["counters"], "host") > 0, warm["counters"]
-    assert any(n > 0 for n in hits(warm).values()), hits(warm)
+        assert_same_as_reference(phase, names, reference)  # all 48 tokens and their logprobs
+    # A store the preemption fence cancelled is stored again when the request recomputes that
+    # chunk. When the resumed request instead finds the chunk in vLLM's own prefix cache, the
+    # chunk is not computed again and its older sliding-window blocks are already freed, so it
+    # cannot be stored (vLLM gives a connector no way to hold them): a known, counted loss of
+    # hits, never of correctness. (Counted at the reset, which drains the stores in flight.)
+    drained = phases[1]["counters"]
+    whole_chunks = sum(len(HYB_PROMPTS[name]) // CHUNK_TOKENS for name in names)
+    cancelled = drained.get("store_failed_cancelled", 0)
+    stored = drained.get("stored_chunks", 0)
+    assert stored <= whole_chunks and (stored == whole_chunks or cancelled > 0), (
+        "chunks went unstored without a cancelled store to account for them", drained)
+    # Every warm prompt's first schedule found a chunk-aligned prefix of what it could hit, all
+    # of it from tieredkv (the prompts share nothing); a prompt short of its whole prefix needs
+    # a cancelled store behind it, and most prompts hit whole.
+    expected = {name: hybrid_hit(name) for name in names}
+    got = cached_tokens(warm)
+    assert all(got[n] <= expected[n] and got[n] % CHUNK_TOKENS == 0 for n in names), (got, expected)
+    short = [n for n in names if got[n] < expected[n]]
+    assert not short or cancelled > 0, (short, drained)
+    assert len(short) <= len(names) // 2, (got, expected, drained)
+    taken = tieredkv_tokens(warm)
+    assert all(taken[name] >= got[name] for name in names), (taken, got)
+    assert_counters_match_requests(phases, 0)
+    assert_counters_match_requests(phases, 2)
     print(f"preemptions {cold['counters']['preemptions']}, cold hits "
-          f"{served(cold['counters'], 'host')} tokens, warm hits {hits(warm)}")
+          f"{tieredkv_tokens(cold)}, warm hits {cached_tokens(warm)}, from tieredkv {taken}")
 
 
 def test_tensor_parallel_two_ranks(alt_model, alt_reference):
@@ -255,9 +270,8 @@ def test_tensor_parallel_two_ranks(alt_model, alt_reference):
     cold, _, warm = result["phases"]
     assert_same_as_reference(cold, names, alt_reference["outputs"])
     assert_same_as_reference(warm, names, alt_reference["outputs"])
-    assert hits(warm) == {n: hybrid_hit(n) for n in names}
-    assert served(warm["counters"], "host") - served(cold["counters"], "host") == \
-        sum(hybrid_hit(n) for n in names)
+    expected = {n: hybrid_hit(n) for n in names}
+    assert_hits(result["phases"], 2, expected, tiers={"host": sum(expected.values())})
     assert result["engine"]["disable_hybrid_kv_cache_manager"] is False
 
 
@@ -279,9 +293,15 @@ def test_failed_load_is_recomputed_whole(kind, request):
     assert failed["counters"].get("load_failed_copy_error", 0) == 1, failed["counters"]
     assert failed["outputs"][0]["finish_reason"] == "length"
     assert_same_as_reference(failed, ["short_a"], reference)
-    # The tier is intact: the next time, the same prompt is served.
+    # The load that failed was a promised hit of the whole prefix (its first allocation).
+    # Scheduled again from its first token, the request may take the chunks the failure left
+    # intact once more; tieredkv's counters account for every promise, the failed one too.
+    assert outputs_by_name(failed)["short_a"]["tieredkv"]["allocs"][0] == hybrid_hit("short_a")
+    assert_counters_match_requests(result["phases"], 2)
+    # The tier is intact: the next time, the same prompt is served, all of it from the host tier.
     assert_same_as_reference(again, ["short_a"], reference)
-    assert hits(again) == {"short_a": hybrid_hit("short_a")}
+    hit = hybrid_hit("short_a")
+    assert_hits(result["phases"], 4, {"short_a": hit}, tiers={"host": hit})
 
 
 # --- refusal --------------------------------------------------------------------------------

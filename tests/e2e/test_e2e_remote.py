@@ -10,7 +10,6 @@ whole chunks (the remote tier never holds a prompt's partial tail), up to vLLM's
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,9 @@ from tests.e2e.conftest import (
     CHUNK_TOKENS,
     MAX_TOKENS,
     PROMPTS,
+    assert_hits,
     assert_same_as_reference,
+    counter_delta,
     expected_hit_tokens,
     generate,
     outputs_by_name,
@@ -69,10 +70,7 @@ def ok(result: dict) -> dict:
     return result
 
 
-def delta(phases: list[dict], index: int, counter: str) -> int:
-    """How much ``counter`` grew during phase ``index`` (the runner's counters are totals)."""
-    before = phases[index - 1]["counters"].get(counter, 0) if index else 0
-    return phases[index]["counters"].get(counter, 0) - before
+delta = counter_delta
 
 
 def redis_keys(server: RedisServer, prefix: str) -> list[str]:
@@ -85,11 +83,8 @@ def assert_served_from_remote(phases: list[dict], index: int, names: list[str], 
     all of them counted as remote hits (none from host or disk), with the reference's outputs."""
     phase = phases[index]
     assert_same_as_reference(phase, names, reference)
-    got = {name: out["num_cached_tokens"] for name, out in zip(names, phase["outputs"], strict=True)}
-    assert got == {name: remote_hit_tokens(name) for name in names}
-    assert delta(phases, index, "hit_tokens_remote") == sum(got.values()), phase["counters"]
-    assert delta(phases, index, "hit_tokens_host") == 0, phase["counters"]
-    assert delta(phases, index, "hit_tokens_disk") == 0, phase["counters"]
+    expected = {name: remote_hit_tokens(name) for name in names}
+    assert_hits(phases, index, expected, tiers={"remote": sum(expected.values())})
     assert delta(phases, index, "remote_read_chunks") == sum(whole_chunks(n) for n in names)
     failed = {k: v for k, v in phase["counters"].items() if k.startswith("remote_read_failed_")}
     assert not failed, failed
@@ -135,13 +130,12 @@ def test_second_engine_serves_what_only_the_first_saw(writer, reader, reference)
 
 def test_cache_salt_separates_tenants_across_replicas(reader, reference):
     _, other_tenant, _, same_tenant = reader
-    assert other_tenant["outputs"][0]["num_cached_tokens"] == 0
-    assert delta(reader, 1, "hit_tokens_remote") == 0, other_tenant["counters"]
+    assert_hits(reader, 1, {SALTED: 0})
     assert_same_as_reference(other_tenant, [SALTED], reference)
-    # Positive control: the writer's own salt hits in the same engine, so the miss above is
-    # the salt's doing.
-    assert same_tenant["outputs"][0]["num_cached_tokens"] == remote_hit_tokens(SALTED)
-    assert delta(reader, 3, "hit_tokens_remote") == remote_hit_tokens(SALTED), same_tenant["counters"]
+    # Positive control: the writer's own salt hits in the same engine, all its whole chunks,
+    # from Redis, so the miss above is the salt's doing.
+    hit = remote_hit_tokens(SALTED)
+    assert_hits(reader, 3, {SALTED: hit}, tiers={"remote": hit})
     assert_same_as_reference(same_tenant, [SALTED], reference)
 
 
@@ -189,9 +183,8 @@ def test_changed_rope_base_misses_what_the_writer_stored(tiny_model, redis_serve
     own_reference = outputs_by_name({**own, "names": names})
     # The change alters the outputs, so chunks stored before it would show if served.
     assert any(own_reference[n]["token_ids"] != reference[n]["token_ids"] for n in names)
-    assert [out["num_cached_tokens"] for out in changed["outputs"]] == [0] * len(names)
+    assert_hits([changed], 0, dict.fromkeys(names, 0))
     counters = changed["counters"]
-    assert counters.get("hit_tokens_remote", 0) == 0, counters
     assert counters.get("remote_read_chunks", 0) == 0, counters
     # Redis was up and asked: the other namespace's key names simply are not there.
     assert counters.get("remote_probes", 0) > 0, counters
@@ -220,33 +213,37 @@ def test_redis_killed_mid_run_never_hangs_or_corrupts(tiny_model, reference, fre
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 300
-    while not waiting.exists() and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The engine touches ``waiting`` once p1 is in Redis; the engine run's own timeout (and
+    # wait_for_file's) ends a run that never gets there, so this cannot hang either.
+    while not waiting.exists() and thread.is_alive():
+        thread.join(0.05)
     if waiting.exists():
         server.kill()
     go.touch()
-    thread.join(600)
+    thread.join(900)
+    assert not thread.is_alive(), "the engine run did not finish"
     if "error" in outcome:
         raise outcome["error"]
     result = ok(outcome["result"])
-    before, _, _, reset, both, fresh, end = result["phases"]
+    phases = result["phases"]
+    before, _, _, reset, both, fresh, end = phases
     assert reset["ok"] is True
     assert result["phases"][1]["counters"].get("remote_written_chunks", 0) == whole_chunks("p1")
     # p1 was in Redis before the kill, p2 and p3 never were: all recomputed, all correct.
     assert_same_as_reference(before, ["p1"], reference)
     assert_same_as_reference(both, ["p1", "p2"], reference)
     assert_same_as_reference(fresh, ["p3"], reference)
+    assert_hits(phases, 4, {"p1": 0, "p2": 0})
+    assert_hits(phases, 5, {"p3": 0})
     for phase in (both, fresh):
-        assert [out["num_cached_tokens"] for out in phase["outputs"]] == [0] * len(phase["names"])
         assert all(out["finish_reason"] == "length" for out in phase["outputs"])
     assert end["counters"].get("hit_tokens_remote", 0) == 0, end["counters"]
-    # No hang: a dead Redis costs a lookup at most remote_timeout_s, not a stall.
-    assert both["seconds"] < before["seconds"] + 10 * TIMEOUT_S + 5, (before["seconds"], both["seconds"])
-    assert fresh["seconds"] < before["seconds"] + 10 * TIMEOUT_S + 5, (before["seconds"], fresh["seconds"])
-    # The engine noticed: the probe after the kill failed and the tier is reported down.
+    # No stall (every request finished, above): the probes after the kill failed, and once the
+    # tier was known down p3's lookup made no call at all (counted as "unavailable").
     failed = {k: v for k, v in end["counters"].items() if k.startswith("remote_probe_failed_")}
     assert failed, end["counters"]
+    assert delta(phases, 5, "remote_probe_failed_unavailable") >= 1, (fresh["counters"], both["counters"])
+    assert delta(phases, 5, "remote_probes") == 0, (fresh["counters"], both["counters"])
     assert end["gauges"]["remote_up"] == 0
     # p3 came after the engine knew: its chunks were never queued for the dead server.
     assert end["counters"].get("remote_writes_dropped", 0) >= whole_chunks("p3"), end["counters"]
@@ -261,8 +258,8 @@ def test_redis_down_at_startup_engine_serves_without_it(tiny_model, reference, f
     assert_same_as_reference(warm, ["p1", "p2"], reference)
     # The host tier works as without a remote tier; Redis serves and takes nothing.
     names = ["p1", "p2"]
-    got = [out["num_cached_tokens"] for out in warm["outputs"]]
-    assert got == [expected_hit_tokens(len(PROMPTS[n])) for n in names]
+    expected = {n: expected_hit_tokens(len(PROMPTS[n])) for n in names}
+    assert_hits(result["phases"], 2, expected, tiers={"host": sum(expected.values())})
     assert end["counters"].get("hit_tokens_remote", 0) == 0, end["counters"]
     assert end["counters"].get("remote_written_chunks", 0) == 0, end["counters"]
     assert end["gauges"]["remote_up"] == 0

@@ -24,15 +24,19 @@ from transfer_helpers import (
     results_by_id,
 )
 
+from tests.helpers import HANG_S, finishes
 from tieredkv.daemon_calls import STOP
 from tieredkv.protocol import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
 from tieredkv.transfer import lanes
 from tieredkv.transfer.engine import EngineDeadError, TransferEngine
 
-pytestmark = pytest.mark.timeout(60)  # on a regression these tests fail, they never hang
+pytestmark = pytest.mark.timeout(120)  # on a regression these tests fail, they never hang
 
 C = CHUNK_BLOCKS
-BOUND_S = 5.0  # every failed result arrives within this (the engine's load timeout is 30 s)
+# The engines here time loads out only after this long: a failed result that arrives at all
+# (within HANG_S, which only turns a hang into a failure) came from the dead thread's clean-up,
+# and its cause says so ("cancelled", not "timeout").
+LOAD_TIMEOUT_S = 600.0
 ENGINE_LOGGER = "tieredkv.transfer.engine"
 
 
@@ -105,7 +109,7 @@ def test_a_loop_that_cannot_start_fails_every_job_and_every_later_submit(
 
         monkeypatch.setattr("tieredkv.transfer.engine.CopyLane", lane)
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
-    engine = make_engine()
+    engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)
     jobs = [
         StoreJob(1, make_key(1), 1, (1, 2, 3, 4)),
         SpillJob(2, make_key(2), 2, 3),
@@ -113,19 +117,15 @@ def test_a_loop_that_cannot_start_fails_every_job_and_every_later_submit(
         LoadJob(4, "load-with-others", (LoadChunk(make_key(5), 5, 0, (8, 9, 10, 11)),)),
         LoadJob(5, "load-alone", (LoadChunk(make_key(6), 6, 0, (12, 13, 14, 15)),)),
     ]
-    t0 = time.monotonic()
     engine.submit(jobs[:4])
-    results = results_by_id(engine, 4, timeout_s=BOUND_S)
-    assert time.monotonic() - t0 < BOUND_S
+    results = results_by_id(engine, 4, timeout_s=HANG_S)
     engine.submit(jobs[4:])  # a load alone, which skips the event loop
-    results.update(results_by_id(engine, 1, timeout_s=BOUND_S))
+    results.update(results_by_id(engine, 1, timeout_s=HANG_S))
     _assert_failed(results, jobs)
     _assert_later_submits_fail_at_once(engine, kv, boom)
     (record,) = _death_records(caplog)  # logged once, with the traceback
     assert record.exc_info[1] is boom
-    t0 = time.monotonic()
-    engine.shutdown(timeout_s=2.0)
-    assert time.monotonic() - t0 < 4.0
+    finishes(lambda: engine.shutdown(timeout_s=2.0))
 
 
 # ---------------------------------------------------------------------------- mid-serving
@@ -136,7 +136,7 @@ def test_the_loop_thread_dying_mid_serving_fails_every_pending_job(
 ) -> None:
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
     backend = SlowBackend()
-    engine = make_engine(backend)
+    engine = make_engine(backend, load_timeout_s=LOAD_TIMEOUT_S)
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
     engine.submit([SpillJob(3, make_key(1), 1, 4)])
     assert results_by_id(engine, 1)[3].ok
@@ -164,10 +164,8 @@ def test_the_loop_thread_dying_mid_serving_fails_every_pending_job(
 
     monkeypatch.setattr(engine, "_dispatch", dying_dispatch)
     lost = [StoreJob(13, make_key(3), 3, (21, 22, 23, 24)), SpillJob(14, make_key(0), 0, 6)]
-    t0 = time.monotonic()
     engine.submit(lost)
-    results = results_by_id(engine, len(in_flight) + len(lost), timeout_s=BOUND_S)
-    assert time.monotonic() - t0 < BOUND_S
+    results = results_by_id(engine, len(in_flight) + len(lost), timeout_s=HANG_S)
     _assert_failed(results, in_flight + lost)
 
     gate.set()
@@ -204,7 +202,7 @@ def test_a_copy_lane_thread_crash_fails_every_pending_job(kv, host, slab, make_e
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
     crash = threading.Event()
     monkeypatch.setattr(lanes, "serve_calls", _crashing_serve_calls("tieredkv-d2h", crash))
-    engine = make_engine()
+    engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
     want = expected_slot(kv, C, (1, 2, 3, 4))
     engine.submit([LoadJob(3, "ok", (LoadChunk(make_key(0), 0, 0, (30, 31, 32, 33)),))])
@@ -213,10 +211,8 @@ def test_a_copy_lane_thread_crash_fails_every_pending_job(kv, host, slab, make_e
 
     crash.set()
     jobs = [StoreJob(10, make_key(2), 2, (9, 10, 11, 12)), StoreJob(11, make_key(3), 3, (13, 14, 15, 16))]
-    t0 = time.monotonic()
     engine.submit(jobs)
-    results = results_by_id(engine, len(jobs), timeout_s=BOUND_S)
-    assert time.monotonic() - t0 < BOUND_S
+    results = results_by_id(engine, len(jobs), timeout_s=HANG_S)
     _assert_failed(results, jobs)
     (record,) = _death_records(caplog)
     cause = record.exc_info[1]
@@ -229,17 +225,15 @@ def test_a_slab_io_thread_crash_fails_every_pending_job(kv, host, slab, make_eng
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
     crash = threading.Event()
     monkeypatch.setattr("tieredkv.disk.async_io.serve_calls", _crashing_serve_calls("tieredkv-io", crash))
-    engine = make_engine()  # load timeout 30 s: a lost read must not wait for it
+    engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)  # a lost read must not wait for it
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
     engine.submit([SpillJob(3, make_key(1), 1, 4)])
     assert results_by_id(engine, 1)[3].ok
 
     crash.set()
     jobs = [PromoteJob(10, make_key(1), 4, 5)]
-    t0 = time.monotonic()
     engine.submit(jobs)
-    results = results_by_id(engine, len(jobs), timeout_s=BOUND_S)
-    assert time.monotonic() - t0 < BOUND_S
+    results = results_by_id(engine, len(jobs), timeout_s=HANG_S)
     _assert_failed(results, jobs)
     (record,) = _death_records(caplog)
     cause = record.exc_info[1]
@@ -300,6 +294,4 @@ def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypa
             1: (0, 1, "cancelled"), 2: (0, 1, "cancelled"),
         }
     finally:
-        t0 = time.monotonic()
-        worker.shutdown()
-        assert time.monotonic() - t0 < 15
+        finishes(worker.shutdown)

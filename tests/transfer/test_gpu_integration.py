@@ -37,7 +37,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, partial
 from math import prod
 from pathlib import Path
 from types import SimpleNamespace
@@ -61,7 +61,7 @@ from vllm_cuda_layouts import (
     layer_names,
 )
 
-from tests.helpers import full_attention_spec
+from tests.helpers import finishes, full_attention_spec
 from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import FailureCause, LoadChunk, LoadJob, StepPlan, StoreJob
 from tieredkv.transfer.backends.base import CopyBackend
@@ -539,9 +539,14 @@ class GatedStores(CopyBackend):
 @pytest.mark.parametrize("case", CASE_PARAMS)
 @pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
 def test_preemption_fence_cancels_queued_and_waits_for_running_stores(
-    rig_factory: Callable[..., Rig], device: str, backend: str, case: LayoutCase
+    rig_factory: Callable[..., Rig], device: str, backend: str, case: LayoutCase,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rig = rig_factory(case, device, backend)
+    # Fences wait for running stores up to a bound no run reaches: a fence returns either
+    # because nothing it covers is running or because the store it waits for finished.
+    monkeypatch.setattr(rig.engine, "fence_blocks",
+                        partial(rig.engine.fence_blocks, timeout_s=600.0))
     running, queued = (1, 2, 3, 4), (6, 7, 8, 9)
     rig.forward([*running, *queued], step=1)
     gated = GatedStores(rig.engine.backend)
@@ -550,14 +555,21 @@ def test_preemption_fence_cancels_queued_and_waits_for_running_stores(
     store_a = rig.store(running, slot=0, req="a")
     assert gated.started.wait(10), "the first store never reached its lane"
     store_b = rig.store(queued, slot=1, req="b")  # queued behind the running one
-    start = time.monotonic()
-    rig.step(StepPlan(fence_block_ids=list(queued)))  # vLLM preempted b: its blocks are free
-    assert time.monotonic() - start < 1.0, "a fence on a queued store must not wait"
+    # vLLM preempted b: its blocks are free. The fence returns while a is still held at its
+    # gate: a fence on a queued store does not wait.
+    finishes(lambda: rig.step(StepPlan(fence_block_ids=list(queued))))
+    assert not gated.gate.is_set()
     rig.forward(queued, step=9)  # the next tenant writes them at once
-    threading.Timer(0.3, gated.gate.set).start()
-    start = time.monotonic()
+    order: list[str] = []
+
+    def release_store() -> None:
+        order.append("store released")
+        gated.gate.set()
+
+    threading.Timer(0.3, release_store).start()
     rig.step(StepPlan(fence_block_ids=list(running)))
-    assert time.monotonic() - start >= 0.2, "the fence returned while the store was still copying"
+    order.append("fence returned")
+    assert order == ["store released", "fence returned"], "the fence returned while the store was still copying"
     first_tenant = [rows[list(running)].clone() for rows in rig.replica_kv.rows]
     tenant_a = rig.forward(running, step=9)  # after the fence: may overwrite at once
     outcomes = rig.results_until([store_a, store_b])["outcomes"]
@@ -606,11 +618,16 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
     engine.backend = gated
     store = rig.store(blocks, slot=0)
     assert gated.started.wait(10)
-    threading.Timer(0.2, gated.gate.set).start()
-    start = time.monotonic()
+
+    def release_store() -> None:
+        seen.append("store released")
+        gated.gate.set()
+
+    threading.Timer(0.2, release_store).start()
     FakeGpuWorker().sleep(1)
-    assert time.monotonic() - start >= 0.15, "sleep did not wait for the running store"
-    assert seen == ["sleep device_jobs=0 streams_idle=True"]
+    # It waited for the running store: the store was let go before the real sleep ran, and
+    # then no device job or copy was left.
+    assert seen == ["store released", "sleep device_jobs=0 streams_idle=True"]
     assert (lambda r: (r.ok, r.failed))(rig.results_until([store])["outcomes"][store]) == (1, 0)
     rig.assert_slot_holds(0, blocks)
 

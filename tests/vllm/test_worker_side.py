@@ -8,13 +8,14 @@ reporting, cross-rank aggregation into the planner — runs for real.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.helpers import full_attention_spec
+from tests.helpers import finishes, full_attention_spec
 from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import LoadChunk, LoadJob, StepPlan, StoreJob
 from tieredkv.scheduler.planner import Planner
@@ -275,17 +276,19 @@ def test_cpu_host_load_runs_inline_and_is_reported_in_the_same_step(worker, comp
         assert torch.equal(x, y)
 
 
-class _SlowLoads:
-    """Wraps the engine's copy backend: every h2d copy takes 50 ms more."""
+class _GatedLoads:
+    """Wraps the engine's copy backend: every h2d copy waits for ``gate`` (a load in flight
+    until the test lets it land)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
+        self.gate = threading.Event()
 
     def d2h(self, *args) -> None:
         self.inner.d2h(*args)
 
     def h2d(self, *args) -> None:
-        time.sleep(0.05)
+        assert self.gate.wait(60), "the test never let the load land"
         self.inner.h2d(*args)
 
 
@@ -296,19 +299,28 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
     store = StoreJob(1, b"t" * 32, host_slot=1, block_ids=(8, 9), req_id="a")
     step(w, StepPlan(stores=[store]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
-    w.engine.backend = _SlowLoads(w.engine.backend)
+    w.engine.backend = gated = _GatedLoads(w.engine.backend)
     w.inline_host_loads = False  # as on CUDA: host loads go to the h2d lane
     busy = LoadJob(2, "busy", (LoadChunk(b"t" * 32, 1, 0, (40, 41)),))
-    start = time.monotonic()
-    _, recving = step(w, StepPlan(loads=[busy], compute_idle=False))  # goes to the h2d lane
-    assert recving == set() and time.monotonic() - start < 0.04  # not waited for
-    monkeypatch.setattr("tieredkv.vllm.worker_side.IDLE_WAIT_S", 5.0)
-    _, recving = step(w, StepPlan(compute_idle=True))
-    assert recving == {"busy"}  # the idle step slept until it landed, far less than 5 s
-    assert time.monotonic() - start < 2.0
-    start = time.monotonic()
-    assert step(w, StepPlan(compute_idle=True)) == (set(), set())  # nothing awaited: no sleep
-    assert time.monotonic() - start < 0.5
+    # A busy step returns while the load is held on the lane: it was not waited for.
+    _, recving = finishes(lambda: step(w, StepPlan(loads=[busy], compute_idle=False)))
+    assert recving == set()
+    # The idle step's wait is bounded by IDLE_WAIT_S; with a bound no run reaches, it can only
+    # return because the load landed. The load lands once the step is waiting.
+    monkeypatch.setattr("tieredkv.vllm.worker_side.IDLE_WAIT_S", 600.0)
+    waits: list[float] = []
+    plain_wait = w.engine.wait_for_results
+
+    def wait_for_results(timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        gated.gate.set()
+        return plain_wait(timeout_s)
+
+    monkeypatch.setattr(w.engine, "wait_for_results", wait_for_results)
+    _, recving = finishes(lambda: step(w, StepPlan(compute_idle=True)))
+    assert recving == {"busy"} and waits == [600.0]  # it slept until the load landed
+    assert finishes(lambda: step(w, StepPlan(compute_idle=True))) == (set(), set())
+    assert waits == [600.0]  # nothing awaited: no sleep at all
 
 
 def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monkeypatch):
@@ -317,10 +329,11 @@ def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monke
     step(w, StepPlan(stores=[store]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     monkeypatch.setattr("tieredkv.vllm.worker_side.BUSY_INLINE_MAX_BYTES", 1)
-    w.engine.backend = _SlowLoads(w.engine.backend)
+    w.engine.backend = gated = _GatedLoads(w.engine.backend)
     load = LoadJob(2, "big", (LoadChunk(b"u" * 32, 4, 0, (50, 51)),))
     reported = step(w, StepPlan(loads=[load], compute_idle=False))
     assert "big" not in reported[1]  # on the lane, still copying
+    gated.gate.set()
     collect_until(w, lambda s, r, m: "big" in r, after=reported)
     load = LoadJob(3, "idle", (LoadChunk(b"u" * 32, 4, 0, (52, 53)),))
     assert step(w, StepPlan(loads=[load], compute_idle=True))[1] == {"idle"}  # idle: inline
