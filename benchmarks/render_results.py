@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 
 Row = dict[str, str]  # what, measured, target, verdict
+#: Verdicts of reference lines: printed beside the targets, not in the exit status, and still
+#: named in the headline when missed.
+REF_PASS, REF_MISS = "reference: PASS", "reference: MISS"
 
 
 @dataclass
@@ -50,6 +53,10 @@ class Section:
     @property
     def misses(self) -> list[Row]:
         return [r for r in self.rows if r["verdict"] == "MISS"]
+
+    @property
+    def reference_misses(self) -> list[Row]:
+        return [r for r in self.rows if r["verdict"] == REF_MISS]
 
 
 def _num(x: Any, digits: int = 2) -> str:
@@ -149,17 +156,20 @@ def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
         if eq:
             measured += f"; equal compute {eq['value_s'] * 1e3:,.1f} vs {eq['limit_s'] * 1e3:,.1f} ms " \
                         f"({'pass' if eq.get('pass') else 'miss'})"
-        rows.append(_row(v["target"], measured, v.get("limit", ""), _verdict(bool(v["pass"]))))
+        # e2e_ttft leaves its "(info)" lines out of its exit status: they are not targets.
+        verdict = ("info" if "(info)" in v["target"] else _verdict(bool(v["pass"])))
+        rows.append(_row(v["target"], measured, v.get("limit", ""), verdict))
+    for v in d.get("hybrid_verdicts", []):
+        eq = v.get("equal_compute", {})
+        rows.append(_row(f"{v['target']} (reference line: chunk-aligned hybrid hits recompute the tail)",
+                         f"{v['worse_ratio']:.2f}x on the wall clock; at equal compute "
+                         f"{eq.get('value_s', math.nan) * 1e3:,.1f} vs {eq.get('limit_s', math.nan) * 1e3:,.1f} ms "
+                         f"({'pass' if eq.get('pass') else 'miss'})", v.get("limit", ""),
+                         REF_PASS if v["pass"] else REF_MISS))
     notes = []
     lmcache = d.get("lmcache") or {}
     if (lmcache.get("comparison") or {}).get("text"):
         notes.append(f"Peer (info, not a target): {lmcache['comparison']['text']}")
-    for v in d.get("hybrid_verdicts", []):
-        eq = v.get("equal_compute", {})
-        notes.append(f"Reference line, not a target (chunk-aligned hybrid hits recompute the tail): "
-                     f"{v['target']}: {v['worse_ratio']:.2f}x on the wall clock "
-                     f"({'pass' if v['pass'] else 'miss'}); at equal compute {eq.get('value_s', math.nan) * 1e3:,.1f} "
-                     f"vs {eq.get('limit_s', math.nan) * 1e3:,.1f} ms ({'pass' if eq.get('pass') else 'miss'}).")
     return rows, notes
 
 
@@ -179,9 +189,12 @@ def serve_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     noise = d.get("noise_floor") or {}
     p50 = noise.get("ttft_p50_s") if isinstance(noise, Mapping) else None
     if p50:
-        notes.append(f"Noise floor ({noise.get('users')} user, no tieredkv hits expected): TTFT p50 of "
+        medians = ", ".join(f"{c} {m * 1e3:,.0f}" for c, m in (p50.get("medians") or {}).items())
+        notes.append(f"Noise floor ({noise.get('users')} user: the working set fits the device cache, no tieredkv "
+                     f"hit expected; {noise.get('tieredkv_hit_tokens', 0):,.0f} tieredkv hit tokens seen): TTFT p50 of "
                      f"{', '.join(noise.get('configs', []))} spans {p50['min'] * 1e3:,.0f}–{p50['max'] * 1e3:,.0f} ms "
-                     f"({p50['rel'] * 100:,.0f} % of the median) across repeats.")
+                     f"({p50['rel'] * 100:,.0f} % of the median) across repeats"
+                     + (f"; medians {medians} ms." if medians else "."))
     if d.get("consistency_note"):
         notes.append(str(d["consistency_note"]))
     notes += [str(n) for n in d.get("notes", [])]
@@ -192,8 +205,9 @@ def multi_replica_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     rows = [_row(c["check"], c["measured"], "", _verdict(c["verdict"])) for c in d.get("checks", [])]
     for r in d.get("ratios", []):
         per_round = ", ".join(f"{x:.2f}" for x in r.get("ttft_p50_ratio_per_round", []))
+        rounds = f" (rounds {per_round})" if per_round else ""  # the pooled "all" row has none
         rows.append(_row(f"{r['users']} users: TTFT shared / separate",
-                         f"p50 {r['ttft_p50_ratio']:.2f} (rounds {per_round}), p99 {r['ttft_p99_ratio']:.2f}",
+                         f"p50 {r['ttft_p50_ratio']:.2f}{rounds}, p99 {r['ttft_p99_ratio']:.2f}",
                          "", "info"))
     notes = [str(d["consistency_note"])] if d.get("consistency_note") else []
     return rows, notes
@@ -232,17 +246,23 @@ FILES: tuple[tuple[str, str, str, Extractor], ...] = (
 )
 
 
+#: What shapes every measurement besides the benchmark's own script: the package (its test
+#: harness aside, except the module that builds every vLLM server's command line and
+#: environment), the shared benchmark code and the peers' settings.
+MEASURED_CODE = ("tieredkv", ":(exclude)tieredkv/testing", "tieredkv/testing/vllm_server.py",
+                 "benchmarks/common.py", "benchmarks/peers")
+
+
 def code_changed_since(commit: str, script: str, root: Path = ROOT) -> bool | None:
-    """Whether ``tieredkv/`` (its ``testing/`` harness aside) or the benchmark's script differ
-    between ``commit`` and the checkout.
+    """Whether :data:`MEASURED_CODE` or the benchmark's script differ between ``commit`` and
+    the checkout.
 
     Compared with the working tree, not HEAD, so a page rendered just before a commit and
     checked on a clean clone of that commit give the same answer.
     """
     try:
         proc = subprocess.run(
-            ["git", "-C", str(root), "diff", "--quiet", commit, "--", "tieredkv", ":(exclude)tieredkv/testing",
-             f"benchmarks/{script}.py", "benchmarks/common.py"],
+            ["git", "-C", str(root), "diff", "--quiet", commit, "--", *MEASURED_CODE, f"benchmarks/{script}.py"],
             capture_output=True, check=False, timeout=30,
         )
     except (OSError, subprocess.SubprocessError):
@@ -273,6 +293,18 @@ def _stamp_cells(s: Section) -> tuple[str, str, str, str]:
     return f"`{st['commit'][:8]}`{dirty} {st['profile']}", st["date_start"][:16], load, fresh
 
 
+def _interval(stamp: Mapping[str, Any]) -> tuple[str, str]:
+    return stamp["date_start"], stamp["date_end"]  # "YYYY-MM-DD HH:MM:SS UTC" sorts as time
+
+
+def overlapping_runs(sections: Sequence[Section]) -> list[tuple[str, str]]:
+    """Pairs of results files whose stamped runs overlapped in time: run_all runs benchmarks one
+    at a time, so an overlap means one was rerun by hand beside another."""
+    stamped = [(s.file, _interval(s.stamp)) for s in sections if s.stamp]
+    return [(a, b) for i, (a, (a0, a1)) in enumerate(stamped) for b, (b0, b1) in stamped[i + 1:]
+            if a0 < b1 and b0 < a1]
+
+
 def render(sections: Sequence[Section]) -> str:
     out = [
         "# Benchmark results",
@@ -284,10 +316,12 @@ def render(sections: Sequence[Section]) -> str:
         "`python -m benchmarks.run_all` regenerates them all and this page. Each row below is read "
         "from the named JSON file. **Load** is the 1-minute load average before and after the "
         "benchmark (this machine is shared; compare configurations within one run, never across "
-        "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside), "
-        "`benchmarks/common.py` or the benchmark's script differ "
-        "between the stamped commit and the checkout this page was rendered from. What each benchmark "
-        "measures and why: `benchmarks/README.md`.",
+        "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside, "
+        "but not `testing/vllm_server.py`, which starts every server), `benchmarks/common.py`, "
+        "`benchmarks/peers/` or the benchmark's script differ between the stamped commit and the "
+        "checkout this page was rendered from. **Reference lines** are printed beside the targets "
+        "without being targets; a missed one is named in the headline all the same. What each "
+        "benchmark measures and why: `benchmarks/README.md`.",
         "",
         "| benchmark | file | commit, profile | started (UTC) | load | code changed since | targets met | missed |",
         "|---|---|---|---|---|---|---|---|",
@@ -297,11 +331,19 @@ def render(sections: Sequence[Section]) -> str:
         judged, misses = s.judged, s.misses
         met = f"{len(judged) - len(misses)} of {len(judged)}" if judged else "none judged"
         missed = "; ".join(r["what"] for r in misses[:4]) + (f"; +{len(misses) - 4} more" if len(misses) > 4 else "")
+        cell = [f"**MISS**: {missed}"] if misses else []
+        if s.reference_misses:
+            cell.append("reference lines (not targets) missed: "
+                        + "; ".join(r["what"].split(" (reference line")[0] for r in s.reference_misses))
         out.append(f"| {s.title} | `results/{s.file}` | {commit} | {date} | {load} | {fresh} | {met} | "
-                   f"{('**MISS**: ' + missed) if misses else ''} |")
+                   f"{'; '.join(cell)} |")
     machines = sorted({s.stamp["machine"]["name"] for s in sections if s.stamp})
     if machines:
         out += ["", "Machines: " + "; ".join(machines) + "."]
+    overlaps = overlapping_runs(sections)
+    out += ["", ("**Runs that overlapped** (each disturbed the other's timings): "
+                 + "; ".join(f"`{a}` and `{b}`" for a, b in overlaps) + ".") if overlaps
+            else "No two of these runs overlapped in time: each had the machine to itself (other jobs aside; see the load)."]
     for s in sections:
         out += ["", f"## {s.title}", "", f"From `results/{s.file}`"
                 + (f" (`{s.stamp['command']}`, {s.stamp['wall_s']:,.0f} s, exit status {s.stamp['exit_status']})."

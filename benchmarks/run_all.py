@@ -72,25 +72,30 @@ BENCHES: tuple[Bench, ...] = (
           ("disk_bench.json", "disk_bench.txt"), ("disk_bench_full.json", "disk_bench_full.txt"), (3, 12),
           keeps_stdout=True),
     Bench("scheduler_bench", ("--out-dir", "{out}", "--quiet"), ("--out-dir", "{out}", "--quiet", "--full"),
-          ("scheduler_bench.json", "scheduler_bench.md"), ("scheduler_bench.json", "scheduler_bench.md"), (3, 10)),
+          ("scheduler_bench.json", "scheduler_bench.md", "scheduler_bench.png"),
+          ("scheduler_bench.json", "scheduler_bench.md", "scheduler_bench.png"), (3, 10)),
     Bench("remote_throughput", ("--out-dir", "{out}", "--quiet"), ("--out-dir", "{out}", "--quiet", "--full"),
           ("remote_throughput.json", "remote_throughput.md"), ("remote_throughput.json", "remote_throughput.md"),
           (3, 10)),
-    Bench("e2e_ttft", (), ("--full",), ("e2e_ttft.json", "e2e_ttft.md"), ("e2e_ttft.json", "e2e_ttft.md"), (10, 25)),
+    Bench("e2e_ttft", (), ("--full",), ("e2e_ttft.json", "e2e_ttft.md", "e2e_ttft.png"),
+          ("e2e_ttft.json", "e2e_ttft.md", "e2e_ttft.png"), (12, 25)),
     Bench("serve_bench", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
-          ("serve_bench.json", "serve_bench.md"), ("serve_bench.json", "serve_bench.md"), (25, 60)),
+          ("serve_bench.json", "serve_bench.md", "serve_bench.png"),
+          ("serve_bench.json", "serve_bench.md", "serve_bench.png"), (18, 60)),
     Bench("multi_replica", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
-          ("multi_replica.json", "multi_replica.md"), ("multi_replica.json", "multi_replica.md"), (8, 30)),
+          ("multi_replica.json", "multi_replica.md", "multi_replica.png"),
+          ("multi_replica.json", "multi_replica.md", "multi_replica.png"), (7, 30)),
     Bench("soak", ("--out", "{out}", "--no-progress"), ("--out", "{out}", "--no-progress", "--full"),
-          ("soak.json", "soak.md"), ("soak-full.json", "soak-full.md"), (7, 65)),
+          ("soak.json", "soak.md", "soak.png"), ("soak-full.json", "soak-full.md", "soak-full.png"), (8, 65)),
 )
 BENCH_NAMES = tuple(b.name for b in BENCHES)
 
 
 def tree_changes(root: Path = ROOT) -> list[str]:
-    """Tracked files changed outside ``benchmarks/results/`` (what a stamp could not name)."""
+    """Files changed or added (not git-ignored) outside ``benchmarks/results/``: what a stamp
+    could not name. An untracked module would run too, so it counts."""
     out = subprocess.run(
-        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all", "--", ".",
          ":(exclude)benchmarks/results"],
         capture_output=True, text=True, check=True,
     ).stdout
@@ -117,8 +122,27 @@ def describe_stamp(stamp: dict[str, Any]) -> str:
             + (f" Note: {stamp['note']}." if stamp.get("note") else ""))
 
 
+def stamp_png(path: Path, line: str) -> None:
+    """The stamp as a caption strip under the figure (a person sees it) and as a PNG text
+    chunk ``tieredkv-stamp`` (a script reads it)."""
+    from PIL import Image, ImageDraw
+    from PIL.PngImagePlugin import PngInfo
+
+    with Image.open(path) as figure:
+        figure.load()
+        image = figure.convert("RGB")
+    strip = 24
+    out = Image.new("RGB", (image.width, image.height + strip), "white")
+    out.paste(image, (0, 0))
+    ImageDraw.Draw(out).text((8, image.height + 6), line.replace("`", "").replace("**", ""), fill="black")
+    info = PngInfo()
+    info.add_text("tieredkv-stamp", line)
+    out.save(path, pnginfo=info)
+
+
 def stamp_files(files: Sequence[Path], stamp: dict[str, Any]) -> list[str]:
-    """Add ``stamp`` to each JSON file and the stamp line atop each Markdown file; returns problems."""
+    """Add ``stamp`` to each JSON file, the stamp line atop each Markdown file and under each
+    PNG figure; returns problems."""
     problems = []
     for path in files:
         if not path.exists():
@@ -137,6 +161,8 @@ def stamp_files(files: Sequence[Path], stamp: dict[str, Any]) -> list[str]:
             at = 1 if lines and lines[0].startswith("# ") else 0
             lines[at:at] = ["", describe_stamp(stamp)] if at else [describe_stamp(stamp), ""]
             path.write_text("\n".join(lines) + "\n")
+        elif path.suffix == ".png":
+            stamp_png(path, describe_stamp(stamp))
     return problems
 
 

@@ -20,10 +20,11 @@ vllm.entrypoints.openai.api_server --skip-tokenizer-init --enforce-eager --dtype
 
 1. ``no_cache``: no connector, vLLM prefix caching off (every prompt recomputed);
 2. ``prefix_cache``: vLLM's own prefix cache only (device KV blocks);
-3. ``prefix_cache_equal_mem``: vLLM's prefix cache with the device KV cache enlarged by exactly
-   the RAM ``tieredkv_host`` adds (its ``host_bytes`` / bytes per block more blocks): the
-   like-for-like control on vLLM's CPU build, where the device KV cache and the host tier are
-   the same RAM;
+3. ``prefix_cache_equal_mem`` and ``prefix_cache_equal_mem_disk``: vLLM's prefix cache with the
+   device KV cache enlarged by exactly the RAM ``tieredkv_host`` (resp. ``tieredkv_disk``) adds
+   (its ``host_bytes`` / bytes per block more blocks): the like-for-like controls on vLLM's CPU
+   build, where the device KV cache and the host tier are the same RAM. Each tieredkv
+   configuration is compared with its own control (``sizes["budget_of"]``);
 4. ``tieredkv_host``: vLLM prefix cache + ``TieredKVConnector``, host tier sized for the whole
    run's working set;
 5. ``tieredkv_disk``: vLLM prefix cache + ``TieredKVConnector``, host tier holding about half of
@@ -539,7 +540,7 @@ def values(runs: Mapping[str, Mapping[int, Any]], config: str, level: int, key: 
 def infer_role(name: str) -> str:
     if name.startswith("tieredkv"):
         return "tieredkv"
-    return "equal_mem" if name.endswith("equal_mem") else "baseline"
+    return "equal_mem" if "equal_mem" in name else "baseline"
 
 
 def judge(
@@ -617,16 +618,23 @@ def comparisons(
     roles: Mapping[str, str],
     same_device: str = "prefix_cache",
     peers: Mapping[str, str] | None = None,
+    budget_of: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each tieredkv configuration against the same-device prefix cache, against every
-    equal-memory control and against each peer whose budget it set (``peers``: peer ->
-    tieredkv configuration), per level: per figure the verdict (:func:`compare`) and the ratio
-    of the medians (mine / other: below 1 is better for TTFT, above 1 for throughput)."""
-    refs = ([(same_device, "same device")] if same_device in runs else []) + [
-        (c, "equal memory") for c in runs if roles.get(c) == "equal_mem"]
+    """Each tieredkv configuration against the same-device prefix cache, against the
+    equal-memory control sized from its own RAM and against each peer whose budget it set, per
+    level: per figure the verdict (:func:`compare`) and the ratio of the medians (mine / other:
+    below 1 is better for TTFT, above 1 for throughput). ``budget_of``: control or peer ->
+    the tieredkv configuration whose memory it was given (``peers``: the same for peers, kept
+    for older callers); an equal-memory control named in neither is compared with every
+    tieredkv configuration (results files from before the controls were split)."""
+    budget = {**(peers or {}), **(budget_of or {})}
+    same = [(same_device, "same device")] if same_device in runs else []
     rows = []
     for config in (c for c in runs if roles.get(c) == "tieredkv"):
-        mine_refs = refs + [(p, "peer") for p, of in (peers or {}).items() if of == config and p in runs]
+        mine_refs = same + [
+            (c, "equal memory") for c in runs
+            if roles.get(c) == "equal_mem" and budget.get(c, config) == config] + [
+            (p, "peer") for p in runs if roles.get(p) == "peer" and budget.get(p, "tieredkv_host") == config]
         for level in levels:
             for ref, kind in mine_refs:
                 row: dict[str, Any] = {"config": config, "users": level, "reference": ref, "kind": kind}
@@ -836,19 +844,29 @@ def _prefix_cache(plan: Plan) -> BenchConfig:
                        style={"color": "tab:orange", "marker": "s", "linestyle": "--"})
 
 
-def _prefix_cache_equal_mem(plan: Plan) -> BenchConfig:
-    blocks, extra = equal_mem_blocks(plan.device_blocks, plan.host_all, plan.block_bytes)
+def _equal_mem_control(name: str, of: str, host_bytes: int, plan: Plan, style: dict[str, Any]) -> BenchConfig:
+    """vLLM's prefix cache given ``of``'s host RAM as more device blocks (its disk is not RAM)."""
+    blocks, extra = equal_mem_blocks(plan.device_blocks, host_bytes, plan.block_bytes)
     return BenchConfig(
-        "prefix_cache_equal_mem", "vLLM prefix caching, device KV cache + tieredkv_host's host RAM",
+        name, f"vLLM prefix caching, device KV cache + {of}'s host RAM",
         extra_args=[*PREFIX_CACHING, "--num-gpu-blocks-override", str(blocks)], role="equal_mem",
         notes=f"{plan.device_blocks} + {extra} = {blocks} blocks: {extra} x {plan.block_bytes >> 10} KiB "
-              f"= {plan.host_all >> 20} MiB more, exactly tieredkv_host's host_bytes "
-              f"({(plan.host_all - plan.host_half) >> 20} MiB more than tieredkv_disk's host tier; neither's disk tier "
-              "is RAM and is not matched)",
-        sizes={"device_blocks": blocks, "extra_blocks": extra, "extra_bytes": extra * plan.block_bytes},
-        plot_label="vLLM prefix cache, equal memory",
-        style={"color": "tab:brown", "marker": "v", "linestyle": "-."},
+              f"= {host_bytes >> 20} MiB more, exactly {of}'s host_bytes (a disk tier is not RAM and "
+              "is not matched)",
+        sizes={"device_blocks": blocks, "extra_blocks": extra, "extra_bytes": extra * plan.block_bytes,
+               "budget_of": of},
+        plot_label=f"vLLM prefix cache, {of}'s memory", style=style,
     )
+
+
+def _prefix_cache_equal_mem(plan: Plan) -> BenchConfig:
+    return _equal_mem_control("prefix_cache_equal_mem", "tieredkv_host", plan.host_all, plan,
+                              {"color": "tab:brown", "marker": "v", "linestyle": "-."})
+
+
+def _prefix_cache_equal_mem_disk(plan: Plan) -> BenchConfig:
+    return _equal_mem_control("prefix_cache_equal_mem_disk", "tieredkv_disk", plan.host_half, plan,
+                              {"color": "tab:cyan", "marker": "<", "linestyle": "-."})
 
 
 def _example_connector(plan: Plan) -> BenchConfig:
@@ -896,6 +914,7 @@ def _tieredkv_disk(plan: Plan) -> BenchConfig:
 register_config("no_cache", _no_cache, default=True)
 register_config("prefix_cache", _prefix_cache, default=True)
 register_config("prefix_cache_equal_mem", _prefix_cache_equal_mem, default=True)
+register_config("prefix_cache_equal_mem_disk", _prefix_cache_equal_mem_disk, default=True)
 register_config("tieredkv_host", _tieredkv_host, default=True)
 register_config("tieredkv_disk", _tieredkv_disk, default=True)
 LMCACHE = "lmcache"
@@ -1238,9 +1257,9 @@ def analyse(payload: Mapping[str, Any]) -> dict[str, Any]:
     alike = [c["name"] for c in payload["configs"]
              if c.get("prefix_caching") and c["name"] in runs and roles.get(c["name"]) != "peer"]
     noise = noise_floor(runs, min(fitting), alike) if fitting and alike else None
-    peers = {c["name"]: (c.get("sizes") or {}).get("budget_of", "tieredkv_host")
-             for c in payload["configs"] if roles.get(c["name"]) == "peer"}
-    return {"targets": targets, "comparisons": comparisons(runs, payload["levels"], roles, peers=peers),
+    budget_of = {c["name"]: (c.get("sizes") or {})["budget_of"] for c in payload["configs"]
+                 if "budget_of" in (c.get("sizes") or {})}
+    return {"targets": targets, "comparisons": comparisons(runs, payload["levels"], roles, budget_of=budget_of),
             "noise_floor": noise, "verdict": overall_verdict(targets), "roles": roles}
 
 
@@ -1322,7 +1341,9 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         ("Memory. tieredkv_host adds " f"{memory['host_all'] >> 20} MiB of host RAM, tieredkv_disk "
          f"{memory['host_half'] >> 20} MiB of host RAM plus {memory['disk_bytes'] >> 20} MiB of "
          "disk (not RAM); `prefix_cache_equal_mem` gets exactly tieredkv_host's RAM as "
-         f"{memory['equal_mem_extra_blocks']} more device blocks of {memory['block_bytes'] >> 10} KiB. "
+         f"{memory['equal_mem_extra_blocks']} more device blocks of {memory['block_bytes'] >> 10} KiB"
+         + (f", `prefix_cache_equal_mem_disk` tieredkv_disk's as {memory['equal_mem_disk_extra_blocks']}"
+            if "equal_mem_disk_extra_blocks" in memory else "") + ". "
          "On a GPU read *same device* (the host tier is cheap extra RAM, not HBM); on vLLM's CPU "
          "build read *equal memory* (device cache and host tier are the same RAM).")
         if memory else "",
@@ -1339,7 +1360,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         "worst repeat beats the other's best); otherwise within spread. Ratio = tieredkv's "
         "median / the other's (below 1 is better for TTFT, above 1 for throughput). *Same "
         "device*: against `prefix_cache` (GPU users read this). *Equal memory*: against "
-        "`prefix_cache_equal_mem` (CPU-build users read this). *Peer*: against another project's "
+        "`prefix_cache_equal_mem` for tieredkv_host, `prefix_cache_equal_mem_disk` for tieredkv_disk (CPU-build users read this). *Peer*: against another project's "
         "connector given the same device blocks and the same memory budget (`lmcache`).\n\n" + common.markdown_table(
             [{**r, "reference": f"{r['reference']} ({r['kind']})"} for r in payload["comparisons"]],
             COMPARISON_COLUMNS),
@@ -1610,6 +1631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    if total else "")
 
     extra_blocks = equal_mem_blocks(plan.device_blocks, plan.host_all, plan.block_bytes)[1]
+    extra_blocks_disk = equal_mem_blocks(plan.device_blocks, plan.host_half, plan.block_bytes)[1]
     payload = {
         "benchmark": NAME, "profile": profile_name, "started": started,
         "git": common.git_revision(HERE), "machine": common.machine_info(),
@@ -1620,7 +1642,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "exceeding_levels": plan.exceeding, "working_set_blocks": plan.working_set,
         "memory": {"block_bytes": plan.block_bytes, "chunk_bytes": plan.chunk_bytes,
                    "host_all": plan.host_all, "host_half": plan.host_half,
-                   "disk_bytes": plan.disk_bytes, "equal_mem_extra_blocks": extra_blocks},
+                   "disk_bytes": plan.disk_bytes, "equal_mem_extra_blocks": extra_blocks,
+                   "equal_mem_disk_extra_blocks": extra_blocks_disk},
         "prompt_lengths": {"planned": length_stats(planned), "sent": length_stats(sent)},
         "configs": [c.record() for c in configs],
         "server_args": args_of, "server_env": server_env, "parallel_start": parallel,
@@ -1636,7 +1659,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     elif errors or peer_errors:
         print(f"logs kept in {workdir / 'logs'}", file=sys.stderr)
-    return 2 if errors else 0  # a peer's errors are reported, not failed on
+    return exit_status(errors, payload["verdict"])
+
+
+def exit_status(errors: Sequence[str], verdict: str) -> int:
+    """2: a configuration failed to run; 1: a target was not met (a miss or a win only within
+    the spread: its files are kept and ``run_all`` goes on); 0: every target PASSed. A peer's
+    errors are reported, not failed on."""
+    return 2 if errors else (0 if verdict == "PASS" else 1)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ stored), ``--l1-size-gb`` = the memory budget (L1 = CPU DRAM, GiB: ``int(gb * 2*
 ``--hash-algorithm blake3`` (default), no L2. On the vLLM side: ``kv_connector``
 ``LMCacheMPConnector`` from ``lmcache.integration.vllm.lmcache_mp_connector``, ``kv_role``
 ``kv_both``, ``lmcache.mp.host``/``lmcache.mp.port`` in ``kv_connector_extra_config``, and
-vLLM's own prefix cache off plus ``--disable-hybrid-kv-cache-manager`` (the MP connector rejects
-more than one KV-cache group; LMCache's CPU CI passes both flags).
+``--disable-hybrid-kv-cache-manager`` (the MP connector rejects more than one KV-cache group).
+LMCache's CPU CI also turns vLLM's own prefix cache off, to see LMCache's hits alone;
+:data:`VLLM_EXTRA_ARGS` carries both of its flags, and ``serve_bench`` and ``e2e_ttft`` drop
+``--no-enable-prefix-caching`` on purpose: the MP connector does not need it, and there both
+connectors sit on the same vLLM prefix cache with the same device blocks.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV = REPO_ROOT / ".venv-lmcache"
 CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
 VLLM_EXTRA_ARGS = ("--no-enable-prefix-caching", "--disable-hybrid-kv-cache-manager")
-"""vLLM flags LMCache's MP mode needs: no second cache inside vLLM, one KV-cache group."""
+"""The vLLM flags LMCache's CPU CI runs its MP mode with: no prefix cache inside vLLM (the
+benchmarks drop this one, see above), one KV-cache group."""
 
 
 @functools.cache

@@ -61,6 +61,23 @@ def test_tree_changes_ignores_results_files_only(tmp_path):
     assert run_all.tree_changes(tmp_path) == []
     (tmp_path / "code.py").write_text("a = 2\n")
     assert run_all.tree_changes(tmp_path) == ["code.py"]
+    # An untracked module would run as well: it makes the tree dirty too.
+    (tmp_path / "new_module.py").write_text("b = 1\n")
+    assert run_all.tree_changes(tmp_path) == ["code.py", "new_module.py"]
+
+
+def test_stamp_files_captions_a_png_figure(tmp_path):
+    from PIL import Image
+
+    t_start = time.time() - 5
+    Image.new("RGB", (640, 200), "white").save(tmp_path / "x.png")
+    assert run_all.stamp_files([tmp_path / "x.png"], _stamp(t_start)) == []
+    with Image.open(tmp_path / "x.png") as figure:
+        assert figure.size == (640, 224)  # the caption strip under the figure
+        text = figure.text["tieredkv-stamp"]
+        dark = sum(figure.crop((0, 200, 640, 224)).convert("L").histogram()[:128])
+    assert text.startswith(run_all.STAMP_PREFIX) and "`0123456789`" in text and "exit status 0" in text
+    assert dark > 50, "the caption is drawn, not only stored"
 
 
 def test_run_one_runs_a_real_benchmark_and_stamps_its_files(tmp_path):
@@ -126,7 +143,49 @@ def test_every_kept_results_file_renders():
     assert sections, "no kept results files found"
     for s in sections:
         assert s.rows, f"{s.file}: nothing rendered"
-        assert {r["verdict"] for r in s.rows} <= {"PASS", "MISS", "info"}
+        assert {r["verdict"] for r in s.rows} <= {"PASS", "MISS", "info", render_results.REF_PASS,
+                                                  render_results.REF_MISS}
+
+
+def _stamped_section(file: str, start: str, end: str) -> render_results.Section:
+    stamp = {**{k: v for k, v in _stamp(0).items() if k != "t_start"}, "date_start": start, "date_end": end}
+    return render_results.Section("soak", file, file, stamp, [render_results._row("x", "1", "", "PASS")])
+
+
+def test_render_names_runs_that_overlapped():
+    a = _stamped_section("a.json", "2026-11-25 05:00:00 UTC", "2026-11-25 05:10:00 UTC")
+    b = _stamped_section("b.json", "2026-11-25 05:10:00 UTC", "2026-11-25 05:20:00 UTC")  # after a
+    c = _stamped_section("c.json", "2026-11-25 05:05:00 UTC", "2026-11-25 05:06:00 UTC")  # inside a
+    assert render_results.overlapping_runs([a, b]) == []
+    assert render_results.overlapping_runs([a, b, c]) == [("a.json", "c.json")]
+    assert "**Runs that overlapped**" in render_results.render([a, b, c])
+    assert "No two of these runs overlapped" in render_results.render([a, b])
+
+
+def test_e2e_info_lines_are_not_targets_and_reference_misses_reach_the_headline():
+    payload = json.loads((REPO / "benchmarks" / "results" / "e2e_ttft.json").read_text())
+    payload["verdicts"] = [
+        {"target": "host hit <= 1.3 x floor", "pass": True, "worse_ratio": 1.0, "limit": "1.3 x floor"},
+        {"target": "disk hit faster than X reading from disk (info)", "pass": False, "worse_ratio": 2.0,
+         "limit": "< X"}]
+    payload["hybrid_verdicts"] = [{"target": "hybrid host hit <= 1.3 x hybrid floor", "pass": False,
+                                   "worse_ratio": 7.0, "limit": "1.3 x hybrid floor",
+                                   "equal_compute": {"value_s": 0.1, "limit_s": 0.2, "pass": True}}]
+    rows, _ = render_results.e2e_ttft_rows(payload)
+    section = render_results.Section("e2e_ttft", "e2e_ttft.json", "TTFT", None, rows)
+    assert [r["verdict"] for r in section.judged] == ["PASS"]  # the (info) line is not counted
+    assert [r["what"].split(" (")[0] for r in section.reference_misses] == ["hybrid host hit <= 1.3 x hybrid floor"]
+    headline = next(x for x in render_results.render([section]).splitlines() if x.startswith("| TTFT"))
+    assert "1 of 1" in headline and "MISS**" not in headline
+    assert "reference lines (not targets) missed: hybrid host hit <= 1.3 x hybrid floor" in headline
+
+
+def test_multi_replica_pooled_row_has_no_empty_rounds():
+    rows, _ = render_results.multi_replica_rows({"ratios": [
+        {"users": 2, "ttft_p50_ratio": 0.9, "ttft_p99_ratio": 1.0, "ttft_p50_ratio_per_round": [0.8, 1.0]},
+        {"users": "all", "ttft_p50_ratio": 1.1, "ttft_p99_ratio": 1.2}]})
+    assert rows[0]["measured"] == "p50 0.90 (rounds 0.80, 1.00), p99 1.00"
+    assert rows[1]["measured"] == "p50 1.10, p99 1.20"
 
 
 def test_results_page_is_rendered_from_the_kept_files():

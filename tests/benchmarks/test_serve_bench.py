@@ -131,6 +131,15 @@ def test_equal_memory_block_arithmetic(tmp_path):
     assert (blocks - plan.device_blocks) * plan.block_bytes == host.kv_config["kv_connector_extra_config"]["host_bytes"]
     assert eq.role == "equal_mem" and eq.prefix_caching and eq.kv_config is None
     assert "disk" in eq.notes  # says the disk tier is not matched
+    assert eq.sizes["budget_of"] == "tieredkv_host"
+    # tieredkv_disk gets a control of its own, given exactly its (smaller) host RAM.
+    eq_disk, disk = configs["prefix_cache_equal_mem_disk"], configs["tieredkv_disk"]
+    args = sb.config_server_args(plan, eq_disk)
+    blocks = int(args[args.index("--num-gpu-blocks-override") + 1])
+    assert (blocks - plan.device_blocks) * plan.block_bytes == disk.kv_config["kv_connector_extra_config"]["host_bytes"]
+    assert 0 < disk.kv_config["kv_connector_extra_config"]["host_bytes"] < plan.host_all
+    assert eq_disk.role == "equal_mem" and eq_disk.sizes["budget_of"] == "tieredkv_disk"
+    assert sb.infer_role("prefix_cache_equal_mem_disk") == "equal_mem"
     same = sb.config_server_args(plan, configs["prefix_cache"])
     assert same[same.index("--num-gpu-blocks-override") + 1] == str(plan.device_blocks)
 
@@ -144,7 +153,7 @@ def test_merge_args_replaces_named_flags():
 
 def test_default_configs_drop_example_connector_and_take_registered_peers(tmp_path):
     assert sb.DEFAULT_CONFIGS == ["no_cache", "prefix_cache", "prefix_cache_equal_mem",
-                                  "tieredkv_host", "tieredkv_disk"]
+                                  "prefix_cache_equal_mem_disk", "tieredkv_host", "tieredkv_disk"]
     assert "example_connector" not in sb.DEFAULT_CONFIGS and "example_connector" in sb.CONFIG_BUILDERS
     plan = sb.make_plan(quick_spec(), (1, 4), 1, tmp_path)
     assert [c.name for c in sb.make_configs(plan)] == sb.DEFAULT_CONFIGS
@@ -370,6 +379,19 @@ def test_comparisons_and_noise_floor():
     assert all("lmcache" not in r["measured"] for r in sb.judge(runs, [4], roles=roles))
     assert any(line.startswith("peer:") for line in sb.comparison_lines(peer_rows))
     del runs["lmcache"]
+    # Each tieredkv configuration meets only the equal-memory control sized from its own RAM.
+    runs["tieredkv_disk"] = {4: reps(0.55, 0.6, 0.65)}
+    runs["prefix_cache_equal_mem_disk"] = {4: reps(0.9, 1.0, 1.1)}
+    split = {**ROLES, "tieredkv_disk": "tieredkv", "prefix_cache_equal_mem_disk": "equal_mem"}
+    budget_of = {"prefix_cache_equal_mem": "tieredkv_host", "prefix_cache_equal_mem_disk": "tieredkv_disk"}
+    pairs = {(r["config"], r["reference"]) for r in sb.comparisons(runs, (4,), split, budget_of=budget_of)
+             if r["kind"] == "equal memory"}
+    assert pairs == {("tieredkv_host", "prefix_cache_equal_mem"), ("tieredkv_disk", "prefix_cache_equal_mem_disk")}
+    # A results file from before the split names no budget: its one control meets every config.
+    legacy = {(r["config"], r["reference"]) for r in sb.comparisons(runs, (4,), split)
+              if r["kind"] == "equal memory"}
+    assert ("tieredkv_disk", "prefix_cache_equal_mem") in legacy
+    del runs["tieredkv_disk"], runs["prefix_cache_equal_mem_disk"]
     lines = sb.noise_lines(noise)
     assert lines and lines[0].startswith("NOISE FLOOR (1 user(s)")
     assert "TTFT p50 190–260 ms" in lines[0] and "throughput 100–100 prompt tok/s" in lines[0]
@@ -416,6 +438,13 @@ def test_report_round_trip_and_from_json(tmp_path, capsys):
     again = json.loads((tmp_path / "b" / "serve_bench.json").read_text())
     assert again["verdict"] == payload["verdict"] and again["repeats"] == 3
     assert (tmp_path / "b" / "serve_bench.md").read_text() == md
+
+
+def test_exit_status_says_a_missed_target():
+    # run_all records each benchmark's exit status: a kept run with a MISS must not read "ok".
+    assert sb.exit_status([], "PASS") == 0
+    assert sb.exit_status([], "within spread") == 1 and sb.exit_status([], "FAIL") == 1
+    assert sb.exit_status(["tieredkv_host: server died"], "PASS") == 2
 
 
 def test_from_json_reads_a_run_from_before_repeats(tmp_path):
