@@ -248,9 +248,11 @@ FILES: tuple[tuple[str, str, str, Extractor], ...] = (
 
 #: What shapes every measurement besides the benchmark's own script: the package (its test
 #: harness aside, except the module that builds every vLLM server's command line and
-#: environment), the shared benchmark code and the peers' settings.
+#: environment) and the shared benchmark code.
 MEASURED_CODE = ("tieredkv", ":(exclude)tieredkv/testing", "tieredkv/testing/vllm_server.py",
-                 "benchmarks/common.py", "benchmarks/peers")
+                 "benchmarks/common.py")
+#: Code only some benchmarks run: the peers' settings.
+MEASURED_BY: dict[str, tuple[str, ...]] = {"e2e_ttft": ("benchmarks/peers",), "serve_bench": ("benchmarks/peers",)}
 
 
 def code_changed_since(commit: str, script: str, root: Path = ROOT) -> bool | None:
@@ -262,7 +264,8 @@ def code_changed_since(commit: str, script: str, root: Path = ROOT) -> bool | No
     """
     try:
         proc = subprocess.run(
-            ["git", "-C", str(root), "diff", "--quiet", commit, "--", *MEASURED_CODE, f"benchmarks/{script}.py"],
+            ["git", "-C", str(root), "diff", "--quiet", commit, "--", *MEASURED_CODE, *MEASURED_BY.get(script, ()),
+             f"benchmarks/{script}.py"],
             capture_output=True, check=False, timeout=30,
         )
     except (OSError, subprocess.SubprocessError):
@@ -318,7 +321,7 @@ def render(sections: Sequence[Section]) -> str:
         "benchmark (this machine is shared; compare configurations within one run, never across "
         "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside, "
         "but not `testing/vllm_server.py`, which starts every server), `benchmarks/common.py`, "
-        "`benchmarks/peers/` or the benchmark's script differ between the stamped commit and the "
+        "the benchmark's script or, for those with a peer row, `benchmarks/peers/` differ between the stamped commit and the "
         "checkout this page was rendered from. **Reference lines** are printed beside the targets "
         "without being targets; a missed one is named in the headline all the same. What each "
         "benchmark measures and why: `benchmarks/README.md`.",
