@@ -102,6 +102,19 @@ def tree_changes(root: Path = ROOT) -> list[str]:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
+def c_copier_problem(root: Path = ROOT) -> str | None:
+    """Why the tree's C copier does not import (None when it does). The benchmarks, and the
+    servers they start from this directory, import ``tieredkv`` from the tree: in a fresh
+    clone without the built extension they would quietly measure the numpy fallback."""
+    proc = subprocess.run([sys.executable, "-c", "import tieredkv.transfer.backends._rowcopy"],
+                          cwd=root, capture_output=True, text=True, check=False)
+    if proc.returncode == 0:
+        return None
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return (f"tieredkv's C copier does not import from {root} ({last}); build it there first: "
+            f"{Path(sys.executable).name} setup.py build_ext --inplace")
+
+
 def head_commit(root: Path = ROOT) -> str:
     return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -232,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dirty and not args.allow_dirty:
         print("run_all: uncommitted changes outside benchmarks/results/ (commit them, or --allow-dirty):\n  "
               + "\n  ".join(dirty), file=sys.stderr)
+        return 2
+    problem = c_copier_problem()
+    if problem:
+        print(f"run_all: {problem}", file=sys.stderr)
         return 2
     out = common.results_dir(args.out)
     commit = head_commit()

@@ -80,6 +80,17 @@ def test_stamp_files_captions_a_png_figure(tmp_path):
     assert dark > 50, "the caption is drawn, not only stored"
 
 
+def test_run_all_refuses_a_tree_whose_c_copier_is_not_built(tmp_path):
+    # A clone without the built extension would run (and stamp) the numpy fallback.
+    package = tmp_path / "tieredkv" / "transfer" / "backends"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "tieredkv", tmp_path / "tieredkv" / "transfer", package):
+        (folder / "__init__.py").write_text("")
+    problem = run_all.c_copier_problem(tmp_path)
+    assert problem is not None and "build_ext --inplace" in problem and str(tmp_path) in problem
+    assert run_all.c_copier_problem(REPO) is None  # the project's own tree has it built
+
+
 def test_run_one_runs_a_real_benchmark_and_stamps_its_files(tmp_path):
     bench = run_all.Bench("transfer_bench", ("--device", "cpu", "--smoke", "--json", "{out}/t.json"), (),
                           ("t.json", "t.txt"), (), (1, 1), keeps_stdout=True)
