@@ -244,14 +244,17 @@ def test_preemption_keeps_outputs_identical(alt_model, alt_reference):
     assert stored <= whole_chunks and (stored == whole_chunks or cancelled > 0), (
         "chunks went unstored without a cancelled store to account for them", drained)
     # Every warm prompt's first schedule found a chunk-aligned prefix of what it could hit, all
-    # of it from tieredkv (the prompts share nothing); a prompt short of its whole prefix needs
-    # a cancelled store behind it, and most prompts hit whole.
+    # of it from tieredkv (the prompts share nothing), and tieredkv served hits after the
+    # preemptions. How many stores the fence cancels depends on where each preemption falls
+    # against the stores in flight (a CI rehearsal saw 22 stores cancelled and every
+    # prompt short), so the loss is held to its cause, not to a count: each prompt short of
+    # its whole prefix needs a cancelled store of its own behind it.
     expected = {name: hybrid_hit(name) for name in names}
     got = cached_tokens(warm)
     assert all(got[n] <= expected[n] and got[n] % CHUNK_TOKENS == 0 for n in names), (got, expected)
+    assert sum(got.values()) > 0, (got, drained)
     short = [n for n in names if got[n] < expected[n]]
-    assert not short or cancelled > 0, (short, drained)
-    assert len(short) <= len(names) // 2, (got, expected, drained)
+    assert len(short) <= cancelled, (short, got, expected, drained)
     taken = tieredkv_tokens(warm)
     assert all(taken[name] >= got[name] for name in names), (taken, got)
     assert_counters_match_requests(phases, 0)
