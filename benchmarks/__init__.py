@@ -3,5 +3,5 @@
     python -m benchmarks.serve_bench --help
 
 Shared helpers (machine facts, KV geometry, results files, progress, plots) are in
-:mod:`benchmarks.common`; servers are started with :class:`tieredkv.testing.vllm_server.Server`.
+:mod:`benchmarks.common`; servers are started with :class:`tieredkv.tools.vllm_server.Server`.
 """

@@ -9,7 +9,7 @@ at the same time; each level runs ``rounds`` times, with fresh conversations eve
 time (:func:`schedule`).
 
 Two replicas (``python -m vllm.entrypoints.openai.api_server``, loopback, started with
-:class:`tieredkv.testing.vllm_server.Server`) serve every configuration, and the client sends
+:class:`tieredkv.tools.vllm_server.Server`) serve every configuration, and the client sends
 turn ``t`` of user ``u`` to replica ``(u + t) % 2`` (:func:`replica_for`): round-robin per
 conversation, so consecutive turns of one conversation always land on different replicas,
 and at any moment the users are split evenly over both. A replica therefore never served the
@@ -77,7 +77,7 @@ from benchmarks.serve_bench import (
     server_args,
     start_servers,
 )
-from tieredkv.testing.vllm_server import BLOCK_SIZE, Server
+from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
 
 HERE = Path(__file__).resolve().parent
 

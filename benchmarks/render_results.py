@@ -247,10 +247,9 @@ FILES: tuple[tuple[str, str, str, Extractor], ...] = (
 
 
 #: What shapes every measurement besides the benchmark's own script: the package (its test
-#: harness aside, except the module that builds every vLLM server's command line and
-#: environment) and the shared benchmark code.
-MEASURED_CODE = ("tieredkv", ":(exclude)tieredkv/testing", "tieredkv/testing/vllm_server.py",
-                 "benchmarks/common.py")
+#: harness aside; the launcher that builds every vLLM server's command line and environment
+#: is ``tools/vllm_server.py``) and the shared benchmark code.
+MEASURED_CODE = ("tieredkv", ":(exclude)tieredkv/testing", "benchmarks/common.py")
 #: Code only some benchmarks run: the peers' settings.
 MEASURED_BY: dict[str, tuple[str, ...]] = {"e2e_ttft": ("benchmarks/peers",), "serve_bench": ("benchmarks/peers",)}
 
@@ -319,8 +318,8 @@ def render(sections: Sequence[Section]) -> str:
         "`python -m benchmarks.run_all` regenerates them all and this page. Each row below is read "
         "from the named JSON file. **Load** is the 1-minute load average before and after the "
         "benchmark (this machine is shared; compare configurations within one run, never across "
-        "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside, "
-        "but not `testing/vllm_server.py`, which starts every server), `benchmarks/common.py`, "
+        "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside), "
+        "`benchmarks/common.py`, "
         "the benchmark's script or, for those with a peer row, `benchmarks/peers/` differ between the stamped commit and the "
         "checkout this page was rendered from. **Reference lines** are printed beside the targets "
         "without being targets; a missed one is named in the headline all the same. What each "

@@ -102,7 +102,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
 from tieredkv.disk.layout import slot_stride
-from tieredkv.testing.vllm_server import BLOCK_SIZE, Server
+from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
 
 HERE = Path(__file__).resolve().parent
 
@@ -1070,7 +1070,7 @@ def make_server(config: BenchConfig, model: Path, log_path: Path, args: Sequence
             continue
         if name not in have:
             raise ValueError(f"{config.name}: a server {name} ({value}) is set, but "
-                             f"tieredkv.testing.vllm_server.Server cannot take one yet")
+                             f"tieredkv.tools.vllm_server.Server cannot take one yet")
         kwargs[name] = value if name == "python" else Path(value)
     if config.env and "env" in have:
         kwargs["env"] = dict(config.env)

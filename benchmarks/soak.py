@@ -84,7 +84,7 @@ from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
 from benchmarks.serve_bench import apply_server_env, metric_sum, start_servers, stream_completion
 from tieredkv.disk.layout import journal_path, manifest_path, payload_offset, slab_path, slot_stride
-from tieredkv.testing.vllm_server import BLOCK_SIZE, Server
+from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
 
 HERE = Path(__file__).resolve().parent
 

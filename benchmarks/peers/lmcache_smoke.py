@@ -24,16 +24,16 @@ import time
 from pathlib import Path
 
 from benchmarks.peers.lmcache import CHUNK_SIZE, LMCACHE_VERSION, LMCacheServer, env_python
-from tieredkv.testing.ports import free_port
-from tieredkv.testing.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server, wait_until_healthy
+from tieredkv.tools.ports import free_port
 from tieredkv.tools.tiny_model import make_tiny_llama
+from tieredkv.tools.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server, wait_until_healthy
 
 PROMPT_TOKENS = 2000
 MAX_TOKENS = 16
 
 
 def start_vllm(python: Path, model: Path, lmcache: LMCacheServer, log_path: Path, timeout_s: float = 900.0) -> Server:
-    """vLLM's OpenAI server in the peer venv, with the launch flags of ``tieredkv.testing.vllm_server``."""
+    """vLLM's OpenAI server in the peer venv, with the launch flags of ``tieredkv.tools.vllm_server``."""
     kv_config, extra_env, extra_args = lmcache.vllm_settings()
     port = free_port()
     args = [

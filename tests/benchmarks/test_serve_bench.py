@@ -266,7 +266,7 @@ def test_sidecar_starts_before_and_stops_after_its_server(tmp_path, monkeypatch)
 
 
 def test_server_runs_the_given_python_in_the_given_cwd(tmp_path, monkeypatch):
-    from tieredkv.testing import vllm_server
+    from tieredkv.tools import vllm_server
 
     seen = {}
 

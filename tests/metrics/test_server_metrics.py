@@ -36,8 +36,8 @@ from tieredkv.disk.format import MAGIC
 from tieredkv.disk.layout import manifest_path, payload_offset, slab_path, slot_offset, slot_stride
 from tieredkv.metrics.specs import METRIC_SPECS
 from tieredkv.protocol import FAILURE_CAUSES
-from tieredkv.testing.ports import free_port
-from tieredkv.testing.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server
+from tieredkv.tools.ports import free_port
+from tieredkv.tools.vllm_server import BLOCK_SIZE, SERVED_MODEL_NAME, Server
 
 pytestmark = pytest.mark.vllm
 

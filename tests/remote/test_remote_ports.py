@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 
 from tests.remote.remote_helpers import RedisServer
-from tieredkv.testing.ports import ephemeral_range, free_port
+from tieredkv.tools.ports import ephemeral_range, free_port
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:

@@ -2,7 +2,7 @@
 
 One :class:`RedisServer` (no persistence: ``--save ''``, no AOF, its own directory) that can
 be killed, paused and restarted, and :class:`RedisClusterProcs`, three masters joined into
-one Redis Cluster. Ports come from :func:`tieredkv.testing.ports.free_port` (10000-19999,
+one Redis Cluster. Ports come from :func:`tieredkv.tools.ports.free_port` (10000-19999,
 with the cluster bus port +10000 free too); a server whose port we picked moves to another
 one if something bound it first.
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tieredkv.testing.ports import free_port as free_loopback_port
+from tieredkv.tools.ports import free_port as free_loopback_port
 
 SETUP_HINT = (
     "run scripts/setup_env.sh (as root it installs Debian's redis-server package), "

@@ -4,7 +4,7 @@ Makes a small random-weight Llama locally, starts vLLM's OpenAI server with the 
 on a loopback port, plays a multi-turn long-context chat (several users sharing one system
 prompt), restarts the server on the same disk tier, and prints TTFT per phase next to what
 tieredkv served. vLLM's own prefix cache is switched off so every hit is tieredkv's. The
-server is :class:`tieredkv.testing.vllm_server.Server`, the one the benchmarks and tests use.
+server is :class:`tieredkv.tools.vllm_server.Server`, the one the benchmarks and tests use.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tieredkv.testing.vllm_server import Server
 from tieredkv.tools.tiny_model import make_tiny_llama
+from tieredkv.tools.vllm_server import Server
 
 
 def tieredkv_metric(metrics_text: str, name: str, **labels: str) -> float:

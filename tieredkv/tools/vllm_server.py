@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tieredkv.testing.ports import free_port
+from tieredkv.tools.ports import free_port
 
 BLOCK_SIZE = 32
 SERVED_MODEL_NAME = "tiny"
