@@ -32,11 +32,11 @@ def test_sizes_parse(raw, expected):
 
 
 @pytest.mark.parametrize("raw", ["lots", "-1GiB", -5, "8 parsecs", True, None, [1], "1.2.3GiB"])
-def test_bad_sizes_name_the_key_and_value(raw):
+def test_bad_sizes_name_the_key_not_the_value(raw):
     with pytest.raises(ConfigError) as err:
         parse_size("disk_bytes", raw)
-    assert "disk_bytes" in str(err.value)
-    assert repr(raw) in str(err.value)
+    assert str(err.value).startswith("tieredkv: invalid disk_bytes: ") and "expected" in str(err.value)
+    assert err.value.value is None
 
 
 def test_defaults_and_per_rank_split():
@@ -268,3 +268,62 @@ def test_every_numeric_key_rejects_nan_and_infinity(tmp_path):
             if key.startswith("remote_"):
                 extra["remote_url"] = "redis://127.0.0.1:6379/0"
             _fails_naming(extra, key)
+
+
+# ------------------------------------------------- no value in any error (issue 23, point 6)
+
+# A valid environment variable name, so that remote_password_env gets past its name check.
+SENTINEL = "S3CRET_sentinel_7f3a"
+_REMOTE_BASE = {"remote_url": "redis://127.0.0.1:6379/0"}
+_WRONG_TYPES = [SENTINEL, [SENTINEL], {SENTINEL: SENTINEL}, SENTINEL.encode(), (SENTINEL, 1)]
+_BAD_URLS = [
+    SENTINEL, f"redis://h:{SENTINEL}", f"redis://h/{SENTINEL}", f"redis://h?password={SENTINEL}",
+    f"http://u:{SENTINEL}@h", f"redis://:{SENTINEL}@h", f"redis://{SENTINEL}:{SENTINEL}@h:1",
+    f"redis://[{SENTINEL}]:1", f"redis://h1,{SENTINEL}", f"redis+cluster://h:1/{SENTINEL}",
+    f"{SENTINEL}://h", f"redis://{SENTINEL} x", ["redis://h:1", SENTINEL],
+    ["redis://h:1", f"redis://h2:{SENTINEL}"], [f"redis://:{SENTINEL}@h1", "redis://h2"],
+]
+
+
+def _secret_cases(tmp_path) -> list[tuple[str, dict]]:
+    """(key, extra) for every key and a bad value of every type, each holding SENTINEL."""
+    cases: list[tuple[str, dict]] = [("bogus_key", {"bogus_key": SENTINEL})]
+    for key in (f.name for f in fields(TieredKVConfig)):
+        if key == "remote_url":
+            cases += [(key, {key: url}) for url in _BAD_URLS]
+            continue
+        base = _REMOTE_BASE if key.startswith("remote_") else (
+            {"disk_path": str(tmp_path)} if key == "disk_bytes" else {})
+        if key == "remote_key_prefix":  # the sentinel is a valid prefix: break the rules
+            cases += [(key, {**base, key: SENTINEL + bad}) for bad in ("*", "?", "[x]", "\\", "é", ":")]
+        cases += [(key, {**base, key: value}) for value in _WRONG_TYPES
+                  if key != "disk_path" and not (key == "remote_key_prefix" and value == SENTINEL)]
+        if key.startswith("remote_"):  # without remote_url, these are refused first
+            cases.append((key, {key: SENTINEL}))
+    afile = tmp_path / SENTINEL
+    afile.write_text("x")
+    cases += [
+        ("disk_path", {"disk_path": str(afile)}),  # exists and is not a directory
+        ("disk_path", {"disk_path": str(afile / SENTINEL / "kv")}),  # its parent is a file
+        ("disk_path", {"disk_path": [SENTINEL]}),
+        ("disk_bytes", {"disk_bytes": SENTINEL}),  # without disk_path
+    ]
+    return cases
+
+
+def test_no_config_error_ever_shows_the_value(tmp_path, monkeypatch):
+    """vLLM logs kv_connector_extra_config and the errors it raises: a password typed into the
+    wrong key (or a URL holding one) must not reach the log through a tieredkv error."""
+    monkeypatch.delenv(SENTINEL, raising=False)
+    cases = _secret_cases(tmp_path)
+    keys = {key for key, _ in cases}
+    assert keys >= {f.name for f in fields(TieredKVConfig)}  # every key is covered
+    for key, extra in cases:
+        with pytest.raises(ConfigError) as err:
+            TieredKVConfig.from_dict(extra)
+        message = str(err.value)
+        assert SENTINEL not in message, (key, extra, message)
+        assert SENTINEL not in repr(err.value) and SENTINEL not in repr(err.value.value)
+        assert SENTINEL.lower() not in message.lower()
+        # The error names a key: the one at fault, or remote_url when the URL cannot be used.
+        assert err.value.key in (key, "remote_url") and err.value.key in message, (key, message)

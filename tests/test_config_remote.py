@@ -66,6 +66,18 @@ def test_password_from_an_environment_variable(monkeypatch):
         ({"remote_url": "redis://h", "remote_key_prefix": "a:b"}, "remote_key_prefix"),
         ({"remote_url": "redis://h", "remote_key_prefix": "{x}"}, "remote_key_prefix"),
         ({"remote_url": "redis://h", "remote_key_prefix": ""}, "remote_key_prefix"),
+        # Glob characters would let `tieredkv remote --purge` reach other prefixes' keys.
+        ({"remote_url": "redis://h", "remote_key_prefix": "team?"}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_key_prefix": "t[e]am"}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_key_prefix": "team*"}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_key_prefix": "te\\am"}, "remote_key_prefix"),
+        # Keys are ASCII: a non-ASCII prefix once failed at engine start (UnicodeEncodeError).
+        ({"remote_url": "redis://h", "remote_key_prefix": "tkv\u00e9"}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_key_prefix": "\uff54kv"}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_key_prefix": "x" * 65}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_key_prefix": 7}, "remote_key_prefix"),
+        ({"remote_url": "redis://h", "remote_url_password_ok": "maybe"}, "remote_url_password_ok"),
+        ({"remote_url_password_ok": True}, "remote_url_password_ok"),  # no remote_url
         ({"remote_url": "redis://h", "remote_writes": "maybe"}, "remote_writes"),
         ({"remote_url": "redis://h", "remote_admission": 0}, "remote_admission"),
         ({"remote_url": "redis://h", "remote_write_queue_bytes": "1KiB"}, "remote_write_queue_bytes"),
@@ -79,7 +91,7 @@ def test_bad_remote_settings_fail_naming_the_key(extra, key):
     with pytest.raises(ConfigError) as err:
         TieredKVConfig.from_dict(extra)
     assert err.value.key == key
-    assert f"invalid {key}=" in str(err.value)
+    assert str(err.value).startswith(f"tieredkv: invalid {key}: ")
 
 
 @pytest.mark.parametrize(
@@ -94,10 +106,36 @@ def test_a_bad_url_never_echoes_its_password(url):
     assert SECRET not in str(err.value) and SECRET not in repr(err.value.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [f"redis://:{SECRET}@cache-host-q", f"rediss://app:{SECRET}@cache-host-q:6380/1",
+     [f"redis+cluster://:{SECRET}@cache-host-q:1", f"redis://:{SECRET}@cache-host-r:2"]],
+)
+def test_a_password_in_the_url_is_refused_unless_allowed(url):
+    """vLLM logs kv_connector_extra_config verbatim at start-up ("non-default args"): a
+    password inside remote_url would land in the server log."""
+    with pytest.raises(ConfigError) as err:
+        TieredKVConfig.from_dict({"remote_url": url})
+    message = str(err.value)
+    assert err.value.key == "remote_url"
+    assert "remote_password_env" in message and "remote_url_password_ok" in message
+    assert SECRET not in message and "cache-host" not in message  # neither password nor URL
+    allowed = TieredKVConfig.from_dict({"remote_url": url, "remote_url_password_ok": "true"})
+    assert allowed.remote_url is not None and allowed.remote_url.password == SECRET
+    assert allowed.remote_url_password_ok is True and SECRET not in repr(allowed)
+
+
+def test_a_user_name_without_a_password_needs_no_opt_in():
+    config = TieredKVConfig.from_dict({"remote_url": "redis://app@h:1"})
+    assert config.remote_url is not None and config.remote_url.username == "app"
+    assert config.remote_url.password is None and config.remote_url_password_ok is False
+
+
 def test_a_password_given_twice_is_refused_without_showing_either(monkeypatch):
     monkeypatch.setenv("TKV_REDIS_PW", "other-" + SECRET)
     with pytest.raises(ConfigError, match="both in the URL") as err:
         TieredKVConfig.from_dict(
-            {"remote_url": f"redis://:{SECRET}@h", "remote_password_env": "TKV_REDIS_PW"}
+            {"remote_url": f"redis://:{SECRET}@h", "remote_password_env": "TKV_REDIS_PW",
+             "remote_url_password_ok": True}
         )
     assert SECRET not in str(err.value)
