@@ -328,7 +328,8 @@ def demo_cmd(args: argparse.Namespace) -> int:
 def _remote_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="the engines' remote_url (redis://, rediss://, redis+cluster://)")
     parser.add_argument("--password-env", help="environment variable holding the password")
-    parser.add_argument("--prefix", default="tkv", help="the engines' remote_key_prefix")
+    parser.add_argument("--prefix", default="tkv",
+                        help="the engines' remote_key_prefix (matched literally; glob characters are refused)")
     parser.add_argument("--purge", action="store_true",
                         help="delete the tieredkv keys under the prefix (other replicas lose them)")
     parser.add_argument("--namespace", help="with --purge: only this namespace (16 hex digits)")
@@ -338,15 +339,21 @@ def _remote_args(parser: argparse.ArgumentParser) -> None:
 @subcommand("remote", "show what a shared Redis tier holds, or purge it", configure=_remote_args)
 def remote_cmd(args: argparse.Namespace) -> int:
     from tieredkv.remote_url import check_prefix, parse_remote_url
-    from tieredkv.tools.remote_admin import connect, purge, report
+    from tieredkv.tools.remote_admin import NAMESPACE, connect, purge, report
 
     try:
         url = parse_remote_url(args.url, password_env=args.password_env)
-        prefix = check_prefix(args.prefix)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        prefix = check_prefix(args.prefix)
+    except ValueError as exc:
+        raise UsageError(f"--prefix: {exc}") from None
     if args.namespace and not args.purge:
         raise UsageError("--namespace only goes with --purge")
+    if args.namespace is not None and not NAMESPACE.fullmatch(args.namespace):
+        raise UsageError("--namespace: expected 16 lowercase hex digits, as each engine logs its "
+                         "namespace fingerprint")
     try:
         client = connect(url)
         if args.purge:

@@ -10,7 +10,7 @@ import pytest
 from tieredkv.cli import main
 from tieredkv.remote.codec import encode, remote_key
 from tieredkv.remote_url import parse_remote_url
-from tieredkv.tools.remote_admin import connect
+from tieredkv.tools.remote_admin import connect, purge, report
 
 NS_A = hashlib.sha256(b"engine a").digest()
 NS_B = hashlib.sha256(b"engine b").digest()
@@ -64,3 +64,64 @@ def test_errors_are_usage_errors_without_the_password(fresh_server, capsys):
     assert exited.value.code == 2
     with pytest.raises(SystemExit):
         main(["remote", "redis://h", "--namespace", "abc"])
+
+
+# ------------------------------------------------- prefixes are matched literally (issue 23)
+
+NS_A16, NS_B16 = NS_A.hex()[:16], NS_B.hex()[:16]
+
+
+def _plant(client, prefix: str, count: int = 3) -> None:
+    """Shard-named keys under ``prefix``, written raw: the codec refuses glob prefixes now."""
+    for i in range(count):
+        chunk = hashlib.sha256(f"{prefix} chunk {i}".encode()).hexdigest()
+        for ns in (NS_A16, NS_B16):
+            client.set(f"{prefix}:{ns}:r0:{{{chunk}}}".encode(), b"v")
+
+
+def _shards(client, prefix: str) -> int:
+    return report(client, prefix, sizes=False).as_dict()["keys"]
+
+
+def test_a_glob_prefix_is_refused_and_purges_nothing(deployment, prefix, capsys):
+    """`--purge --prefix team?` once deleted teamA's and teamB's keys."""
+    client = connect(parse_remote_url(deployment))
+    for team in (f"{prefix}A", f"{prefix}B", prefix):
+        _plant(client, team)
+    for bad in (f"{prefix}?", f"{prefix}*", f"{prefix}[AB]", f"{prefix}\\A", f"{prefix}\u00e9"):
+        with pytest.raises(SystemExit) as exited:
+            main(["remote", deployment, "--prefix", bad, "--purge"])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "--prefix" in err and "glob characters" in err and "ASCII" in err
+    assert [_shards(client, t) for t in (f"{prefix}A", f"{prefix}B", prefix)] == [6, 6, 6]
+    assert main(["remote", deployment, "--prefix", f"{prefix}A", "--purge"]) == 0
+    assert "deleted 6 keys" in capsys.readouterr().out
+    assert [_shards(client, t) for t in (f"{prefix}A", f"{prefix}B", prefix)] == [0, 6, 6]
+
+
+def test_purge_matches_its_prefix_literally(deployment, prefix):
+    """Escaped in SCAN MATCH even where the CLI's check is bypassed: `t[e]am` deleted nothing
+    of its own (and would have deleted `team`'s keys); `team?` reached teamA and teamB."""
+    client = connect(parse_remote_url(deployment))
+    brackets, plain = f"{prefix}[x]", f"{prefix}x"
+    for team in (brackets, plain, f"{prefix}A", f"{prefix}B"):
+        _plant(client, team)
+    assert purge(client, f"{prefix}?") == 0
+    assert report(client, f"{prefix}?").as_dict()["keys"] == 0
+    assert purge(client, brackets) == 6  # exactly its own
+    assert [_shards(client, t) for t in (brackets, plain, f"{prefix}A", f"{prefix}B")] == [0, 6, 6, 6]
+
+
+def test_purge_checks_each_keys_prefix_and_namespace(deployment, prefix, capsys):
+    client = connect(parse_remote_url(deployment))
+    _plant(client, prefix)
+    # "P:NS" as a prefix matches P's keys of namespace NS by pattern, but they are not its keys.
+    assert purge(client, f"{prefix}:{NS_A16}") == 0
+    assert purge(client, prefix, NS_B16) == 3 and _shards(client, prefix) == 3
+    with pytest.raises(ValueError, match="16 lowercase hex"):
+        purge(client, prefix, "*")
+    with pytest.raises(SystemExit) as exited:
+        main(["remote", deployment, "--prefix", prefix, "--purge", "--namespace", "*"])
+    assert exited.value.code == 2 and "16 lowercase hex" in capsys.readouterr().err
+    assert _shards(client, prefix) == 3

@@ -4,6 +4,11 @@ vLLM's ``reset_prefix_cache`` never flushes the shared Redis (other replicas ser
 so emptying it is an operator's decision: ``tieredkv remote URL --purge``. Keys are found
 with ``SCAN MATCH {prefix}:*`` on every primary (never ``KEYS``, which blocks Redis), grouped
 by namespace (the 16 hex digits each engine logs as its fingerprint) and rank.
+
+The prefix is matched literally: its glob characters are escaped in the pattern (the config
+refuses them anyway), and every key the scan returns is parsed and its prefix (and, for a
+purge of one namespace, its namespace) compared before it is counted or deleted, so a purge
+never reaches another prefix's keys.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from typing import Any
 from tieredkv.remote_url import RemoteURL
 
 _KEY = re.compile(rb"^(?P<prefix>[^:]+):(?P<ns>[0-9a-f]{16}):r(?P<rank>\d+):\{[0-9a-f]{64}\}$")
+NAMESPACE = re.compile(r"[0-9a-f]{16}")
 SCAN_COUNT = 1000
+_GLOB = frozenset(b"*?[]\\")
 
 
 @dataclass
@@ -58,17 +65,35 @@ def _primaries(client: Any) -> list[Any]:
     return [client]
 
 
-def _scan(client: Any, prefix: str) -> Iterator[tuple[Any, bytes]]:
+def glob_escape(text: bytes) -> bytes:
+    """``text`` as a Redis glob pattern that matches exactly itself."""
+    return b"".join(b"\\" + bytes([c]) if c in _GLOB else bytes([c]) for c in text)
+
+
+def _scan(client: Any, prefix: str, namespace: str | None = None) -> Iterator[tuple[Any, bytes]]:
+    """(node, key) for every key under ``prefix:`` (``prefix:namespace:``), matched literally."""
+    head = f"{prefix}:" + (f"{namespace}:" if namespace is not None else "")
+    pattern = glob_escape(head.encode("utf-8")) + b"*"
     for node in _primaries(client):
-        for key in node.scan_iter(match=f"{prefix}:*".encode(), count=SCAN_COUNT):
+        for key in node.scan_iter(match=pattern, count=SCAN_COUNT):
             yield node, key
+
+
+def _shard(key: bytes, prefix: str, namespace: str | None = None) -> re.Match[bytes] | None:
+    """The parsed shard name when ``key`` is a tieredkv shard of ``prefix`` (and ``namespace``)."""
+    match = _KEY.match(key)
+    if match is None or match["prefix"] != prefix.encode("utf-8"):
+        return None
+    if namespace is not None and match["ns"] != namespace.encode("ascii"):
+        return None
+    return match
 
 
 def report(client: Any, prefix: str, *, sizes: bool = True) -> TierReport:
     """Count the shards under ``prefix`` (and, with ``sizes``, their value bytes)."""
     out = TierReport()
     for node, key in _scan(client, prefix):
-        match = _KEY.match(key)
+        match = _shard(key, prefix)
         if match is None:
             out.other_keys += 1
             continue
@@ -82,12 +107,16 @@ def report(client: Any, prefix: str, *, sizes: bool = True) -> TierReport:
 
 
 def purge(client: Any, prefix: str, namespace: str | None = None, batch: int = 500) -> int:
-    """Delete the tieredkv shards under ``prefix`` (one ``namespace`` only, if given)."""
+    """Delete the tieredkv shards under ``prefix`` (one ``namespace`` only, if given).
+
+    Only keys whose parsed prefix (and namespace) are exactly the ones asked for are deleted.
+    """
+    if namespace is not None and not NAMESPACE.fullmatch(namespace):
+        raise ValueError("a namespace is 16 lowercase hex digits (as each engine logs it)")
     deleted = 0
     pending: dict[int, tuple[Any, list[bytes]]] = {}
-    for node, key in _scan(client, prefix):
-        match = _KEY.match(key)
-        if match is None or (namespace is not None and match["ns"].decode() != namespace):
+    for node, key in _scan(client, prefix, namespace):
+        if _shard(key, prefix, namespace) is None:
             continue
         _node, keys = pending.setdefault(id(node), (node, []))
         keys.append(key)
