@@ -25,13 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tieredkv.config import TieredKVConfig
+from tieredkv.config import ConfigError, TieredKVConfig, format_size
 from tieredkv.keys import Namespace
 from tieredkv.kv_groups import GroupLayout
 from tieredkv.vllm.group_layout import group_geometry
 
 logger = logging.getLogger(__name__)
 
+# vLLM's collision-resistant prefix-caching hashes (--prefix-caching-hash-algo, 0.32): their
+# hashes are the same in every process (a fixed default seed) and cannot be forged. Any
+# other algorithm (xxhash, xxhash_cbor, whatever comes later) is treated as forgeable.
 _STABLE_HASHES = ("sha256", "sha256_cbor")
 _PROCESS_NONCE = os.urandom(8).hex()
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -281,6 +284,55 @@ class AdapterDigests:
         return f"hub:{commit}" if commit else None
 
 
+# ---------------------------------------------------------------------------- safety checks
+
+
+def forgeable_hash_warning(hash_algo: str, stable: bool, config: TieredKVConfig) -> str | None:
+    """Why keys of a tier that outlives the process are forgeable under ``hash_algo``, or None.
+
+    tieredkv keys chunks by vLLM's block hashes. A non-cryptographic algorithm is only safe
+    while its seed is secret and random per process (vLLM's default without PYTHONHASHSEED;
+    tieredkv then keeps the disk tier and Redis to this process). With PYTHONHASHSEED set the
+    hashes are shared, and so is the seed: a prompt whose block hashes collide with another's
+    can be computed offline, and the disk tier (across restarts) and Redis (for every replica)
+    keep what it stores. Rehashing the chain with sha256 would not help: colliding block
+    hashes stay colliding. Accepted, since the operator chose the algorithm, but said loudly.
+    """
+    if hash_algo in _STABLE_HASHES or not stable or not (config.has_disk or config.has_remote):
+        return None
+    tiers = " and ".join(name for name, on in (("disk", config.has_disk), ("remote (Redis)", config.has_remote)) if on)
+    return (
+        f"tieredkv: prefix_caching_hash_algo={hash_algo} is not collision resistant, and with "
+        "PYTHONHASHSEED set its seed is fixed and predictable, so colliding prompts can be "
+        "precomputed offline (vLLM keeps a random seed for this algorithm for that reason); "
+        f"the {tiers} tier keeps these keys beyond this process (on disk across restarts, in "
+        "Redis for every replica), so a prompt forged to collide with another can be served "
+        "the other's KV, or make others be served its own. Use --prefix-caching-hash-algo "
+        "sha256 (or sha256_cbor) where tenants do not trust each other"
+    )
+
+
+def check_remote_write_queue(config: TieredKVConfig, payload_bytes: int) -> None:
+    """Refuse a ``remote_write_queue_bytes`` smaller than one chunk's value (every write dropped).
+
+    The value of a chunk on one rank (its KV plus the codec's header) is known only once the
+    model's geometry is: this is the first place the config meets it, in both halves.
+    """
+    if not (config.has_remote and config.remote_writes):
+        return
+    from tieredkv.remote.codec import HEADER_BYTES
+
+    value_bytes = payload_bytes + HEADER_BYTES
+    if config.remote_write_queue_bytes < value_bytes:
+        raise ConfigError(
+            "remote_write_queue_bytes", config.remote_write_queue_bytes,
+            f"smaller than one chunk's value ({format_size(value_bytes)}, {value_bytes} bytes: "
+            f"the chunk's KV on one rank and a {HEADER_BYTES}-byte header), so every write to "
+            f"the remote tier would be dropped; set it to several values (e.g. "
+            f"{format_size(8 * value_bytes)}), lower chunk_blocks, or set remote_writes: false",
+        )
+
+
 # ---------------------------------------------------------------------------- geometry
 
 
@@ -321,12 +373,17 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
     )
     fingerprint = namespace.fingerprint()
     logger.info("tieredkv: namespace fingerprint %s", fingerprint.hex()[:16])
+    payload_bytes = shape.page_size_bytes * num_layers * group_layout.rows
+    check_remote_write_queue(config, payload_bytes)
+    forgeable = forgeable_hash_warning(str(hash_algo), stable, config)
+    if forgeable:
+        logger.warning("%s", forgeable)
     return EngineGeometry(
         namespace=namespace,
         fingerprint=fingerprint,
         block_size=int(spec.block_size),
         chunk_blocks=config.chunk_blocks,
-        chunk_payload_bytes=shape.page_size_bytes * num_layers * group_layout.rows,
+        chunk_payload_bytes=payload_bytes,
         num_layers=num_layers,
         world_size=world_size,
         stable_hashes=stable,
