@@ -328,3 +328,31 @@ def test_mamba_model_is_refused_at_startup_naming_the_layer_kind(tmp_path):
     # vLLM got as far as its KV-cache groups; tieredkv refused the Mamba group by name.
     assert "tieredkv" in error and "MambaSpec" in error and "Mamba/SSM" in error, result
     assert result["phases"] == []
+
+
+def make_tiny_prefix_lm(directory: Path) -> Path:
+    """A random HRM-Text (Prefix-LM: the prompt attends both ways): vLLM gives its layers a
+    ``FullAttentionSpec(non_causal=True)`` and turns its own prefix cache off."""
+    import torch
+    from transformers import HrmTextConfig, HrmTextForCausalLM
+
+    torch.manual_seed(0)
+    config = HrmTextConfig(vocab_size=2048, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=2, head_dim=32, num_hidden_layers=2,
+                           num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1],
+                           max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0)
+    HrmTextForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def test_prefix_lm_model_is_refused_at_startup_naming_its_layers(tmp_path):
+    # A block's KV depends on the prompt tokens after it: served to another prompt sharing
+    # the prefix it would be wrong KV, so tieredkv refuses the engine (#23).
+    model = make_tiny_prefix_lm(tmp_path / "tiny-prefix-lm")
+    result = run_engine({**tkv_spec(str(model), [gen("short_a")], host_bytes="64MiB"),
+                         "max_model_len": 2048})
+    error = result.get("startup_error", "")
+    assert "tieredkv" in error and "non-causally" in error, result
+    assert "FullAttentionSpec" in error and "self_attn.attn" in error, error
+    assert result["phases"] == []

@@ -85,3 +85,124 @@ def test_load_rows_fill_every_real_block_from_the_rows_stored():
     assert layout.unserved([sliding, full], 1, 4, 8) == []
     # A real sliding block outside the rows stored would stay unwritten: it is reported.
     assert layout.unserved([[0, 0, 0, 0, 0, 50, 51, 52], full], 1, 4, 8) == [50]
+
+
+# --- KV that is not a function of its block's prefix (#23) ----------------------------------
+
+
+def _kvi():
+    from vllm.v1 import kv_cache_interface as kvi
+
+    return kvi
+
+
+COMMON = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+
+
+def _real_config(*groups):
+    """vLLM's own KVCacheConfig of (spec, group options) pairs, two layers per group."""
+    kvi = _kvi()
+    return kvi.KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        kvi.KVCacheGroupSpec([f"model.layers.{i}.attn", f"model.layers.{i + 2}.attn"], spec, **options)
+        for i, (spec, options) in enumerate(groups)
+    ])
+
+
+def _refused_spec(kind: str):
+    kvi = _kvi()
+    return {
+        "prefix_lm": lambda: kvi.FullAttentionSpec(**COMMON, non_causal=True),
+        "prefix_lm_sink": lambda: kvi.SinkFullAttentionSpec(**COMMON, sink_len=4, non_causal=True),
+        "mla_drafter": lambda: kvi.MLAAttentionSpec(**COMMON, non_causal_multi_token_decode=True),
+        "compressed": lambda: kvi.MLAAttentionSpec(**COMMON, tokens_per_state=4),
+        "ring": lambda: kvi.CircularBufferSpec(**COMMON),
+        "bounded_replay": lambda: kvi.SlidingWindowMLASpec(**COMMON, sliding_window=64,
+                                                           bounded_replay=True),
+        "cross": lambda: kvi.CrossAttentionSpec(**COMMON),
+        "encoder": lambda: kvi.EncoderOnlyAttentionSpec(**COMMON),
+    }[kind]()
+
+
+@pytest.mark.parametrize(("kind", "words"), [
+    ("prefix_lm", "non-causally"),
+    ("prefix_lm_sink", "non-causally"),
+    ("mla_drafter", "EAGLE/MTP"),
+    ("compressed", "tokens_per_state"),
+    ("ring", "not prefix-cacheable"),
+    ("bounded_replay", "not prefix-cacheable"),
+    ("cross", "encoder"),
+    ("encoder", "encoder"),
+])
+def test_kv_that_depends_on_more_than_its_prefix_is_refused_naming_the_layers(kind, words):
+    kvi = _kvi()
+    config = _real_config((kvi.FullAttentionSpec(**COMMON), {}), (_refused_spec(kind), {}))
+    with pytest.raises(ValueError, match=words) as err:
+        group_geometry(config, chunk_blocks=4)
+    message = str(err.value)
+    assert "group 1" in message and "model.layers.1.attn, model.layers.3.attn" in message
+    assert type(_refused_spec(kind)).__name__ in message and "--kv-transfer-config" in message
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"is_eagle_group": True}, "EAGLE/MTP"),
+    ({"enable_kv_transfer": False}, "not part of the KV state"),
+])
+def test_groups_vllm_flags_as_draft_or_untransferable_are_refused(options, words):
+    kvi = _kvi()
+    config = _real_config((kvi.FullAttentionSpec(**COMMON), options))
+    with pytest.raises(ValueError, match=words) as err:
+        group_geometry(config, chunk_blocks=4)
+    assert "group 0" in str(err.value) and "model.layers.0.attn" in str(err.value)
+
+
+def test_causal_variants_of_full_attention_are_still_served():
+    # The hybrid manager off: sliding-window and chunked-local layers as FullAttentionSpec
+    # (blocks for every token, still causal); MLA's latent KV; attention sinks.
+    kvi = _kvi()
+    for spec in (kvi.FullAttentionSpec(**COMMON, sliding_window=64),
+                 kvi.FullAttentionSpec(**COMMON, attention_chunk_size=64),
+                 kvi.MLAAttentionSpec(**COMMON),
+                 kvi.SinkFullAttentionSpec(**COMMON, sink_len=4)):
+        assert group_geometry(_real_config((spec, {})), 4).layout.groups == (KVGroup(FULL),)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from tieredkv.tools.tiny_model import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny"))
+
+
+def test_a_pooling_model_that_needs_every_hidden_state_is_refused(tiny_llama_dir):
+    # vLLM's own ModelConfig decides (is_prefix_caching_supported): a MEAN-pooling model
+    # must compute every prompt token, so a tieredkv hit would change its embedding.
+    from vllm.config import ModelConfig, PoolerConfig
+
+    kvi = _kvi()
+    config = _real_config((kvi.FullAttentionSpec(**COMMON), {}))
+    generate = ModelConfig(model=tiny_llama_dir, runner="generate", skip_tokenizer_init=True)
+    assert group_geometry(config, 4, SimpleNamespace(model_config=generate)).layout.rows == 4
+    pooling = ModelConfig(model=tiny_llama_dir, runner="pooling", skip_tokenizer_init=True,
+                          pooler_config=PoolerConfig(seq_pooling_type="MEAN"))
+    with pytest.raises(ValueError, match="does not reuse this pooling model's KV"):
+        group_geometry(config, 4, SimpleNamespace(model_config=pooling))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "dflash", "dspark"])
+def test_drafters_that_write_next_token_kv_are_refused(method):
+    from vllm.config import SpeculativeConfig
+
+    # The methods vLLM itself treats as drafting from the target's hidden states.
+    assert SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
+    engine = SimpleNamespace(speculative_config=SimpleNamespace(method=method))
+    with pytest.raises(ValueError, match=f"method '{method}' writes draft KV from the next"):
+        group_geometry(_config(_spec("full")), 4, engine)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_drafters_without_next_token_kv_are_served(method):
+    from vllm.config import SpeculativeConfig
+
+    assert not SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
+    engine = SimpleNamespace(speculative_config=SimpleNamespace(method=method))
+    assert group_geometry(_config(_spec("full")), 4, engine).layout.rows == 4

@@ -342,7 +342,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
     correctly."""
     groups = kv_cache_config.kv_cache_groups
     config = config.resolved(int(groups[0].kv_cache_spec.block_size)) if groups else config
-    shape = group_geometry(kv_cache_config, config.chunk_blocks)
+    shape = group_geometry(kv_cache_config, config.chunk_blocks, vllm_config)
     spec, group_layout = shape.spec, shape.layout
     num_layers = shape.layers_per_group
     parallel = vllm_config.parallel_config
