@@ -16,6 +16,18 @@ from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
 
+@pytest.fixture(scope="session")
+def cuda_warm() -> float:
+    """Once per session, before any CUDA ordering test: the GPU's clocks up and its spin delay
+    calibrated warm (``cuda_warmup``); the calibrated ``_sleep`` cycles per millisecond."""
+    import torch
+    from cuda_ordering import warm_gpu
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return warm_gpu(torch.cuda.current_device())
+
+
 @pytest.fixture
 def kv() -> KVViews:
     return KVViews.from_kv_caches(layout_caches(), 40)

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from cuda_ordering import IssueProbe, assert_still_queued, busy, rehearse
 from transfer_helpers import layout_caches, make_key, results_by_id, slot_block
 
 from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
@@ -127,21 +128,36 @@ def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> No
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cupy"])
-def test_store_is_ordered_after_the_compute_stream(backend_name: str) -> None:
+def test_store_is_ordered_after_the_compute_stream(backend_name: str, cuda_warm: float) -> None:
     kv = _cuda_views("LBHNC", num_blocks=16)
     host = HostPool(4, kv.slot_payload_bytes(C))
-    engine = TransferEngine(kv, host, None, backend=_backend(backend_name))
-    try:
+    probe = IssueProbe(_backend(backend_name), None)
+    engine = TransferEngine(kv, host, None, backend=probe)
+    device = torch.device("cuda")
+    # On the device before anything is queued: indexing with a Python list uploads the ids from
+    # pageable memory, which waits for the stream, so the forward would be over before the store.
+    blocks = torch.tensor([1, 2, 3, 4]).to(device)
+
+    def forward_then_store(job_id: int, value: int, delay_ms: float) -> torch.cuda.Event:
         for rows in kv.rows:
-            rows[[1, 2, 3, 4]] = 0
+            rows.index_fill_(0, blocks, 0)
         torch.cuda.synchronize()
-        a = torch.randn(4096, 4096, device="cuda")
-        for _ in range(30):  # ~tens of ms of work queued on the compute stream
-            a = torch.tanh(a @ a)
+        busy(device, delay_ms)  # the forward's queued work on the compute (current) stream
         for rows in kv.rows:  # the forward's "write" happens after all of that
-            rows[[1, 2, 3, 4]] = 7 + (a[0, 0] * 0).to(torch.uint8)
-        engine.submit([StoreJob(1, make_key(1), 2, (1, 2, 3, 4))])  # no sync before submit
-        assert results_by_id(engine, 1)[1].ok
+            rows.index_fill_(0, blocks, value)
+        written = torch.cuda.Event()
+        written.record()
+        probe.forward = written
+        engine.submit([StoreJob(job_id, make_key(job_id), 2, (1, 2, 3, 4))])  # no sync before
+        return written
+
+    try:
+        rehearse(device, lambda: (forward_then_store(1, 5, 1.0), results_by_id(engine, 1)))
+        probe.pending_at_issue.clear()
+        written = forward_then_store(2, 7, 150.0)
+        assert_still_queued(written, "the store")
+        assert results_by_id(engine, 1, timeout_s=60.0)[2].ok
+        probe.assert_issued_while_pending("d2h")
         assert bool((host.slot(2) == 7).all()), "the store copied blocks before the forward wrote them"
     finally:
         engine.shutdown()
@@ -164,7 +180,7 @@ def test_engine_store_then_load_on_cuda(backend_name: str) -> None:
         engine.shutdown()
 
 
-def test_a_busy_d2h_lane_does_not_hold_back_h2d() -> None:
+def test_a_busy_d2h_lane_does_not_hold_back_h2d(cuda_warm: float) -> None:
     # Order, not speed: the d2h lane's stream is held by a kernel that spins for seconds, and an
     # h2d copy on its own lane must finish while that work is still queued (one shared stream
     # or a device-wide sync would make it wait). How far the two directions overlap on the GPU
@@ -174,8 +190,15 @@ def test_a_busy_d2h_lane_does_not_hold_back_h2d() -> None:
     backend = TorchCopyBackend()
     d2h, h2d = CopyLane("d2h", kv.device, None), CopyLane("h2d", kv.device, None)
     up_blocks = (40, 41, 42, 43)
+    up_ids = torch.tensor(up_blocks).to(kv.device)  # no pageable upload while the lane is held
     host.slot(1).fill(9)
     try:
+        # Both copies once with nothing held, so no first launch (lazy kernel loading can
+        # synchronise the context) makes the h2d wait for the held lane.
+        d2h.call(d2h.run, lambda: backend.d2h(kv, host, [(2, 0, (5, 6, 7, 8))])).result(timeout=60)
+        h2d.call(h2d.run, lambda: backend.h2d(kv, host, [(3, 0, (44, 45, 46, 47))])).result(timeout=60)
+        torch.cuda.synchronize()
+
         def held_store() -> None:
             torch.cuda._sleep(5_000_000_000)  # seconds of spinning at any H100/H200 clock
             backend.d2h(kv, host, [(0, 0, (1, 2, 3, 4))])
@@ -184,7 +207,7 @@ def test_a_busy_d2h_lane_does_not_hold_back_h2d() -> None:
         loaded = h2d.call(h2d.run, lambda: backend.h2d(kv, host, [(1, 0, up_blocks)]))
         loaded.result(timeout=60)
         assert not held.done(), "the h2d copy waited for the d2h lane's queued work"
-        assert all(bool((rows[list(up_blocks)] == 9).all()) for rows in kv.rows)
+        assert all(bool((rows[up_ids] == 9).all()) for rows in kv.rows)
         held.result(timeout=60)
         for layer, rows in enumerate(kv.rows):
             for j, block in enumerate((1, 2, 3, 4)):

@@ -6,8 +6,13 @@ copy backend a user can pick there (``torch``, the ``auto`` default, and ``cupy`
 layout in ``vllm_cuda_layouts.CASES``. The forward writes known K/V through the kernels' own
 views (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); a CPU replica of the same cache
 receives the same writes and is the reference for every byte. On CUDA the forward runs on a
-compute stream behind a long kernel, so a store or load submitted after it finds it still
-queued: only stream/event ordering can make the bytes come out right.
+compute stream behind a long spinning kernel (the GPU warmed and the spin calibrated once per
+session: ``cuda_ordering``), so a store or load submitted after it finds it still queued: only
+stream/event ordering can make the bytes come out right. Each such test rehearses its own steps
+with nothing queued first (no lazy kernel load may synchronise the device mid-test), then
+asserts the forward was still pending both when the job was submitted and when its copy was
+issued on the lane, so it cannot pass because the forward happened to be over. The layouts are
+the ones vLLM serves tieredkv (``test_layouts_as_served.py``).
 
 - a store copies exactly what the forward wrote, even when issued while the forward is queued;
 - a load is complete when the worker reports it (the next forward, queued at once, reads the
@@ -23,85 +28,37 @@ queued: only stream/event ordering can make the bytes come out right.
 
     python -m pytest tests/transfer/test_gpu_integration.py -q          # cpu (+ cuda if any)
     python -m pytest tests/transfer/test_gpu_integration.py -m cuda -q  # the GPU half only
+
+The overlap test is a speed check (how far the copies overlap on the GPU timeline); every
+other test here checks bytes and ordering. ``scripts/gpu_check.py`` judges them separately.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import inspect
 import json
 import os
-import sys
 import threading
-import time
-import types
-from collections.abc import Callable, Sequence
-from functools import cache, partial
-from math import prod
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from transfer_helpers import slot_block
-from vllm_cuda_layouts import (
-    CASE_BY_ID,
-    CASES,
-    DECLARED_LAYOUTS,
-    DEFAULT_LAYOUT,
-    RECORD_BLOCKS,
-    RECORD_LAYERS,
-    RECORDED,
-    VLLM_VERSION,
-    LayoutCase,
-    build_kv_caches,
-    kv_parts,
-    layer_names,
+from cuda_ordering import IssueProbe, assert_still_queued, busy, rehearse
+from gpu_rig import (
+    CHUNK,
+    FORWARD_DELAY_MS,
+    GatedStores,
+    Rig,
+    Timeline,
 )
+from transfer_helpers import slot_block
+from vllm_cuda_layouts import CASE_BY_ID, CASES, LayoutCase
 
-from tests.helpers import finishes, full_attention_spec
-from tieredkv.config import TieredKVConfig
+from tests.helpers import finishes
 from tieredkv.protocol import FailureCause, LoadChunk, LoadJob, StepPlan, StoreJob
-from tieredkv.transfer.backends.base import CopyBackend
-from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
-from tieredkv.transfer.kv_views import KVViews
 from tieredkv.vllm import sleep_hook
-
-_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-
-
-def _import_worker_half() -> tuple[Any, Any]:
-    """``tieredkv.vllm.worker_side`` and ``tieredkv.vllm.metadata``; where vLLM is not installed (the GPU
-    machines), ``tieredkv.vllm.metadata``'s two vLLM base classes are stood in for while it is
-    imported, then the stand-in modules are removed again (other tests still see no vLLM)."""
-    try:
-        importlib.import_module(_BASE)
-    except ImportError:
-        parts = _BASE.split(".")
-        added = []
-        for i in range(1, len(parts) + 1):
-            name = ".".join(parts[:i])
-            if name not in sys.modules:
-                module = types.ModuleType(name)
-                module.__path__ = []  # a package, so that submodules resolve
-                sys.modules[name] = module
-                added.append(name)
-        base = sys.modules[_BASE]
-        base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})  # type: ignore[attr-defined]
-        base.KVConnectorWorkerMetadata = type("KVConnectorWorkerMetadata", (), {})  # type: ignore[attr-defined]
-        try:
-            return importlib.import_module("tieredkv.vllm.worker_side"), importlib.import_module("tieredkv.vllm.metadata")
-        finally:
-            for name in added:
-                sys.modules.pop(name, None)
-    return importlib.import_module("tieredkv.vllm.worker_side"), importlib.import_module("tieredkv.vllm.metadata")
-
-
-_worker_half, _metadata = _import_worker_half()
-WorkerHalf = _worker_half.WorkerHalf
-TieredKVMetadata = _metadata.TieredKVMetadata
 
 HAS_CUDA = torch.cuda.is_available()
 _CUDA = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
@@ -114,243 +71,14 @@ DEVICE_BACKENDS = [
 ]
 CASE_PARAMS = [pytest.param(case, id=case.id) for case in CASES]
 
-LAYERS, BLOCKS, CHUNK = 4, 32, 4
-FORWARD_DELAY_MS = 150.0  # how long the compute stream stays busy before the forward's writes
-
-
-# ---------------------------------------------------------------------------- set-up
-
-
-def _configs(case: LayoutCase, num_layers: int, num_blocks: int) -> tuple[Any, Any]:
-    """The fields of vLLM's configs the worker half reads (as tests/vllm/test_worker_side.py)."""
-    spec = full_attention_spec(case.block_size, case.num_kv_heads, case.head_size,
-                               case.page_size_bytes)
-    kv_cache_config = SimpleNamespace(
-        num_blocks=num_blocks, kv_cache_layout=case.layout, hash_block_size=case.block_size,
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=layer_names(num_layers))],
-    )
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(
-            prefix_caching_hash_algo="sha256", kv_cache_layout=case.layout,
-            cache_dtype="fp8" if case.dtype == "uint8" else "auto",
-        ),
-        model_config=SimpleNamespace(model=f"gpu-integration-{case.id}", dtype=case.compute_dtype,
-                                     revision=None),
-    )
-    return vllm_config, kv_cache_config
-
-
-class Rig:
-    """A registered worker half on ``device``, its caches, and a CPU replica of them."""
-
-    def __init__(self, case: LayoutCase, device: str, backend: str, *, num_layers: int = LAYERS,
-                 num_blocks: int = BLOCKS, host_slots: int = 12, seed: int = 0) -> None:
-        if backend == "cupy":
-            ok, why = CupyCopyBackend.available(torch.device(device))
-            if not ok:
-                pytest.skip(f"cupy backend: {why}")
-        self.case = case
-        self.device = torch.device(device)
-        self.caches, self.raw = build_kv_caches(case, num_layers, num_blocks, device, seed)
-        self.replica, self.replica_raw = build_kv_caches(case, num_layers, num_blocks, "cpu", seed)
-        self.replica_kv = KVViews.from_kv_caches(self.replica, num_blocks, layout=case.layout)
-        payload = self.replica_kv.slot_payload_bytes(CHUNK)
-        vllm_config, kv_cache_config = _configs(case, num_layers, num_blocks)
-        config = TieredKVConfig.from_dict({
-            "host_bytes": host_slots * -(-payload // 4096) * 4096, "chunk_blocks": CHUNK,
-            "copy_backend": backend,
-        })
-        self.worker = WorkerHalf(vllm_config, kv_cache_config, config)
-        try:
-            self.worker.register_kv_caches(self.caches)
-            self.engine = self.worker.engine
-            self.kv: KVViews = self.engine.kv
-            self.host = self.worker.host
-            assert self.host.num_slots == host_slots
-            assert self.kv.stacked is not None  # one backing buffer, as vLLM allocates it
-            if backend != "auto":
-                assert self.engine.backend.name == backend
-        except BaseException:
-            self.worker.shutdown()
-            raise
-        self.compute = None
-        if self.device.type == "cuda":
-            _sleep_cycles_per_ms(self.device.index or 0)  # calibrate before any race is set up
-            self.compute = torch.cuda.Stream(self.device)
-        self._ids = iter(range(1, 1_000_000))
-
-    def job_id(self) -> int:
-        return next(self._ids)
-
-    def close(self) -> None:
-        self.worker.shutdown()
-
-    # -------------------------------------------------------------- the stand-in forward
-
-    def _rows(self, blocks: Sequence[int]) -> list[int]:
-        ratio = self.case.ratio
-        return [b * ratio + r for b in blocks for r in range(ratio)]
-
-    def forward_values(self, blocks: Sequence[int], step: int) -> list[list[torch.Tensor]]:
-        """Per layer, per K/V part: the values the forward writes into ``blocks`` (CPU,
-        registered dtype; small integers, exact in every KV dtype, made distinct per block,
-        layer, part and step)."""
-        case = self.case
-        rows = torch.tensor(self._rows(blocks))
-        mod = 17 if case.torch_compute_dtype.itemsize == 1 else 251
-        out = []
-        for layer, tensor in enumerate(self.replica.values()):
-            parts = []
-            for p, part in enumerate(kv_parts(case, tensor)):
-                shape = (len(rows), *part.shape[1:])
-                grid = torch.arange(prod(shape)).view(shape)
-                v = (grid * 7 + rows.view(-1, 1, 1, 1) * 13 + layer * 131 + p * 29 + step * 17) % mod
-                values = (v - mod // 2).to(torch.float32).to(case.torch_compute_dtype)
-                parts.append(values.view(case.torch_dtype))
-            out.append(parts)
-        return out
-
-    def forward(self, blocks: Sequence[int], step: int, *, delay_ms: float = 0.0) -> Any:
-        """Write the step's K/V into ``blocks`` of every layer, on the device (CUDA: on the
-        compute stream, after ``delay_ms`` of queued work; returns an event recorded after the
-        writes) and into the replica."""
-        values = self.forward_values(blocks, step)
-        rows = torch.tensor(self._rows(blocks))
-        for tensor, parts in zip(self.replica.values(), values, strict=True):
-            for part, v in zip(kv_parts(self.case, tensor), parts, strict=True):
-                part[rows] = v
-        if self.compute is None:
-            for tensor, parts in zip(self.caches.values(), values, strict=True):
-                for part, v in zip(kv_parts(self.case, tensor), parts, strict=True):
-                    part[rows] = v
-            return None
-        # Everything the kernels need is on the device before the compute stream is held up:
-        # a synchronous upload after the delay would wait for it and hide the race under test.
-        rows_dev = rows.to(self.device)
-        values_dev = [[v.to(self.device) for v in parts] for parts in values]
-        self.compute.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.compute):
-            if delay_ms:
-                busy(self.device, delay_ms)
-            for tensor, parts in zip(self.caches.values(), values_dev, strict=True):
-                for part, v in zip(kv_parts(self.case, tensor), parts, strict=True):
-                    part[rows_dev] = v
-            done = torch.cuda.Event()
-            done.record(self.compute)
-        for v in (rows_dev, *(t for parts in values_dev for t in parts)):
-            v.record_stream(self.compute)
-        return done
-
-    def in_compute(self) -> Any:
-        """Context: the compute stream is current (where vLLM's worker thread runs the step)."""
-        if self.compute is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.compute)
-
-    # -------------------------------------------------------------- vLLM's calls, one step
-
-    def step(self, plan: StepPlan) -> tuple[set[str], set[str]]:
-        """handle_preemptions, start_load_kv, (forward), wait_for_save, get_finished."""
-        metadata = TieredKVMetadata(plan=plan)
-        with self.in_compute():
-            self.worker.handle_preemptions(metadata)
-            self.worker.start_jobs(metadata)
-            self.worker.submit_stores(metadata)
-            return self.worker.collect(set())
-
-    def results_until(self, job_ids: Sequence[int], timeout_s: float = 20.0,
-                       after: tuple[set[str], set[str]] | None = None) -> dict:
-        """Later steps' get_finished until every job in ``job_ids`` has an outcome."""
-        got: dict[int, tuple] = {}
-        recving: set[str] = set(after[1]) if after else set()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            _, r = self.worker.collect(set())
-            recving |= r
-            meta = self.worker.build_worker_meta()
-            if meta is not None:
-                got.update(meta.results)
-            if all(j in got for j in job_ids):
-                return {"outcomes": got, "recving": recving}
-            time.sleep(0.002)
-        raise AssertionError(f"no outcome for jobs {[j for j in job_ids if j not in got]}")
-
-    def store(self, blocks: Sequence[int], slot: int, req: str = "r") -> int:
-        job = StoreJob(self.job_id(), b"k%d" % slot, slot, tuple(blocks), req_id=req)
-        self.step(StepPlan(stores=[job]))
-        return job.job_id
-
-    # -------------------------------------------------------------- checks
-
-    def assert_slot_holds(self, slot: int, blocks: Sequence[int], first: int = 0) -> None:
-        """Host slot positions hold the replica's bytes of ``blocks`` (every layer)."""
-        for layer in range(self.kv.num_layers):
-            for j, block in enumerate(blocks):
-                got = slot_block(self.kv, self.host, slot, layer, first + j)
-                want = self.replica_kv.rows[layer][block]
-                assert torch.equal(got.cpu(), want), (
-                    f"{self.case.id}: slot {slot} position {first + j} layer {layer} does not "
-                    f"hold block {block} as the forward wrote it"
-                )
-
-    def assert_device_matches_replica(self) -> None:
-        """Every byte of every layer's cache equals the replica (nothing else was touched)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        got = self.raw.cpu()
-        if not torch.equal(got, self.replica_raw):
-            bad = (got != self.replica_raw).nonzero().flatten()
-            page = self.case.page_size_bytes
-            where = sorted({int(i) // page for i in bad[:4096]})[:10]
-            raise AssertionError(
-                f"{self.case.id}: {bad.numel()} device bytes differ from the expected cache "
-                f"(first pages, in units of one layer-block: {where})"
-            )
-
-    def replica_load(self, slot: int, first: int, blocks: Sequence[int]) -> None:
-        """What a load does, applied to the replica from the slot's bytes."""
-        for layer in range(self.kv.num_layers):
-            for j, block in enumerate(blocks):
-                self.replica_kv.rows[layer][block] = slot_block(
-                    self.kv, self.host, slot, layer, first + j).cpu()
-
-
-@cache
-def _sleep_cycles_per_ms(index: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    return 20_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
-def busy(device: torch.device, ms: float) -> None:
-    """Queue ~``ms`` of work on the current stream (a spinning kernel; a matmul loop if torch
-    lacks ``_sleep``)."""
-    if hasattr(torch.cuda, "_sleep"):
-        torch.cuda._sleep(int(ms * _sleep_cycles_per_ms(device.index or 0)))
-        return
-    a = torch.randn(2048, 2048, device=device)
-    for _ in range(max(1, int(ms / 2))):
-        a = torch.tanh(a @ a)
-
-
-def assert_still_queued(rig: Rig, event: Any, what: str) -> None:
-    """CUDA: the forward had not run yet when the jobs were submitted (else the test proves
-    nothing about ordering)."""
-    if event is not None:
-        assert not event.query(), (
-            f"the forward finished before {what} was submitted; raise FORWARD_DELAY_MS"
-        )
-
 
 @pytest.fixture
-def rig_factory() -> Any:
+def rig_factory(request: pytest.FixtureRequest) -> Any:
     rigs: list[Rig] = []
 
     def make(*args: Any, **kwargs: Any) -> Rig:
+        if args[1] == "cuda":
+            request.getfixturevalue("cuda_warm")  # clocks up, delay calibrated, before any rig
         rig = Rig(*args, **kwargs)
         rigs.append(rig)
         return rig
@@ -358,98 +86,6 @@ def rig_factory() -> Any:
     yield make
     for rig in rigs:
         rig.close()
-
-
-# ---------------------------------------------------------------------------- the layouts
-
-
-@pytest.mark.parametrize("case", CASE_PARAMS)
-def test_fixture_builds_the_recorded_vllm_layout_and_kvviews_finds_each_block(case: LayoutCase) -> None:
-    caches, raw = build_kv_caches(case, RECORD_LAYERS, RECORD_BLOCKS)
-    shape, stride, offsets = RECORDED[case.id]
-    for tensor, offset in zip(caches.values(), offsets, strict=True):
-        assert tuple(tensor.shape) == shape and tuple(tensor.stride()) == stride
-        assert tensor.storage_offset() == offset and tensor.dtype == case.torch_dtype
-        assert tensor.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
-    kv = KVViews.from_kv_caches(caches, RECORD_BLOCKS, layout=case.layout)
-    assert kv.block_bytes == (case.page_size_bytes,) * RECORD_LAYERS
-    assert kv.stacked is not None
-    # Mark one block of one layer through the kernels' own views: exactly its row changes.
-    before = [rows.clone() for rows in kv.rows]
-    layer, block = RECORD_LAYERS - 1, 7
-    for part in kv_parts(case, caches[layer_names(RECORD_LAYERS)[layer]]):
-        part[block * case.ratio : (block + 1) * case.ratio].fill_(90)
-    for other, (rows, old) in enumerate(zip(kv.rows, before, strict=True)):
-        for b in range(RECORD_BLOCKS):
-            changed = not torch.equal(rows[b], old[b])
-            assert changed == (other == layer and b == block), (other, b)
-    assert not torch.equal(kv.rows[layer][block], before[layer][block])
-    assert bool((kv.rows[layer][block] != before[layer][block]).float().mean() > 0.5)
-    assert kv.rows[layer][block].numel() == case.page_size_bytes
-
-
-def _vllm_registered(case: LayoutCase, kv_interface: Any, layout_cls: Any) -> list[torch.Tensor]:
-    """What vLLM's own code builds for ``case`` (get_kv_cache_config + create_kv_cache_views)."""
-    if case.mla:
-        spec = kv_interface.MLAAttentionSpec(
-            block_size=case.block_size, num_kv_heads=1, head_size=case.head_size,
-            dtype=case.torch_dtype)
-    else:
-        spec = kv_interface.FullAttentionSpec(
-            block_size=case.block_size, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
-            head_size_v=case.head_size_v, dtype=case.torch_dtype)
-    assert spec.page_size_bytes == case.page_size_bytes
-    layout = layout_cls[case.layout]
-    per_block = spec.page_size_bytes * RECORD_LAYERS
-    layer_stride, block_stride, *_ = kv_interface.compute_layout_strides(
-        spec, RECORD_BLOCKS, RECORD_LAYERS, layout,
-        fixed_strides=(None, per_block if layout.is_block_outermost else None, None, None, None))
-    tensor = kv_interface.KVCacheTensor(
-        size=per_block * RECORD_BLOCKS, layers=layer_names(RECORD_LAYERS),
-        layer_stride=layer_stride, block_stride=block_stride)
-    raw = torch.zeros(per_block * RECORD_BLOCKS, dtype=torch.int8)
-    return kv_interface.create_kv_cache_views(raw, spec, RECORD_BLOCKS, layout, tensor,
-                                              kernel_block_size=case.kernel_block_size)
-
-
-def test_recorded_layouts_match_the_installed_vllm() -> None:
-    """Where vLLM is installed: the data above is still what it registers (else re-record)."""
-    kv_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
-    import vllm
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backends import utils as backend_utils
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    assert vllm.__version__ == VLLM_VERSION, (
-        f"vLLM {vllm.__version__} installed, layouts recorded from {VLLM_VERSION}: re-read the "
-        "backends listed in tests/transfer/vllm_cuda_layouts.py and re-record"
-    )
-    for case in CASES:
-        views = _vllm_registered(case, kv_interface, KVCacheLayout)
-        got = (tuple(views[0].shape), tuple(views[0].stride()), tuple(v.storage_offset() for v in views))
-        assert got == RECORDED[case.id], case.id
-        assert views[0].dtype == case.torch_dtype, case.id
-    assert backend_utils._DEFAULT_LAYOUT_PREFERENCE[0].name == DEFAULT_LAYOUT
-    assert STR_DTYPE_TO_TORCH_DTYPE["fp8"] is torch.uint8
-    backends_dir = inspect.getfile(backend_utils).rsplit("/", 1)[0]
-    importable = {
-        "FLASH_ATTN": ("flash_attn", "FlashAttentionBackend"),
-        "TRITON_ATTN": ("triton_attn", "TritonAttentionBackend"),
-        "FLEX_ATTENTION": ("flex_attention", "FlexAttentionBackend"),
-    }
-    for name, (module, cls) in importable.items():
-        backend = getattr(importlib.import_module(f"vllm.v1.attention.backends.{module}"), cls)
-        declared = backend.supported_kv_cache_layouts()
-        assert (None if declared is None else tuple(d.name for d in declared)) == DECLARED_LAYOUTS[name]
-    with open(f"{backends_dir}/flashinfer.py") as f:  # needs flashinfer to import: read it
-        flashinfer = f.read()
-    assert "return (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)" in flashinfer
-    assert "return [16, 32, 64]" in flashinfer
-    with open(f"{backends_dir}/mla/flashmla.py") as f:
-        flashmla = f.read()
-    assert "supported_kv_cache_layouts" not in flashmla and "return [64]" in flashmla
-    with open(f"{backends_dir}/flash_attn.py") as f:
-        assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in f.read()
 
 
 # ---------------------------------------------------------------------------- stores
@@ -462,13 +98,28 @@ def test_store_copies_what_the_forward_wrote_even_while_it_is_queued(
 ) -> None:
     rig = rig_factory(case, device, backend)
     full, partial = (5, 9, 2, 17), (20, 21)
+
+    def stores() -> list[StoreJob]:
+        return [StoreJob(rig.job_id(), b"a", 3, full, req_id="req"),
+                StoreJob(rig.job_id(), b"b", 6, partial, req_id="req")]
+
+    def rehearsal() -> None:
+        rig.forward([*full, *partial], step=0, delay_ms=1.0)
+        jobs = stores()
+        rig.step(StepPlan(stores=jobs))
+        rig.results_until([j.job_id for j in jobs])
+
+    rehearse(rig.device, rehearsal)
     before = [rows.clone() for rows in rig.replica_kv.rows]
     done = rig.forward([*full, *partial], step=1, delay_ms=FORWARD_DELAY_MS)
-    jobs = [StoreJob(rig.job_id(), b"a", 3, full, req_id="req"), StoreJob(rig.job_id(), b"b", 6, partial, req_id="req")]
+    probe = IssueProbe(rig.engine.backend, done)
+    rig.engine.backend = probe
+    jobs = stores()
     rig.step(StepPlan(stores=jobs))
-    assert_still_queued(rig, done, "the store")
+    assert_still_queued(done, "the store")
     outcomes = rig.results_until([j.job_id for j in jobs])["outcomes"]
     assert all((outcomes[j.job_id].ok, outcomes[j.job_id].failed) == (1, 0) for j in jobs), outcomes
+    probe.assert_issued_while_pending("d2h")
     for layer, old in enumerate(before):  # the forward did change those blocks
         assert not torch.equal(rig.replica_kv.rows[layer][list(full)], old[list(full)])
     rig.assert_slot_holds(3, full)
@@ -486,22 +137,38 @@ def test_load_is_complete_when_reported_and_touches_no_other_block(
 ) -> None:
     rig = rig_factory(case, device, backend)
     source, targets = (3, 8, 11, 14), (25, 26, 27)
+    targets_on_device = torch.tensor(targets).to(rig.device)  # no upload between load and read
     rig.forward(source, step=1)
     store = rig.store(source, slot=2)
     assert (lambda r: (r.ok, r.failed))(rig.results_until([store])["outcomes"][store]) == (1, 0)
+
+    def load_behind_tenant(step: int, delay_ms: float) -> tuple[Any, LoadJob, Any]:
+        tenant = rig.forward(targets, step=step, delay_ms=delay_ms)
+        load = LoadJob(rig.job_id(), "hit", (LoadChunk(b"k2", 2, 1, targets),))  # from mid-chunk
+        probe.forward = tenant
+        return tenant, load, rig.step(StepPlan(loads=[load]))
+
+    def rehearsal() -> None:
+        _, load, reported = load_behind_tenant(6, 1.0)
+        rig.results_until([load.job_id], after=reported)
+        rig.replica_load(2, 1, targets)
+
+    probe = IssueProbe(rig.engine.backend, None)
+    rig.engine.backend = probe
+    rehearse(rig.device, rehearsal)
+    probe.pending_at_issue.clear()
     # The targets' previous tenant is still writing them (queued on the compute stream) when
     # the load is submitted: the h2d must land after those writes.
-    tenant = rig.forward(targets, step=7, delay_ms=FORWARD_DELAY_MS)
-    load = LoadJob(rig.job_id(), "hit", (LoadChunk(b"k2", 2, 1, targets),))  # from mid-chunk
-    reported = rig.step(StepPlan(loads=[load]))
-    assert_still_queued(rig, tenant, "the load")
+    tenant, load, reported = load_behind_tenant(7, FORWARD_DELAY_MS)
+    assert_still_queued(tenant, "the load")
     seen = rig.results_until([load.job_id], after=reported)
     assert (seen["outcomes"][load.job_id].ok, seen["outcomes"][load.job_id].failed) == (1, 0) and "hit" in seen["recving"]
+    probe.assert_issued_while_pending("h2d")
     assert rig.worker.take_load_errors() == set()
     # vLLM schedules the request's forward right after get_finished reported the load: it
     # reads the blocks at once, on the compute stream, with no synchronisation in between.
     with rig.in_compute():
-        read = [rows[list(targets)].clone() for rows in rig.kv.rows]
+        read = [rows[targets_on_device].clone() for rows in rig.kv.rows]
     if rig.compute is not None:
         rig.compute.synchronize()  # before the copies to the CPU below, on another stream
     rig.replica_load(2, 1, targets)
@@ -515,25 +182,6 @@ def test_load_is_complete_when_reported_and_touches_no_other_block(
 
 
 # ---------------------------------------------------------------------------- preemption
-
-
-class GatedStores(CopyBackend):
-    """Wraps the engine's backend: d2h copies wait for ``gate`` (a store in flight)."""
-
-    name = "gated"
-
-    def __init__(self, inner: CopyBackend) -> None:
-        self.inner = inner
-        self.gate = threading.Event()
-        self.started = threading.Event()
-
-    def d2h(self, *args: Any) -> None:
-        self.started.set()
-        self.gate.wait(20)
-        self.inner.d2h(*args)
-
-    def h2d(self, *args: Any) -> None:
-        self.inner.h2d(*args)
 
 
 @pytest.mark.parametrize("case", CASE_PARAMS)
@@ -651,35 +299,6 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
 # ---------------------------------------------------------------------------- overlap
 
 
-class Timeline(CopyBackend):
-    """Wraps the engine's backend; notes when each copy call ran. CUDA: timing events recorded
-    on the lane's stream around the call (GPU time); CPU: the wall clock."""
-
-    name = "timeline"
-
-    def __init__(self, inner: CopyBackend) -> None:
-        self.inner = inner
-        self.spans: list[tuple[str, Any, Any]] = []
-
-    def _mark(self) -> Any:
-        if torch.cuda.is_available() and torch.cuda.current_stream().cuda_stream != 0:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _run(self, direction: str, copy: Callable[..., None], *args: Any) -> None:
-        start = self._mark()
-        copy(*args)
-        self.spans.append((direction, start, self._mark()))
-
-    def d2h(self, *args: Any) -> None:
-        self._run("d2h", self.inner.d2h, *args)
-
-    def h2d(self, *args: Any) -> None:
-        self._run("h2d", self.inner.h2d, *args)
-
-
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
@@ -701,7 +320,7 @@ def _keep_timeline(backend: str, timeline: dict[str, Any]) -> None:
 def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
     rig_factory: Callable[..., Rig], device: str, backend: str
 ) -> None:
-    case = CASE_BY_ID["flash_attn-LBNHC"]  # the default on Ampere/Hopper
+    case = CASE_BY_ID["flash_attn-LBHNC"]  # the default on Ampere/Hopper, as tieredkv is served it
     cuda = device == "cuda"
     # CUDA: 64 MiB each way (64 chunks of 1 MiB); CPU: a few chunks, correctness only.
     chunks = 64 if cuda else 3

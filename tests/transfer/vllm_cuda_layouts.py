@@ -10,17 +10,23 @@ are the same files as in the CUDA build):
   (``vllm/v1/kv_cache_interface.py``: ``compute_layout_strides``, ``create_kv_cache_views``;
   ``vllm/v1/core/kv_cache_utils.py``: ``get_kv_cache_config`` places the layers: layer-outer
   layouts give each layer its own region, block-outer ones interleave the layers per block).
-- ``vllm/v1/attention/backends/utils.py``: a backend that declares no layouts
-  (``supported_kv_cache_layouts() is None``) gets the default preference, ``LBNHC`` first
-  (FlashInfer/legacy name ``NHD``; ``LBHNC`` is ``HND``).
-- ``flash_attn.py`` (``FLASH_ATTN``) and ``triton_attn.py`` (``TRITON_ATTN``): no declaration,
-  so ``LBNHC``; K and V are ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``; kernel
-  blocks ``MultipleOf(16)``.
+- ``vllm/v1/attention/backends/utils.py``: ``resolve_kv_cache_layout`` picks one layout for the
+  model: ``VLLM_KV_CACHE_LAYOUT`` if set, else **the connector's required layout**
+  (``get_required_kvcache_layout``: tieredkv asks for ``LBHNC``) when every backend supports
+  it, else the first supported one. A backend that declares no layouts
+  (``supported_kv_cache_layouts() is None``) supports all of them. So with tieredkv as the
+  connector, FlashAttention, Triton, FlashInfer and FlashMLA serve ``LBHNC`` (FlashInfer's
+  ``HND``); FlexAttention, which declares ``(LBNHC,)`` only, keeps ``LBNHC`` (vLLM warns that
+  the connector's layout was dropped). ``tests/transfer/test_layouts_as_served.py`` runs that
+  resolution with the installed vLLM and tieredkv's connector for every case below.
+- ``flash_attn.py`` (``FLASH_ATTN``) and ``triton_attn.py`` (``TRITON_ATTN``): no declaration;
+  K and V are ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``; kernel blocks
+  ``MultipleOf(16)``.
 - ``flashinfer.py`` (``FLASHINFER``): on compute capability 10.x (Blackwell) it declares
-  ``(LBHNC, BLHNC)`` (trtllm-gen wants head-major pages), elsewhere nothing (``LBNHC``);
-  kernel blocks 16/32/64 off Blackwell, so ``--block-size 128`` is split into 64-token kernel
-  blocks (``vllm/v1/worker/utils.py``: ``select_common_block_size``): the registered tensor
-  then has ``2 * num_blocks`` rows of half a page each.
+  ``(LBHNC, BLHNC)`` (trtllm-gen wants head-major pages), elsewhere nothing; kernel blocks
+  16/32/64 off Blackwell, so ``--block-size 128`` is split into 64-token kernel blocks
+  (``vllm/v1/worker/utils.py``: ``select_common_block_size``): the registered tensor then has
+  ``2 * num_blocks`` rows of half a page each.
 - ``flex_attention.py`` (``FLEX_ATTENTION``): declares ``(LBNHC,)``.
 - ``mla/flashmla.py`` (``FLASHMLA``): ``MLAAttentionSpec``, one latent per token
   (``kv_lora_rank + qk_rope_head_dim = 576``, no separate V), one head slot, 64-token blocks.
@@ -64,6 +70,7 @@ DECLARED_LAYOUTS = {
     "FLASHMLA": None,
 }
 DEFAULT_LAYOUT = "LBNHC"  # vllm/v1/attention/backends/utils.py: _DEFAULT_LAYOUT_PREFERENCE[0]
+CONNECTOR_LAYOUT = "LBHNC"  # tieredkv.vllm.connector: TieredKVConnector.get_required_kvcache_layout
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class LayoutCase:
     compute_dtype: str  # what the kernels view it as (fp8 caches: float8_e4m3fn)
     kernel_block_size: int | None = None  # tokens per kernel block when blocks are split
     mla: bool = False
+    capability: tuple[int, int] = (9, 0)  # the GPU's compute capability (FlashInfer decides by it)
+    env_layout: str | None = None  # VLLM_KV_CACHE_LAYOUT, when the user sets it
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -123,44 +132,45 @@ class LayoutCase:
 
 CASES = (
     LayoutCase(
-        id="flash_attn-LBNHC", backend="FLASH_ATTN",
+        id="flash_attn-LBHNC", backend="FLASH_ATTN",
         source="v1/attention/backends/flash_attn.py",
-        when="any CUDA GPU (default backend on Ampere/Hopper); no layout declared: LBNHC (NHD)",
-        layout="LBNHC", block_size=16, num_kv_heads=8, head_size=128, head_size_v=128,
+        when="any CUDA GPU (default backend on Ampere/Hopper); no layout declared: tieredkv's LBHNC",
+        layout="LBHNC", block_size=16, num_kv_heads=8, head_size=128, head_size_v=128,
         dtype="bfloat16", compute_dtype="bfloat16",
     ),
     LayoutCase(
-        id="triton_attn-LBNHC-fp8", backend="TRITON_ATTN",
+        id="triton_attn-LBHNC-fp8", backend="TRITON_ATTN",
         source="v1/attention/backends/triton_attn.py",
         when="--attention-backend TRITON_ATTN --kv-cache-dtype fp8: uint8 pages, viewed as fp8",
-        layout="LBNHC", block_size=16, num_kv_heads=4, head_size=64, head_size_v=64,
+        layout="LBHNC", block_size=16, num_kv_heads=4, head_size=64, head_size_v=64,
         dtype="uint8", compute_dtype="float8_e4m3fn",
     ),
     LayoutCase(
         id="flashinfer-sm100-LBHNC", backend="FLASHINFER",
         source="v1/attention/backends/flashinfer.py",
-        when="FlashInfer on compute capability 10.x (B200): first declared layout, LBHNC (HND)",
+        when="FlashInfer on compute capability 10.x (B200): declares (LBHNC, BLHNC), serves LBHNC",
         layout="LBHNC", block_size=16, num_kv_heads=8, head_size=128, head_size_v=128,
-        dtype="bfloat16", compute_dtype="bfloat16",
+        dtype="bfloat16", compute_dtype="bfloat16", capability=(10, 0),
     ),
     LayoutCase(
         id="flashinfer-sm100-BLHNC", backend="FLASHINFER",
         source="v1/attention/backends/flashinfer.py",
         when="FlashInfer on 10.x with VLLM_KV_CACHE_LAYOUT=BLHNC: block-outer, layers interleaved",
         layout="BLHNC", block_size=16, num_kv_heads=8, head_size=128, head_size_v=128,
-        dtype="bfloat16", compute_dtype="bfloat16",
+        dtype="bfloat16", compute_dtype="bfloat16", capability=(10, 0), env_layout="BLHNC",
     ),
     LayoutCase(
-        id="flashinfer-sm90-LBNHC-block128", backend="FLASHINFER",
+        id="flashinfer-sm90-LBHNC-block128", backend="FLASHINFER",
         source="v1/attention/backends/flashinfer.py",
         when="FlashInfer on Hopper with --block-size 128: kernel blocks of 64, two rows per block",
-        layout="LBNHC", block_size=128, num_kv_heads=2, head_size=64, head_size_v=64,
+        layout="LBHNC", block_size=128, num_kv_heads=2, head_size=64, head_size_v=64,
         dtype="bfloat16", compute_dtype="bfloat16", kernel_block_size=64,
     ),
     LayoutCase(
         id="flex_attention-LBNHC-fp16", backend="FLEX_ATTENTION",
         source="v1/attention/backends/flex_attention.py",
-        when="--attention-backend FLEX_ATTENTION, float16 model; declares LBNHC only",
+        when="--attention-backend FLEX_ATTENTION, float16 model; declares LBNHC only, so "
+        "tieredkv's LBHNC is dropped (vLLM warns) and LBNHC served",
         layout="LBNHC", block_size=16, num_kv_heads=2, head_size=64, head_size_v=64,
         dtype="float16", compute_dtype="float16",
     ),
@@ -168,7 +178,7 @@ CASES = (
         id="flashmla-MLA", backend="FLASHMLA",
         source="v1/attention/backends/mla/flashmla.py",
         when="DeepSeek-style MLA on Hopper: one 576-element latent per token, 64-token blocks",
-        layout="LBNHC", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0,
+        layout="LBHNC", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0,
         dtype="bfloat16", compute_dtype="bfloat16", mla=True,
     ),
 )
@@ -179,13 +189,13 @@ RECORD_LAYERS, RECORD_BLOCKS = 3, 10
 # Per case: (shape, stride, storage offset of each layer), in elements of the registered dtype,
 # for RECORD_LAYERS layers and RECORD_BLOCKS blocks, as vLLM 0.32.0 builds them.
 RECORDED: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {
-    "flash_attn-LBNHC": ((10, 8, 16, 256), (32768, 256, 2048, 1), (0, 327680, 655360)),
-    "triton_attn-LBNHC-fp8": ((10, 4, 16, 128), (8192, 128, 512, 1), (0, 81920, 163840)),
+    "flash_attn-LBHNC": ((10, 8, 16, 256), (32768, 4096, 256, 1), (0, 327680, 655360)),
+    "triton_attn-LBHNC-fp8": ((10, 4, 16, 128), (8192, 2048, 128, 1), (0, 81920, 163840)),
     "flashinfer-sm100-LBHNC": ((10, 8, 16, 256), (32768, 4096, 256, 1), (0, 327680, 655360)),
     "flashinfer-sm100-BLHNC": ((10, 8, 16, 256), (98304, 4096, 256, 1), (0, 32768, 65536)),
-    "flashinfer-sm90-LBNHC-block128": ((20, 2, 64, 128), (16384, 128, 256, 1), (0, 327680, 655360)),
+    "flashinfer-sm90-LBHNC-block128": ((20, 2, 64, 128), (16384, 8192, 128, 1), (0, 327680, 655360)),
     "flex_attention-LBNHC-fp16": ((10, 2, 16, 128), (4096, 128, 256, 1), (0, 40960, 81920)),
-    "flashmla-MLA": ((10, 1, 64, 576), (36864, 576, 576, 1), (0, 368640, 737280)),
+    "flashmla-MLA": ((10, 1, 64, 576), (36864, 36864, 576, 1), (0, 368640, 737280)),
 }
 
 
