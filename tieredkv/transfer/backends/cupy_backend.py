@@ -16,6 +16,7 @@ import torch
 
 from tieredkv.protocol import BackendName
 from tieredkv.transfer.backends.base import CopyBackend, Pair
+from tieredkv.transfer.backends.staging import IndexUploader
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
@@ -116,7 +117,8 @@ class CupyCopyBackend(CopyBackend):
         self._device = device or torch.device("cuda", torch.cuda.current_device())
         self._kernel: Any = None
         self._sm_count = torch.cuda.get_device_properties(self._device).multi_processor_count
-        self._tables: dict[bool, torch.Tensor] = {}  # per direction: both lanes run at once
+        # Pinned index-table buffers per direction: the d2h and h2d lanes run at once.
+        self._uploads = {d2h: IndexUploader(pin=True) for d2h in (True, False)}
 
     @staticmethod
     def available(device: torch.device, host: HostPool | None = None) -> tuple[bool, str]:
@@ -153,14 +155,10 @@ class CupyCopyBackend(CopyBackend):
         nseg = table.shape[1]
         if nseg == 0:
             return
-        pinned = torch.from_numpy(np.ascontiguousarray(table).ravel()).pin_memory()
-        table_dev = self._tables.get(d2h)
-        if table_dev is None or table_dev.numel() < pinned.numel():
-            table_dev = self._tables[d2h] = torch.empty(
-                max(pinned.numel(), 3 * 1024), dtype=torch.int64, device=self._device
-            )
-        table_dev = table_dev[: pinned.numel()]
-        table_dev.copy_(pinned, non_blocking=True)
+        # Uploaded through a reused pinned buffer (no page-lock per batch) into a device table
+        # allocated on this stream, so the allocator reuses it only after this kernel ran.
+        table_dev = torch.empty(table.size, dtype=torch.int64, device=self._device)
+        self._uploads[d2h].upload(np.ascontiguousarray(table).ravel(), table_dev)
         stream = torch.cuda.current_stream(self._device)
         threads = 256
         blocks = min(math.ceil(nseg / (threads // 32)), self._sm_count * 32)

@@ -16,6 +16,7 @@ import torch
 
 from tieredkv.protocol import BackendName
 from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
+from tieredkv.transfer.backends.layout_cache import LayoutCache
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
@@ -40,6 +41,30 @@ def _import_rowcopy() -> tuple[Any, str]:
     return _rowcopy, ""
 
 
+# (per-layer [rows ptr, block stride, block bytes, slot offset], chunk blocks, address bounds)
+_NativeLayout = tuple[np.ndarray, int, tuple[int, int, int, int]]
+
+
+def _native_layout(dev: KVViews, host: HostPool) -> _NativeLayout:
+    """Raw addresses of one (caches, pool) pair: valid only while both are alive, which the
+    :class:`LayoutCache` holding it guarantees (an entry goes when either does)."""
+    if dev.device.type != "cpu":
+        raise ValueError("copy_backend='native' copies CPU tensors only")
+    chunk_blocks = dev.chunk_blocks_for(host.payload_bytes)
+    offsets = dev.layer_offsets(chunk_blocks)
+    layers = np.array(
+        [(layer.rows.data_ptr(), layer.block_stride, layer.block_bytes, off)
+         for layer, off in zip(dev.layers, offsets, strict=True)],
+        dtype=np.int64,
+    )
+    ends = [layer.rows.data_ptr() + (dev.num_blocks - 1) * layer.block_stride
+            + layer.block_bytes for layer in dev.layers]
+    host_lo = host.buffer.data_ptr()
+    bounds = (min(layer.rows.data_ptr() for layer in dev.layers), max(ends),
+              host_lo, host_lo + host.buffer.numel())
+    return layers, chunk_blocks, bounds
+
+
 class NativeCopyBackend(CopyBackend):
     """CPU copies through ``_rowcopy.copy_blocks``: the whole batch in one C call.
 
@@ -60,7 +85,7 @@ class NativeCopyBackend(CopyBackend):
             raise ValueError(f"copy_backend='native' is not available here: {why}")
         self._copy = module.copy_blocks
         self.nontemporal = nontemporal
-        self._layouts: dict[tuple[int, int], tuple[np.ndarray, int, tuple[int, int, int, int]]] = {}
+        self._layouts: LayoutCache[_NativeLayout] = LayoutCache(_native_layout)
 
     @staticmethod
     def available(device: torch.device) -> tuple[bool, str]:
@@ -69,26 +94,8 @@ class NativeCopyBackend(CopyBackend):
         module, why = _import_rowcopy()
         return module is not None, why
 
-    def _layout(self, dev: KVViews, host: HostPool) -> tuple[np.ndarray, int, tuple[int, ...]]:
-        key = (id(dev), id(host))
-        layout = self._layouts.get(key)
-        if layout is None:
-            if dev.device.type != "cpu":
-                raise ValueError("copy_backend='native' copies CPU tensors only")
-            chunk_blocks = dev.chunk_blocks_for(host.payload_bytes)
-            offsets = dev.layer_offsets(chunk_blocks)
-            layers = np.array(
-                [(layer.rows.data_ptr(), layer.block_stride, layer.block_bytes, off)
-                 for layer, off in zip(dev.layers, offsets, strict=True)],
-                dtype=np.int64,
-            )
-            ends = [layer.rows.data_ptr() + (dev.num_blocks - 1) * layer.block_stride
-                    + layer.block_bytes for layer in dev.layers]
-            host_lo = host.buffer.data_ptr()
-            bounds = (min(layer.rows.data_ptr() for layer in dev.layers), max(ends),
-                      host_lo, host_lo + host.buffer.numel())
-            layout = self._layouts[key] = (layers, chunk_blocks, bounds)
-        return layout
+    def _layout(self, dev: KVViews, host: HostPool) -> _NativeLayout:
+        return self._layouts.get(dev, host)
 
     def _run(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair], to_host: bool) -> None:
         if not pairs:

@@ -1,12 +1,13 @@
 """Torch copies: batched index ops that work wherever torch does (the CUDA default).
 
-CPU: numpy/torch gathers and scatters per chunk. CUDA: one gather kernel into a device staging
-buffer laid out like the slots, then one async DMA per slot to or from pinned memory.
+CPU: numpy/torch gathers and scatters per chunk. CUDA: a gather kernel into a bounded device
+staging buffer laid out like the slots, then one async DMA per slot to or from pinned memory,
+piece by piece when the batch is larger than the buffer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,15 @@ import torch
 
 from tieredkv.protocol import BackendName
 from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
+from tieredkv.transfer.backends.layout_cache import LayoutCache
+from tieredkv.transfer.backends.staging import IndexUploader, StagingBuffer
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews, widest_item
 
 _DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Device staging per direction: enough for several slots of most models at once, and a bound
+# on what a large load holds (a slot larger than this is staged one at a time).
+DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 
 
 def _consecutive(ids: Sequence[int]) -> bool:
@@ -27,6 +33,9 @@ def _consecutive(ids: Sequence[int]) -> bool:
 
 class _CopyLayout:
     """Views of one (device caches, host pool) combination, computed once.
+
+    Holds views of the caches' and the pool's memory, never the KVViews or HostPool objects
+    (the :class:`LayoutCache` entry holding it goes when they do).
 
     Index ops run on the widest integer dtype that divides every size, stride and offset
     involved: the same bytes as fewer, larger elements (8x fewer on int64 than on uint8).
@@ -81,23 +90,22 @@ class TorchCopyBackend(CopyBackend):
 
     CPU: one gather (``index_select`` into the slot) or scatter per chunk, over all layers
     at once when they share one storage; runs of consecutive block ids become slice copies.
-    CUDA: gather every block of the batch into one device staging buffer laid out like the
-    slots (one index kernel), then one async DMA per slot into pinned memory; h2d reverses it.
+    CUDA: gather the blocks of as many slots as fit ``staging_bytes`` into a device staging
+    buffer laid out like the slots (one index kernel), then one async DMA per slot into pinned
+    memory; h2d reverses it. Larger batches go through the same buffer piece by piece, in the
+    order of the lane's stream, so a piece never overwrites staging a copy still reads.
     """
 
     name = BackendName.TORCH
 
-    def __init__(self) -> None:
-        self._layouts: dict[tuple[int, int], _CopyLayout] = {}
-        # One staging buffer per direction: the d2h and h2d lanes run concurrently.
-        self._staging: dict[str, torch.Tensor] = {}
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self._layouts: LayoutCache[_CopyLayout] = LayoutCache(_CopyLayout)
+        # One staging buffer and index uploader per direction: d2h and h2d lanes run at once.
+        self._staging = {d: StagingBuffer(staging_bytes) for d in ("d2h", "h2d")}
+        self._uploads: dict[str, IndexUploader] = {}
 
     def layout(self, dev: KVViews, host: HostPool) -> _CopyLayout:
-        key = (id(dev), id(host))
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = _CopyLayout(dev, host)
-        return layout
+        return self._layouts.get(dev, host)
 
     # ------------------------------------------------------------------ CPU
 
@@ -107,7 +115,7 @@ class TorchCopyBackend(CopyBackend):
         layout = self.layout(dev, host)
         check_pairs(dev, host, layout.chunk_blocks, pairs)
         if not layout.on_cpu:
-            return self._d2h_cuda(layout, dev, host, pairs)
+            return self._d2h_staged(layout, dev, host, pairs)
         stacked, pool, take = layout.np_stacked, layout.np_pool, layout.take_stacked
         for slot, first, ids in pairs:
             n = len(ids)
@@ -143,7 +151,7 @@ class TorchCopyBackend(CopyBackend):
         layout = self.layout(dev, host)
         check_pairs(dev, host, layout.chunk_blocks, pairs)
         if not layout.on_cpu:
-            return self._h2d_cuda(layout, dev, host, pairs)
+            return self._h2d_staged(layout, dev, host, pairs)
         stacked, pool = layout.np_stacked, layout.np_pool
         for slot, first, ids in pairs:
             n = len(ids)
@@ -159,32 +167,45 @@ class TorchCopyBackend(CopyBackend):
             for rows, pool_l in zip(layout.np_rows, layout.np_pools, strict=True):
                 rows[target] = pool_l[slot, first : first + n]
 
-    # ------------------------------------------------------------------ CUDA
+    # ------------------------------------------------------------------ CUDA (any device)
 
-    def _staging_for(
-        self, direction: str, layout: _CopyLayout, count: int, device: torch.device
-    ) -> torch.Tensor:
-        """(count, payload) staging in slot layout; reused across calls of one lane (the lane
-        waits for each batch before issuing the next, so no copy still reads it)."""
-        need = count * layout.payload_elems
-        staging = self._staging.get(direction)
-        if staging is None or staging.numel() < need or staging.dtype != layout.dtype:
-            staging = self._staging[direction] = torch.empty(
-                max(need, 1), dtype=layout.dtype, device=device
-            )
-        return staging[:need].view(count, layout.payload_elems)
+    def _index_table(
+        self, direction: str, pairs: Sequence[Pair], per_piece: int, device: torch.device
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """(3, M) on ``device``: per moved block its pair's place in its piece, its slot
+        position and its device block; with each pair's first column. One upload per call."""
+        counts = np.fromiter((len(ids) for _, _, ids in pairs), dtype=np.int64, count=len(pairs))
+        starts = np.zeros(len(pairs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        total = int(starts[-1])
+        firsts = np.fromiter((f for _, f, _ in pairs), dtype=np.int64, count=len(pairs))
+        table = np.empty((3, total), dtype=np.int64)
+        table[0] = np.repeat(np.arange(len(pairs), dtype=np.int64) % per_piece, counts)
+        table[1] = np.arange(total, dtype=np.int64) + np.repeat(firsts - starts[:-1], counts)
+        table[2] = np.fromiter((b for _, _, ids in pairs for b in ids), dtype=np.int64, count=total)
+        uploader = self._uploads.get(direction)
+        if uploader is None:
+            uploader = self._uploads[direction] = IndexUploader(pin=device.type == "cuda")
+        out = torch.empty((3, total), dtype=torch.int64, device=device)
+        return uploader.upload(table, out), starts
 
-    @staticmethod
-    def _indices(pairs: Sequence[Pair], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(pair index, slot position, device block) per moved block, uploaded in one copy."""
-        kk, pos, blocks = [], [], []
-        for k, (_, first, ids) in enumerate(pairs):
-            kk.extend([k] * len(ids))
-            pos.extend(range(first, first + len(ids)))
-            blocks.extend(ids)
-        table = torch.tensor([kk, pos, blocks], dtype=torch.int64).pin_memory()
-        on_device = table.to(device, non_blocking=True)
-        return on_device[0], on_device[1], on_device[2]
+    def _pieces(
+        self, direction: str, layout: _CopyLayout, pairs: Sequence[Pair], device: torch.device
+    ) -> Iterator[tuple[Sequence[Pair], torch.Tensor, torch.Tensor]]:
+        """(pairs, staging (count, payload), indices (3, m)) per piece that fits the bound."""
+        staging_buffer = self._staging[direction]
+        slot_bytes = layout.payload_elems * layout.width
+        per_piece = staging_buffer.pieces(slot_bytes)
+        table, starts = self._index_table(direction, pairs, per_piece, device)
+        try:
+            for a in range(0, len(pairs), per_piece):
+                piece = pairs[a : a + per_piece]
+                count = len(piece)
+                staging = staging_buffer.take(count * slot_bytes, device)
+                staging = staging.view(layout.dtype).view(count, layout.payload_elems)
+                yield piece, staging, table[:, int(starts[a]) : int(starts[a + count])]
+        finally:
+            staging_buffer.release(device)
 
     def _layer_views(self, layout: _CopyLayout, dev: KVViews, staging: torch.Tensor) -> list[torch.Tensor]:
         """Staging viewed per layer as (count, C, block_elems)."""
@@ -195,44 +216,44 @@ class TorchCopyBackend(CopyBackend):
             views.append(staging[:, start : start + size].view(staging.shape[0], layout.chunk_blocks, bb // w))
         return views
 
-    def _d2h_cuda(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _d2h_staged(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
-        count = len(pairs)
-        staging = self._staging_for("d2h", layout, count, device)
-        kk, pos, blocks = self._indices(pairs, device)
-        if layout.stacked is not None:
-            L = dev.num_layers
-            layers = torch.arange(L, device=device).view(1, L)
-            gathered = layout.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
-            st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
-            st.index_put_((kk, pos), gathered)
-        else:
-            for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
-                st.index_put_((kk, pos), rows.index_select(0, blocks))
         w = layout.width
-        for k, (slot, first, ids) in enumerate(pairs):
-            n = len(ids)
-            if first == 0 and n == layout.chunk_blocks:
+        for piece, staging, (kk, pos, blocks) in self._pieces("d2h", layout, pairs, device):
+            count = len(piece)
+            if layout.stacked is not None:
+                L = dev.num_layers
+                layers = torch.arange(L, device=device).view(1, L)
+                gathered = layout.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
+                st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
+                st.index_put_((kk, pos), gathered)
+            else:
+                for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
+                    st.index_put_((kk, pos), rows.index_select(0, blocks))
+            for k, (slot, first, ids) in enumerate(piece):
+                n = len(ids)
+                if n == 0:
+                    continue
                 plan_host = host.slot(slot).view(layout.dtype)
-                plan_host.copy_(staging[k], non_blocking=True)
-                continue
-            # A partial chunk: only its positions, per layer, so the rest of the slot stays.
-            for bb, off in zip(dev.block_bytes, layout.offsets, strict=True):
-                lo, hi = (off + first * bb) // w, (off + (first + n) * bb) // w
-                host.slot(slot).view(layout.dtype)[lo:hi].copy_(staging[k, lo:hi], non_blocking=True)
+                if first == 0 and n == layout.chunk_blocks:
+                    plan_host.copy_(staging[k], non_blocking=True)
+                    continue
+                # A partial chunk: only its positions, per layer, so the rest of the slot stays.
+                for bb, off in zip(dev.block_bytes, layout.offsets, strict=True):
+                    lo, hi = (off + first * bb) // w, (off + (first + n) * bb) // w
+                    plan_host[lo:hi].copy_(staging[k, lo:hi], non_blocking=True)
 
-    def _h2d_cuda(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _h2d_staged(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
-        count = len(pairs)
-        staging = self._staging_for("h2d", layout, count, device)
-        for k, (slot, _, _) in enumerate(pairs):
-            staging[k].copy_(host.slot(slot).view(layout.dtype), non_blocking=True)
-        kk, pos, blocks = self._indices(pairs, device)
-        if layout.stacked is not None:
-            L = dev.num_layers
-            layers = torch.arange(L, device=device).view(1, L)
-            st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
-            layout.stacked.index_put_((layers, blocks.view(-1, 1)), st[kk, pos])
-        else:
-            for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
-                rows.index_copy_(0, blocks, st[kk, pos])
+        for piece, staging, (kk, pos, blocks) in self._pieces("h2d", layout, pairs, device):
+            count = len(piece)
+            for k, (slot, _, _) in enumerate(piece):
+                staging[k].copy_(host.slot(slot).view(layout.dtype), non_blocking=True)
+            if layout.stacked is not None:
+                L = dev.num_layers
+                layers = torch.arange(L, device=device).view(1, L)
+                st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
+                layout.stacked.index_put_((layers, blocks.view(-1, 1)), st[kk, pos])
+            else:
+                for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
+                    rows.index_copy_(0, blocks, st[kk, pos])

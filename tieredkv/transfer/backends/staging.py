@@ -1,0 +1,145 @@
+"""Reusable buffers for the CUDA copy paths, each safe against reuse while a copy still reads it.
+
+- :class:`IndexUploader`: pinned host buffers for the index tables a batch uploads. Page-locking
+  per batch (``tensor.pin_memory()``) is an allocation plus a page-lock on the hot path; these
+  buffers are allocated once, grown geometrically, and a buffer is written again only after
+  the copy that read it has completed (its event, waited for on the host).
+- :class:`StagingBuffer`: one device buffer of bounded size that a copy moves through piece by
+  piece, instead of a buffer as large as the whole batch that is never given back. Reuse from
+  another stream waits (on the device) for the last use to finish.
+
+On CPU every copy is done when it returns: no events, nothing pinned.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class Event(Protocol):
+    """What is needed of a CUDA event (a test double stands in on CPU)."""
+
+    def record(self, stream: object = None) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+EventFactory = Callable[[torch.device], Event | None]
+
+
+def cuda_event(device: torch.device) -> Event | None:
+    """An event recorded where ``device``'s current stream is now; None on CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class IndexUploader:
+    """Copies int64 index tables to the device through reused pinned host buffers.
+
+    ``count`` buffers take turns, so a batch need not wait for the upload of the one before
+    it; a buffer whose upload may still be in flight is waited for before it is written.
+    """
+
+    def __init__(
+        self, pin: bool, *, count: int = 2, min_elems: int = 1024,
+        new_event: EventFactory = cuda_event,
+    ) -> None:
+        self._pin = pin
+        self._min = min_elems
+        self._new_event = new_event
+        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._events: list[Event | None] = [None] * count
+        self._next = 0
+        self._lock = threading.Lock()  # lanes are threads; a backend may serve two
+        self.allocations = 0  # buffers made so far (reuse keeps it flat)
+
+    def capacities(self) -> list[int]:
+        return [0 if b is None else b.numel() for b in self._buffers]
+
+    def _free_index(self) -> int:
+        """A buffer no copy reads any more: one already done, else the oldest, waited for."""
+        count = len(self._buffers)
+        for step in range(count):
+            i = (self._next + step) % count
+            event = self._events[i]
+            if event is None or event.query():
+                return i
+        i = self._next
+        event = self._events[i]
+        assert event is not None
+        event.synchronize()
+        return i
+
+    def upload(self, values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """Copy ``values`` (int64, ``out.numel()`` of them) into ``out``; asynchronous on CUDA."""
+        n = int(values.size)
+        if n != out.numel():
+            raise ValueError(f"{n} index values for a destination of {out.numel()}")
+        with self._lock:
+            i = self._free_index()
+            self._events[i] = None  # done: no copy reads it any more
+            buffer = self._buffers[i]
+            if buffer is None or buffer.numel() < n:
+                size = max(n, 2 * (0 if buffer is None else buffer.numel()), self._min)
+                buffer = self._buffers[i] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+                self.allocations += 1
+            host = buffer[:n]
+            host.numpy()[:] = values.reshape(-1)
+            out.view(-1).copy_(host, non_blocking=True)
+            self._events[i] = self._new_event(out.device)
+            self._next = (i + 1) % len(self._buffers)
+        return out
+
+
+class StagingBuffer:
+    """A device buffer of at most ``limit_bytes`` (or one piece, if a piece is larger).
+
+    A copy takes it with :meth:`take` and gives it back with :meth:`release` after issuing its
+    last use. Pieces of one call reuse it in the order of their one stream; a later call on
+    another stream first makes that stream wait for the last use (a device-side wait).
+    """
+
+    def __init__(self, limit_bytes: int, new_event: EventFactory = cuda_event) -> None:
+        if limit_bytes <= 0:
+            raise ValueError(f"staging limit must be > 0 bytes, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self._new_event = new_event
+        self._buffer: torch.Tensor | None = None
+        self._event: Event | None = None
+        self.allocations = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def pieces(self, piece_bytes: int) -> int:
+        """How many pieces of ``piece_bytes`` fit the bound (at least one)."""
+        return max(1, self.limit_bytes // piece_bytes)
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of uint8 staging on ``device``, free of any earlier copy."""
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < nbytes or buffer.device != device:
+            if self._event is not None:
+                self._event.synchronize()  # the old buffer goes only once nothing reads it
+                self._event = None
+            size = max(nbytes, min(self.limit_bytes, 2 * self.capacity_bytes))
+            buffer = self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            self.allocations += 1
+        elif self._event is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self._event)  # type: ignore[arg-type]
+        return buffer[:nbytes]
+
+    def release(self, device: torch.device) -> None:
+        """The last use of the buffer has been issued on ``device``'s current stream."""
+        self._event = self._new_event(device)
