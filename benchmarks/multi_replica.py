@@ -1,6 +1,6 @@
 """Two vLLM replicas behind a round-robin client: a shared remote tier against none.
 
-Workload: serve_bench's multi-turn long-context chat (:class:`benchmarks.serve_bench.ChatWorkload`,
+Workload: serve_bench's multi-turn long-context chat (:class:`benchmarks.serve.workload.ChatWorkload`,
 same seeded conversations, think times and streamed greedy completions), with random lengths:
 the system prompt is no multiple of the block or the chunk and every user turn is trimmed to
 a seeded random length, so prompt lengths are not chunk-aligned. The users of one level chat
@@ -59,23 +59,19 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
-from benchmarks.serve_bench import (
+from benchmarks.serve.client import run_level
+from benchmarks.serve.judging import level_summary, metric_sum
+from benchmarks.serve.servers import apply_server_env, enough_memory_for, server_args, start_servers
+from benchmarks.serve.workload import (
     CHUNK_TOKENS,
     DTYPE,
     DTYPE_BYTES,
     MODEL,
     ChatWorkload,
     Conversation,
-    apply_server_env,
     chunks_of,
     device_blocks,
-    enough_memory_for,
-    level_summary,
     make_conversations,
-    metric_sum,
-    run_level,
-    server_args,
-    start_servers,
 )
 from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
 

@@ -82,7 +82,9 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
-from benchmarks.serve_bench import apply_server_env, metric_sum, start_servers, stream_completion
+from benchmarks.serve.client import stream_completion
+from benchmarks.serve.judging import metric_sum
+from benchmarks.serve.servers import apply_server_env, start_servers
 from tieredkv.disk.layout import journal_path, manifest_path, payload_offset, slab_path, slot_stride
 from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
 

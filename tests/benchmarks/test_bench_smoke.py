@@ -10,55 +10,56 @@ import random
 
 import pytest
 
-from benchmarks import common, serve_bench, soak
+from benchmarks import common, soak
+from benchmarks.serve import judging, workload
 from tieredkv.disk.layout import payload_offset, slab_path, slot_stride
 
 # ---------------------------------------------------------------------------- serve_bench
 
 
 def test_workload_is_deterministic_and_shaped():
-    spec = serve_bench.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=7)
-    a = serve_bench.make_conversations(spec, 4)
-    b = serve_bench.make_conversations(spec, 4)
+    spec = workload.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=7)
+    a = workload.make_conversations(spec, 4)
+    b = workload.make_conversations(spec, 4)
     assert a == b
     assert [c.user for c in a] == [0, 1, 2, 3]
     assert all(len(c.user_texts) == 3 and all(len(t) == 16 for t in c.user_texts) for c in a)
     assert len({c.user_texts for c in a}) == 4  # users differ
-    assert serve_bench.make_conversations(spec, 2)[0] != a[0]  # levels get fresh conversations
-    assert serve_bench.system_prompt(spec) == serve_bench.system_prompt(spec)
-    assert len(serve_bench.system_prompt(spec)) == 64
-    other = serve_bench.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=8)
-    assert serve_bench.make_conversations(other, 1) != serve_bench.make_conversations(spec, 1)
+    assert workload.make_conversations(spec, 2)[0] != a[0]  # levels get fresh conversations
+    assert workload.system_prompt(spec) == workload.system_prompt(spec)
+    assert len(workload.system_prompt(spec)) == 64
+    other = workload.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=8)
+    assert workload.make_conversations(other, 1) != workload.make_conversations(spec, 1)
     think = [t for c in a for t in c.think_s]
     assert all(0 <= t <= 3 * spec.think_mean_s for t in think)
     assert all(lo <= tok < hi for c in a for text in c.user_texts for tok in text
-               for lo, hi in [serve_bench.VOCAB])
+               for lo, hi in [workload.VOCAB])
 
 
 def test_prompt_lengths_and_device_sizing():
-    spec = serve_bench.ChatWorkload(system_tokens=1024, user_tokens=192, reply_tokens=32, turns=4)
+    spec = workload.ChatWorkload(system_tokens=1024, user_tokens=192, reply_tokens=32, turns=4)
     assert spec.prompt_tokens(0) == 1024 + 192
     assert spec.prompt_tokens(3) == 1024 + 4 * 192 + 3 * 32
     assert spec.conversation_tokens() == spec.prompt_tokens(3) + 32
-    blocks = serve_bench.conversation_blocks(spec, 32)
+    blocks = workload.conversation_blocks(spec, 32)
     assert blocks == math.ceil(spec.conversation_tokens() / 32)
     # The system prompt's 32 full blocks are shared by every user.
-    assert serve_bench.working_set_blocks(spec, 1, 32) == blocks
-    assert serve_bench.working_set_blocks(spec, 3, 32) == 32 + 3 * (blocks - 32)
-    n = serve_bench.device_blocks(spec, 2, 32)
-    assert not serve_bench.exceeds_device(spec, 1, n, 32)
-    assert not serve_bench.exceeds_device(spec, 2, n, 32)
-    assert serve_bench.exceeds_device(spec, 3, n, 32)
-    assert serve_bench.exceeds_device(spec, 4, n, 32)
-    assert serve_bench.chunks_of(spec, 1, 256) == spec.prompt_tokens(3) // 256
+    assert workload.working_set_blocks(spec, 1, 32) == blocks
+    assert workload.working_set_blocks(spec, 3, 32) == 32 + 3 * (blocks - 32)
+    n = workload.device_blocks(spec, 2, 32)
+    assert not workload.exceeds_device(spec, 1, n, 32)
+    assert not workload.exceeds_device(spec, 2, n, 32)
+    assert workload.exceeds_device(spec, 3, n, 32)
+    assert workload.exceeds_device(spec, 4, n, 32)
+    assert workload.chunks_of(spec, 1, 256) == spec.prompt_tokens(3) // 256
     assert common.kv_bytes_per_token({"hidden_size": 256, "num_layers": 4, "num_heads": 4,
                                       "num_kv_heads": 2}, 4) == 4096
-    assert common.kv_bytes_per_token(serve_bench.MODEL, serve_bench.DTYPE_BYTES) == 4096
+    assert common.kv_bytes_per_token(workload.MODEL, workload.DTYPE_BYTES) == 4096
     assert common.kv_bytes_per_token(soak.MODEL, soak.DTYPE_BYTES) == 4096
 
 
 def test_percentile_math():
-    p = serve_bench.percentile
+    p = judging.percentile
     assert math.isnan(p([], 50))
     assert p([5.0], 99) == 5.0
     assert p([1, 2, 3, 4], 50) == 2.5
@@ -73,7 +74,7 @@ def test_level_summary_and_hit_rates():
         {"ok": True, "turn": 1, "ttft_s": 0.4, "prompt_tokens": 200, "output": [1, 2]},
         {"ok": False, "turn": 2, "prompt_tokens": 300, "error": "x"},
     ]
-    s = serve_bench.level_summary(recs, 2.0)
+    s = judging.level_summary(recs, 2.0)
     assert s["completed"] == 2 and s["errors"] == 1
     assert s["ttft_p50_s"] == pytest.approx(0.3)
     assert s["ttft_p50_warm_s"] == pytest.approx(0.4)
@@ -92,13 +93,13 @@ def test_level_summary_and_hit_rates():
         'vllm:tieredkv_hit_tokens_total{engine="0",model_name="tiny",tier="disk"} 30.0',
         'vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 75.0',
     ])
-    h = serve_bench.hit_rates(before, after, 300)
+    h = judging.hit_rates(before, after, 300)
     assert h["device_rate"] == pytest.approx(100 / 300)
     assert h["tieredkv_host_rate"] == pytest.approx(50 / 300)
     assert h["tieredkv_disk_rate"] == pytest.approx(25 / 300)
     assert h["connector_rate"] == pytest.approx(75 / 300)
-    assert serve_bench.metric_sum(after, "vllm:tieredkv_hit_tokens_total") == 80.0
-    assert serve_bench.metric_sum(after, "vllm:tieredkv_hit_tokens") == 0.0  # no prefix matches
+    assert judging.metric_sum(after, "vllm:tieredkv_hit_tokens_total") == 80.0
+    assert judging.metric_sum(after, "vllm:tieredkv_hit_tokens") == 0.0  # no prefix matches
 
 
 def test_judge_targets():
@@ -111,13 +112,13 @@ def test_judge_targets():
         "tieredkv_host": {1: r(0.2), 4: r(0.5)},
         "tieredkv_disk": {1: r(0.2), 4: r(1.2)},
     }
-    rows = serve_bench.judge(results, [4])
+    rows = judging.judge(results, [4])
     by = {(x["config"], x["target"].split()[4]): x["verdict"] for x in rows}
     assert len(rows) == 4
     assert by[("tieredkv_host", "better")] == "PASS"  # 4x
     assert by[("tieredkv_disk", "better")] == "FAIL"  # 1.67x
     assert [x["verdict"] for x in rows if "every" in x["target"]] == ["PASS", "FAIL"]
-    missing = serve_bench.judge({"no_cache": {}, "tieredkv_host": {4: r(0.5)}}, [4])
+    missing = judging.judge({"no_cache": {}, "tieredkv_host": {4: r(0.5)}}, [4])
     assert {x["verdict"] for x in missing} == {"n/a"}
 
 

@@ -7,23 +7,11 @@ No engine is started; nothing here judges a timing.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 
 import pytest
 
-ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-@pytest.fixture(scope="module")
-def e2e():
-    had, old = ENV in os.environ, os.environ.get(ENV)
-    module = importlib.import_module("benchmarks.e2e_ttft")
-    if had:
-        os.environ[ENV] = old  # type: ignore[assignment]
-    else:
-        os.environ.pop(ENV, None)
-    return module
+from benchmarks.ttft import judging, workload
+from benchmarks.ttft import specs as ttft_specs
 
 
 def args(**kw) -> argparse.Namespace:
@@ -31,48 +19,48 @@ def args(**kw) -> argparse.Namespace:
                                  "recompute_repeats": None, **kw})
 
 
-def test_hybrid_geometry_alternates_with_a_window_below_the_chunk(e2e):
-    assert len(e2e.HYBRID_LAYER_TYPES) == e2e.MODEL["num_layers"]
-    assert e2e.HYBRID_LAYER_TYPES[:2] == ["sliding_attention", "full_attention"]
-    assert e2e.HYBRID_WINDOW < e2e.CHUNK_TOKENS
+def test_hybrid_geometry_alternates_with_a_window_below_the_chunk():
+    assert len(workload.HYBRID_LAYER_TYPES) == workload.MODEL["num_layers"]
+    assert workload.HYBRID_LAYER_TYPES[:2] == ["sliding_attention", "full_attention"]
+    assert workload.HYBRID_WINDOW < workload.CHUNK_TOKENS
 
 
-def test_hybrid_hit_is_whole_chunks_never_more_than_vllms_hit(e2e):
-    assert e2e.hybrid_hit(4000) == 3584 < e2e.prefix_hit(4000) == 3968
-    assert e2e.hybrid_hit(3676) == 3584 < e2e.prefix_hit(3676) == 3648
-    assert e2e.hybrid_hit(1024) == e2e.prefix_hit(1024) == 992
-    assert e2e.hybrid_hit(511) == 0
+def test_hybrid_hit_is_whole_chunks_never_more_than_vllms_hit():
+    assert workload.hybrid_hit(4000) == 3584 < workload.prefix_hit(4000) == 3968
+    assert workload.hybrid_hit(3676) == 3584 < workload.prefix_hit(3676) == 3648
+    assert workload.hybrid_hit(1024) == workload.prefix_hit(1024) == 992
+    assert workload.hybrid_hit(511) == 0
 
 
-def test_hybrid_host_slots_hold_one_prompts_whole_chunks(e2e):
-    assert e2e.hybrid_host_slots({"A": 4000, "B": 3676}) == 7
-    assert e2e.hybrid_host_slots({"A": 1100, "B": 2100}) == 4
+def test_hybrid_host_slots_hold_one_prompts_whole_chunks():
+    assert workload.hybrid_host_slots({"A": 4000, "B": 3676}) == 7
+    assert workload.hybrid_host_slots({"A": 1100, "B": 2100}) == 4
 
 
-def test_hybrid_kv_bytes_counts_the_sliding_layers_window_only(e2e):
+def test_hybrid_kv_bytes_counts_the_sliding_layers_window_only():
     per_layer_token = 8192 // 8  # bf16, 4 KV heads of 64, K and V
     full_layers, sliding_layers = 4, 4
     # window 256, block 32: 8 of a chunk's 16 blocks for each sliding layer
-    assert e2e.hybrid_kv_bytes(3584) == (full_layers * 3584 + sliding_layers * 7 * 256) * per_layer_token
+    assert workload.hybrid_kv_bytes(3584) == (full_layers * 3584 + sliding_layers * 7 * 256) * per_layer_token
     # a window of a whole chunk or more: every block, as full attention
-    assert e2e.hybrid_kv_bytes(1024, window=600) == 1024 * 8192
-    assert e2e.hybrid_kv_bytes(1024, layer_types=["full_attention"] * 8) == 1024 * 8192
+    assert workload.hybrid_kv_bytes(1024, window=600) == 1024 * 8192
+    assert workload.hybrid_kv_bytes(1024, layer_types=["full_attention"] * 8) == 1024 * 8192
 
 
-def test_hybrid_specs_use_the_hybrid_model_and_one_prompts_whole_chunks(e2e, tmp_path):
+def test_hybrid_specs_use_the_hybrid_model_and_one_prompts_whole_chunks(tmp_path):
     lengths = {"A": 4000, "B": 3676}
-    without = e2e.build_specs(args(), tmp_path / "model", tmp_path, lengths)
-    assert not set(e2e.HYBRID_CONFIGS) & set(without)
-    specs = e2e.build_specs(args(), tmp_path / "model", tmp_path, lengths, None, tmp_path / "hyb")
-    assert set(without) | set(e2e.HYBRID_CONFIGS) == set(specs)
-    for config in e2e.HYBRID_CONFIGS:
+    without = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, lengths)
+    assert not set(workload.HYBRID_CONFIGS) & set(without)
+    specs = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, lengths, None, tmp_path / "hyb")
+    assert set(without) | set(workload.HYBRID_CONFIGS) == set(specs)
+    for config in workload.HYBRID_CONFIGS:
         assert specs[config]["model"] == str(tmp_path / "hyb")
         assert specs[config]["config"] == config
         assert specs[config]["round"] == specs[config.removeprefix("hybrid_")]["round"]
     assert specs["vllm_prefix"]["model"] == str(tmp_path / "model")
     assert "kv_transfer_config" not in specs["hybrid_vllm_prefix"]
     extra = specs["hybrid_tieredkv_disk"]["kv_transfer_config"]["kv_connector_extra_config"]
-    assert extra["host_bytes"] == 7 * e2e.CHUNK_TOKENS * 8192
+    assert extra["host_bytes"] == 7 * workload.CHUNK_TOKENS * 8192
     assert extra["disk_path"] != specs["tieredkv_disk"]["kv_transfer_config"][
         "kv_connector_extra_config"]["disk_path"]
 
@@ -82,20 +70,20 @@ def record(label: str, prompt: str, cached: int, seconds: float = 1.0, **tk) -> 
             "tieredkv": tk, "forward_s": seconds / 2}
 
 
-def test_a_hybrid_hit_is_checked_against_the_chunk_aligned_length(e2e):
+def test_a_hybrid_hit_is_checked_against_the_chunk_aligned_length():
     expected_hit = {"A": 3968, "B": 3648}
     expected_hybrid = {"A": 3584, "B": 3584}
     good = {"records": [record("hit0", "A", 3584, hit_tokens_disk=3584),
                         record("hosthit0", "A", 3584, hit_tokens_host=3584)]}
-    row = e2e.summarize("hybrid_tieredkv_disk", good, expected_hit, None, expected_hybrid)
+    row = judging.summarize("hybrid_tieredkv_disk", good, expected_hit, None, expected_hybrid)
     assert row["hit_ok"] and row["host_hits_same_engine"]["hit_ok"]
     # a hit that did not happen (or not from the tier) is a FAIL
     for bad in (record("hit0", "A", 0), record("hit0", "A", 3584, hit_tokens_host=3584)):
-        row = e2e.summarize("hybrid_tieredkv_disk", {"records": [bad]}, expected_hit, None,
+        row = judging.summarize("hybrid_tieredkv_disk", {"records": [bad]}, expected_hit, None,
                             expected_hybrid)
         assert not row["hit_ok"] and row["problems"]
     # the hybrid floor: vLLM's own prefix-cache hit
-    floor = e2e.summarize("hybrid_vllm_prefix", {"records": [record("hit0", "B", 3648)]},
+    floor = judging.summarize("hybrid_vllm_prefix", {"records": [record("hit0", "B", 3648)]},
                           expected_hit, None, expected_hybrid)
     assert floor["hit_ok"]
 
@@ -105,11 +93,11 @@ def _row(median: float, overhead: float, ok: bool = True) -> dict:
             "hit_ok": ok, "problems": [] if ok else ["num_cached_tokens wrong"]}
 
 
-def test_hybrid_verdicts_pass_miss_and_equal_compute(e2e):
+def test_hybrid_verdicts_pass_miss_and_equal_compute():
     rows = {"hybrid_vllm_prefix": _row(0.2, 0.01),
             "hybrid_tieredkv_host": _row(2.0, 0.02),  # long tail forward, cheap load
             "hybrid_tieredkv_disk": _row(0.25, 0.1, ok=False)}
-    out = {v["config"]: v for v in e2e.hybrid_verdicts(rows, read_s=0.01)}
+    out = {v["config"]: v for v in judging.hybrid_verdicts(rows, read_s=0.01)}
     host, disk = out["hybrid_tieredkv_host"], out["hybrid_tieredkv_disk"]
     assert host["wall"]["limit_s"] == pytest.approx(0.26)
     assert not host["wall"]["pass"] and not host["pass"]
@@ -119,4 +107,4 @@ def test_hybrid_verdicts_pass_miss_and_equal_compute(e2e):
     assert disk["wall"]["limit_s"] == pytest.approx(1.3 * 0.21)
     assert not disk["wall"]["pass"] and not disk["equal_compute"]["pass"]  # no hit: FAIL
     assert "did not happen" in disk["note"]
-    assert e2e.hybrid_verdicts({}, 0.01) == []
+    assert judging.hybrid_verdicts({}, 0.01) == []

@@ -16,20 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-@pytest.fixture(scope="module")
-def e2e():
-    # The module sets VLLM_ENABLE_V1_MULTIPROCESSING=0 when imported (for its engines); keep
-    # it out of this process's environment, which later tests' servers inherit.
-    had, old = ENV in os.environ, os.environ.get(ENV)
-    module = importlib.import_module("benchmarks.e2e_ttft")
-    if had:
-        os.environ[ENV] = old  # type: ignore[assignment]
-    else:
-        os.environ.pop(ENV, None)
-    return module
+from benchmarks.ttft import judging, report, runner, workload
+from benchmarks.ttft import specs as ttft_specs
 
 
 @pytest.fixture(scope="module")
@@ -42,27 +30,27 @@ FLOOR = {"A": 3968, "B": 3648}
 LMCACHE = {"A": 3840, "B": 3584}
 
 
-def test_lmcache_hit_is_whole_256_token_chunks(e2e, peer):
+def test_lmcache_hit_is_whole_256_token_chunks(peer):
     assert peer.CHUNK_SIZE == 256
     # The quick prompts: 15 and 14 whole chunks, short of vLLM's hit by 128 and 64 tokens.
     for name, n in LENGTHS.items():
-        assert e2e.lmcache_hit(n, 256) == LMCACHE[name] < e2e.prefix_hit(n) == FLOOR[name]
-    assert e2e.lmcache_hit(2000, 256) == 1792 == (2000 - 1) // 256 * 256  # lmcache_smoke's prompt
-    assert e2e.lmcache_hit(8000, 256) == 7936
-    assert e2e.lmcache_hit(255, 256) == 0  # no whole chunk: nothing stored
+        assert workload.lmcache_hit(n, 256) == LMCACHE[name] < workload.prefix_hit(n) == FLOOR[name]
+    assert workload.lmcache_hit(2000, 256) == 1792 == (2000 - 1) // 256 * 256  # lmcache_smoke's prompt
+    assert workload.lmcache_hit(8000, 256) == 7936
+    assert workload.lmcache_hit(255, 256) == 0  # no whole chunk: nothing stored
     # Chunks covering the whole prompt: the connector leaves the last token to compute.
-    assert e2e.lmcache_hit(512, 256) == 511
+    assert workload.lmcache_hit(512, 256) == 511
     # Not tieredkv's chunk (512 tokens): LMCache's hit can be longer than the remote tier's.
-    assert e2e.lmcache_hit(4000, 256) > e2e.remote_hit(4000) == 3584
+    assert workload.lmcache_hit(4000, 256) > workload.remote_hit(4000) == 3584
 
 
-def test_llm_kwargs_from_lmcache_flags(e2e, peer):
+def test_llm_kwargs_from_lmcache_flags(peer):
     _, _, flags = peer.vllm_settings(1234)
-    kwargs, not_applied = e2e.lmcache_llm_kwargs(flags)
+    kwargs, not_applied = workload.lmcache_llm_kwargs(flags)
     assert kwargs == {"disable_hybrid_kv_cache_manager": True}
     assert not_applied == ["--no-enable-prefix-caching"]  # prefix cache on, reset per hit
     with pytest.raises(ValueError, match="--kv-offloading-size"):
-        e2e.lmcache_llm_kwargs([*flags, "--kv-offloading-size"])
+        workload.lmcache_llm_kwargs([*flags, "--kv-offloading-size"])
 
 
 def args(**kw) -> argparse.Namespace:
@@ -70,23 +58,23 @@ def args(**kw) -> argparse.Namespace:
                                  "recompute_repeats": None, **kw})
 
 
-def lmcache_row(e2e, peer, tmp_path: Path, python: str = "/peer/venv/bin/python"):
-    server = peer.LMCacheServer(budget_bytes=e2e.host_tier_bytes(LENGTHS),
+def lmcache_row(peer, tmp_path: Path, python: str = "/peer/venv/bin/python"):
+    server = peer.LMCacheServer(budget_bytes=workload.host_tier_bytes(LENGTHS),
                                 log_path=tmp_path / "lmcache_server.log", python=Path(python))
-    info = e2e.lmcache_peer(server, python, peer.LMCACHE_VERSION)
-    specs = e2e.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS, lmcache=info)
+    info = ttft_specs.lmcache_peer(server, python, peer.LMCACHE_VERSION)
+    specs = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS, lmcache=info)
     return server, info, specs
 
 
-def test_spec_uses_the_peer_python_and_row_4s_budget(e2e, peer, tmp_path):
-    without = e2e.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS)
-    assert e2e.LMCACHE_CONFIG not in without
-    server, info, specs = lmcache_row(e2e, peer, tmp_path)
-    assert set(specs) == set(without) | {e2e.LMCACHE_CONFIG}
-    spec, host = specs[e2e.LMCACHE_CONFIG], specs["tieredkv_host"]
+def test_spec_uses_the_peer_python_and_row_4s_budget(peer, tmp_path):
+    without = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS)
+    assert workload.LMCACHE_CONFIG not in without
+    server, info, specs = lmcache_row(peer, tmp_path)
+    assert set(specs) == set(without) | {workload.LMCACHE_CONFIG}
+    spec, host = specs[workload.LMCACHE_CONFIG], specs["tieredkv_host"]
     host_bytes = host["kv_transfer_config"]["kv_connector_extra_config"]["host_bytes"]
     # The same memory budget as row 4: the server's L1 size, in bytes, and on its command line.
-    assert host_bytes == e2e.host_tier_bytes(LENGTHS) == server.budget_bytes
+    assert host_bytes == workload.host_tier_bytes(LENGTHS) == server.budget_bytes
     assert spec["lmcache_budget_bytes"] == info["budget_bytes"] == host_bytes
     command = server.command()
     assert command[0] == "/peer/venv/bin/python"
@@ -105,20 +93,20 @@ def test_spec_uses_the_peer_python_and_row_4s_budget(e2e, peer, tmp_path):
     # plugin entry point that the peer's vLLM would otherwise load).
     sys_path = Path(spec["cwd"])
     assert [p.name for p in sys_path.iterdir()] == ["benchmarks"]
-    assert (sys_path / "benchmarks").resolve() == e2e.HERE
+    assert (sys_path / "benchmarks").resolve() == workload.HERE
     # Measured as row 4: the same prompts, engine size, set-up and rounds, prefix cache on.
     for key in ("prompts", "model", "max_model_len", "kv_cache_memory_bytes", "setup", "round",
                 "prefix_caching"):
         assert spec[key] == host[key], key
-    assert [p["kind"] for p in e2e.round_phases(spec, 1)] == ["reset_prefix", "generate", "drain",
+    assert [p["kind"] for p in ttft_specs.round_phases(spec, 1)] == ["reset_prefix", "generate", "drain",
                                                              "generate"]
-    assert [p["label"] for p in e2e.round_phases(spec, 1) if "label" in p] == ["hit1", "pfloor1"]
-    assert e2e.LMCACHE_CONFIG not in e2e.OWN_ROUND_NUMBERS  # numbered on, as row 4
+    assert [p["label"] for p in ttft_specs.round_phases(spec, 1) if "label" in p] == ["hit1", "pfloor1"]
+    assert workload.LMCACHE_CONFIG not in ttft_specs.OWN_ROUND_NUMBERS  # numbered on, as row 4
     # Building twice in one work dir (the link exists) is fine.
-    e2e.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS, lmcache=info)
+    ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS, lmcache=info)
 
 
-def test_engine_starts_the_child_with_the_specs_python(e2e, peer, tmp_path):
+def test_engine_starts_the_child_with_the_specs_python(peer, tmp_path):
     """Engine runs ``<python> -m benchmarks.e2e_ttft --child SPEC`` from the spec's cwd, with
     its env on top of the parent's (a stand-in python records what it got)."""
     fake = tmp_path / "python"
@@ -126,9 +114,9 @@ def test_engine_starts_the_child_with_the_specs_python(e2e, peer, tmp_path):
     fake.write_text("#!/bin/sh\nprintf '{\"argv\": \"%s\", \"cwd\": \"%s\", \"pythonpath\": \"%s\", "
                     f"\"banner\": \"%s\"}}' \"$*\" \"$PWD\" \"$PYTHONPATH\" \"$LMCACHE_DISABLE_BANNER\" > {record}\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    _, _, specs = lmcache_row(e2e, peer, tmp_path, str(fake))
-    spec = {**specs[e2e.LMCACHE_CONFIG], "log": str(tmp_path / "child.log")}
-    engine = e2e.Engine(spec, {"PATH": os.environ.get("PATH", ""), "PARENT": "1"}, progress=None)
+    _, _, specs = lmcache_row(peer, tmp_path, str(fake))
+    spec = {**specs[workload.LMCACHE_CONFIG], "log": str(tmp_path / "child.log")}
+    engine = runner.Engine(spec, {"PATH": os.environ.get("PATH", ""), "PARENT": "1"}, progress=None)
     try:
         assert engine.proc.wait(timeout=30) == 0
         got = json.loads(record.read_text())
@@ -156,33 +144,33 @@ def rounds(hits: dict[str, int], seconds: float = 0.05, n: int = 4, tieredkv: bo
     return {"records": records}
 
 
-def test_summarize_checks_the_chunk_aligned_hit_not_equal_hits(e2e):
-    row = e2e.summarize(e2e.LMCACHE_CONFIG, rounds(LMCACHE), FLOOR, expected_lmcache=LMCACHE)
+def test_summarize_checks_the_chunk_aligned_hit_not_equal_hits():
+    row = judging.summarize(workload.LMCACHE_CONFIG, rounds(LMCACHE), FLOOR, expected_lmcache=LMCACHE)
     assert row["hit_ok"] and not row["problems"]
     assert row["hit_tokens_by_prompt"] == {"A": [3840, 3840], "B": [3584, 3584]}
     assert row["paired_floor"]["hit_ok"]  # the same-engine floor hits vLLM's full prefix hit
     assert "tieredkv_counters" not in row
     # The floor's (longer) hit is not what LMCache stores: it fails, as does a miss.
     for hits in (FLOOR, {"A": 0, "B": 0}):
-        row = e2e.summarize(e2e.LMCACHE_CONFIG, rounds(hits), FLOOR, expected_lmcache=LMCACHE)
+        row = judging.summarize(workload.LMCACHE_CONFIG, rounds(hits), FLOOR, expected_lmcache=LMCACHE)
         assert not row["hit_ok"] and "LMCache's whole-chunk hit" in row["problems"][0]
 
 
-def test_server_check_counts_what_the_hits_took(e2e):
-    row = e2e.summarize(e2e.LMCACHE_CONFIG, rounds(LMCACHE), FLOOR, expected_lmcache=LMCACHE)
+def test_server_check_counts_what_the_hits_took():
+    row = judging.summarize(workload.LMCACHE_CONFIG, rounds(LMCACHE), FLOOR, expected_lmcache=LMCACHE)
     taken = 2 * 3840 + 2 * 3584
-    assert e2e.lmcache_server_check(row, {"stored_tokens": 7424, "retrieved_tokens": taken}) == []
-    short = e2e.lmcache_server_check(row, {"stored_tokens": 7424, "retrieved_tokens": taken - 256})
+    assert judging.lmcache_server_check(row, {"stored_tokens": 7424, "retrieved_tokens": taken}) == []
+    short = judging.lmcache_server_check(row, {"stored_tokens": 7424, "retrieved_tokens": taken - 256})
     assert short and "not the 14848" in short[0]
-    assert e2e.lmcache_server_check(row, {"stored_tokens": 7424, "retrieved_tokens": taken + 256})
-    assert e2e.lmcache_server_check(row, None)
+    assert judging.lmcache_server_check(row, {"stored_tokens": 7424, "retrieved_tokens": taken + 256})
+    assert judging.lmcache_server_check(row, None)
 
 
-def test_comparison_is_info_and_needs_both_hits(e2e):
-    host = e2e.summarize("tieredkv_host", rounds(FLOOR, 0.05, tieredkv=True), FLOOR)
-    peer_row = e2e.summarize(e2e.LMCACHE_CONFIG, rounds(LMCACHE, 0.10), FLOOR, expected_lmcache=LMCACHE)
-    assert e2e.lmcache_comparison({"tieredkv_host": host}) is None
-    out = e2e.lmcache_comparison({"tieredkv_host": host, e2e.LMCACHE_CONFIG: peer_row})
+def test_comparison_is_info_and_needs_both_hits():
+    host = judging.summarize("tieredkv_host", rounds(FLOOR, 0.05, tieredkv=True), FLOOR)
+    peer_row = judging.summarize(workload.LMCACHE_CONFIG, rounds(LMCACHE, 0.10), FLOOR, expected_lmcache=LMCACHE)
+    assert judging.lmcache_comparison({"tieredkv_host": host}) is None
+    out = judging.lmcache_comparison({"tieredkv_host": host, workload.LMCACHE_CONFIG: peer_row})
     assert out["tieredkv_host_over_lmcache"] == pytest.approx(0.5)
     assert out["by_prompt"]["A"] == {"tieredkv_host_hit_tokens": 3968, "lmcache_hit_tokens": 3840,
                                      "lmcache_fewer_tokens": 128,
@@ -190,29 +178,29 @@ def test_comparison_is_info_and_needs_both_hits(e2e):
     assert out["by_prompt"]["B"]["lmcache_fewer_tokens"] == 64
     assert out["text"].startswith("info (no target")
     assert "= 0.50" in out["text"] and "LMCache 128 fewer" in out["text"]
-    missed = e2e.summarize(e2e.LMCACHE_CONFIG, rounds(FLOOR, 0.10), FLOOR, expected_lmcache=LMCACHE)
-    out = e2e.lmcache_comparison({"tieredkv_host": host, e2e.LMCACHE_CONFIG: missed})
+    missed = judging.summarize(workload.LMCACHE_CONFIG, rounds(FLOOR, 0.10), FLOOR, expected_lmcache=LMCACHE)
+    out = judging.lmcache_comparison({"tieredkv_host": host, workload.LMCACHE_CONFIG: missed})
     assert out["tieredkv_host_over_lmcache"] is None and not out["hits_ok"]
     assert "no ratio, LMCache's hits did not happen" in out["text"]
 
 
-def test_report_states_the_settings_and_skips(e2e, peer, tmp_path):
-    _, info, _ = lmcache_row(e2e, peer, tmp_path)
+def test_report_states_the_settings_and_skips(peer, tmp_path):
+    _, info, _ = lmcache_row(peer, tmp_path)
     info["expected_hit_tokens"] = LMCACHE
     info["server_log_counts"] = {"stored_tokens": 7424, "retrieved_tokens": 14848}
-    rows = {"vllm_prefix": e2e.summarize("vllm_prefix", rounds(FLOOR), FLOOR),
-            "tieredkv_host": e2e.summarize("tieredkv_host", rounds(FLOOR, tieredkv=True), FLOOR),
-            e2e.LMCACHE_CONFIG: e2e.summarize(e2e.LMCACHE_CONFIG, rounds(LMCACHE), FLOOR,
+    rows = {"vllm_prefix": judging.summarize("vllm_prefix", rounds(FLOOR), FLOOR),
+            "tieredkv_host": judging.summarize("tieredkv_host", rounds(FLOOR, tieredkv=True), FLOOR),
+            workload.LMCACHE_CONFIG: judging.summarize(workload.LMCACHE_CONFIG, rounds(LMCACHE), FLOOR,
                                               expected_lmcache=LMCACHE)}
     payload = {"rows": rows, "lmcache": info,
                "params": {"prompt_lengths": LENGTHS, "expected_hit_tokens": FLOOR}}
-    text = e2e.lmcache_markdown(payload)
-    for needed in ("lmcache 0.5.6", "chunk 256 tokens", f"{e2e.host_tier_bytes(LENGTHS) / 2**20:.0f} MiB",
+    text = report.lmcache_markdown(payload)
+    for needed in ("lmcache 0.5.6", "chunk 256 tokens", f"{workload.host_tier_bytes(LENGTHS) / 2**20:.0f} MiB",
                    "A 3,840 tokens (the floor's 3,968; computed 160 vs 32)",
                    "LMCacheMPConnector", "`disable_hybrid_kv_cache_manager=True`", "--chunk-size 256",
                    "14848 tokens retrieved", "info (no target"):
         assert needed in text, needed
-    brief = e2e.brief_table(rows, FLOOR, LMCACHE)
+    brief = report.brief_table(rows, FLOOR, LMCACHE)
     assert "| lmcache | 50.0 | 4 |" in brief and "A 3840 ×2; B 3584 ×2 | A 3840; B 3584 | A 3968 ×2" in brief
-    skipped = {"rows": {}, "lmcache": {"skipped": f"build it with `{e2e.LMCACHE_BUILD}`"}}
-    assert "bash benchmarks/peers/lmcache_env.sh" in e2e.lmcache_markdown(skipped)
+    skipped = {"rows": {}, "lmcache": {"skipped": f"build it with `{workload.LMCACHE_BUILD}`"}}
+    assert "bash benchmarks/peers/lmcache_env.sh" in report.lmcache_markdown(skipped)

@@ -7,34 +7,20 @@ No engine or Redis is started; nothing here judges a timing.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 
 import pytest
 
-ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+from benchmarks.ttft import judging, report, runner, workload
+from benchmarks.ttft import specs as ttft_specs
 
 
-@pytest.fixture(scope="module")
-def e2e():
-    # The module sets VLLM_ENABLE_V1_MULTIPROCESSING=0 when imported (for its engines); keep
-    # it out of this process's environment, which later tests' servers inherit.
-    had, old = ENV in os.environ, os.environ.get(ENV)
-    module = importlib.import_module("benchmarks.e2e_ttft")
-    if had:
-        os.environ[ENV] = old  # type: ignore[assignment]
-    else:
-        os.environ.pop(ENV, None)
-    return module
-
-
-def test_remote_hit_is_whole_chunks_never_more_than_vllms_hit(e2e):
-    assert e2e.CHUNK_TOKENS == 512
-    assert e2e.remote_hit(4000) == 3584 < e2e.prefix_hit(4000) == 3968
-    assert e2e.remote_hit(3676) == 3584 < e2e.prefix_hit(3676) == 3648
-    assert e2e.remote_hit(1100) == 1024
-    assert e2e.remote_hit(1024) == e2e.prefix_hit(1024) == 992  # vLLM computes the last token
-    assert e2e.remote_hit(511) == 0
+def test_remote_hit_is_whole_chunks_never_more_than_vllms_hit():
+    assert workload.CHUNK_TOKENS == 512
+    assert workload.remote_hit(4000) == 3584 < workload.prefix_hit(4000) == 3968
+    assert workload.remote_hit(3676) == 3584 < workload.prefix_hit(3676) == 3648
+    assert workload.remote_hit(1100) == 1024
+    assert workload.remote_hit(1024) == workload.prefix_hit(1024) == 992  # vLLM computes the last token
+    assert workload.remote_hit(511) == 0
 
 
 def args(**kw) -> argparse.Namespace:
@@ -42,22 +28,22 @@ def args(**kw) -> argparse.Namespace:
                                  "recompute_repeats": None, **kw})
 
 
-def test_specs_two_replicas_on_one_redis(e2e, tmp_path):
+def test_specs_two_replicas_on_one_redis(tmp_path):
     lengths = {"A": 4000, "B": 3676}
-    without = e2e.build_specs(args(), tmp_path / "model", tmp_path, lengths)
-    assert not set(e2e.REMOTE_CONFIGS) & set(without)
-    specs = e2e.build_specs(args(), tmp_path / "model", tmp_path, lengths, "redis://127.0.0.1:7/0")
-    assert set(without) | set(e2e.REMOTE_CONFIGS) == set(specs)
+    without = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, lengths)
+    assert not set(workload.REMOTE_CONFIGS) & set(without)
+    specs = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, lengths, "redis://127.0.0.1:7/0")
+    assert set(without) | set(workload.REMOTE_CONFIGS) == set(specs)
     writer, reader = specs["tieredkv_remote_writer"], specs["tieredkv_remote"]
     extra = writer["kv_transfer_config"]["kv_connector_extra_config"]
     assert reader["kv_transfer_config"] == writer["kv_transfer_config"]
     assert extra["remote_url"] == "redis://127.0.0.1:7/0"
-    assert extra["remote_key_prefix"] == e2e.REMOTE_KEY_PREFIX
+    assert extra["remote_key_prefix"] == workload.REMOTE_KEY_PREFIX
     assert "disk_path" not in extra
     # Host tier: one prompt's slots (as the disk rows), so A and B evict each other.
-    slots = max(e2e.host_entries(n) for n in lengths.values())
+    slots = max(workload.host_entries(n) for n in lengths.values())
     assert extra["host_bytes"] == specs["tieredkv_disk"]["kv_transfer_config"][
-        "kv_connector_extra_config"]["host_bytes"] == slots * e2e.CHUNK_TOKENS * 8192
+        "kv_connector_extra_config"]["host_bytes"] == slots * workload.CHUNK_TOKENS * 8192
     # Replica A computes both prompts and only writes; replica B never computes them in
     # its set-up, and its rounds are the disk rows' (hit, same-engine floor, host hit).
     gens = [p["prompt"] for p in writer["setup"] if p["kind"] == "generate"]
@@ -65,10 +51,10 @@ def test_specs_two_replicas_on_one_redis(e2e, tmp_path):
     assert writer["setup"][-1]["kind"] == "counters"
     assert [p["prompt"] for p in reader["setup"] if p["kind"] == "generate"] == ["warmup"]
     assert reader["round"] == specs["tieredkv_disk"]["round"]
-    labels = [p["label"] for p in e2e.round_phases(reader, 3) if "label" in p]
+    labels = [p["label"] for p in ttft_specs.round_phases(reader, 3) if "label" in p]
     assert labels == ["hit3", "pfloor3", "hosthit3"]
-    assert {p["prompt"] for p in e2e.round_phases(reader, 3) if "prompt" in p} == {"B"}
-    assert "tieredkv_remote" in e2e.OWN_ROUND_NUMBERS
+    assert {p["prompt"] for p in ttft_specs.round_phases(reader, 3) if "prompt" in p} == {"B"}
+    assert "tieredkv_remote" in ttft_specs.OWN_ROUND_NUMBERS
 
 
 def record(label, prompt, seconds, cached, forward=0.1, **tieredkv):
@@ -92,69 +78,69 @@ def remote_result(hit_a=3584, tier="hit_tokens_remote", **extra):
     return {"records": records, "startup_s": 3.0}
 
 
-def test_remote_hits_are_checked_against_the_chunk_aligned_length(e2e):
-    row = e2e.summarize("tieredkv_remote", remote_result(), EXPECTED, REMOTE)
+def test_remote_hits_are_checked_against_the_chunk_aligned_length():
+    row = judging.summarize("tieredkv_remote", remote_result(), EXPECTED, REMOTE)
     assert row["hit_ok"], row["problems"]
     assert row["hit_tokens_by_prompt"] == {"A": [3584], "B": [3584]}
     assert row["host_hits_same_engine"]["hit_ok"]  # the tail is in host after the remote hit
     assert row["paired_floor"]["ratio_median"] == pytest.approx((0.9 / 0.15 + 0.4 / 0.14) / 2)
     # A hit that did not happen is a FAIL, not a number: nothing cached, ...
-    assert not e2e.summarize("tieredkv_remote", remote_result(hit_a=0), EXPECTED, REMOTE)["hit_ok"]
+    assert not judging.summarize("tieredkv_remote", remote_result(hit_a=0), EXPECTED, REMOTE)["hit_ok"]
     # ... the floor's length (it cannot come from the remote tier), ...
-    assert not e2e.summarize("tieredkv_remote", remote_result(hit_a=3968), EXPECTED, REMOTE)["hit_ok"]
+    assert not judging.summarize("tieredkv_remote", remote_result(hit_a=3968), EXPECTED, REMOTE)["hit_ok"]
     # ... served by the host tier, ...
-    host = e2e.summarize("tieredkv_remote", remote_result(tier="hit_tokens_host"), EXPECTED, REMOTE)
+    host = judging.summarize("tieredkv_remote", remote_result(tier="hit_tokens_host"), EXPECTED, REMOTE)
     assert not host["hit_ok"] and "remote tier" in host["problems"][0]
     # ... or with a failed remote read.
-    failed = e2e.summarize("tieredkv_remote", remote_result(remote_read_failed_timeout=1), EXPECTED, REMOTE)
+    failed = judging.summarize("tieredkv_remote", remote_result(remote_read_failed_timeout=1), EXPECTED, REMOTE)
     assert not failed["hit_ok"] and "remote_read_failed_timeout" in failed["problems"][-1]
 
 
-def test_remote_ratios_to_floor_and_recompute(e2e):
+def test_remote_ratios_to_floor_and_recompute():
     row = {"median_s": 0.6, "paired_floor": {"ratio_median": 4.0}}
-    r = e2e.remote_ratios(row, {"median_s": 0.15}, {"median_s": 12.0})
+    r = judging.remote_ratios(row, {"median_s": 0.15}, {"median_s": 12.0})
     assert r["cross_engine_ratio"] == pytest.approx(4.0)
     assert r["same_engine_ratio"] == 4.0
     assert r["x_recompute"] == pytest.approx(0.05)
     assert r["speedup_vs_recompute"] == pytest.approx(20.0)
-    none = e2e.remote_ratios({"median_s": None}, {"median_s": 0.15}, {"median_s": 12.0})
+    none = judging.remote_ratios({"median_s": None}, {"median_s": 0.15}, {"median_s": 12.0})
     assert none["x_recompute"] is None and none["cross_engine_ratio"] is None
 
 
-def test_figures_per_prompt(e2e):
+def test_figures_per_prompt():
     # A's chunk-aligned hit leaves 416 tokens to compute, B's 92: their TTFTs are apart.
-    row = e2e.summarize("tieredkv_remote", remote_result(), EXPECTED, REMOTE)
+    row = judging.summarize("tieredkv_remote", remote_result(), EXPECTED, REMOTE)
     assert row["by_prompt"]["A"]["median_s"] == 0.9 and row["by_prompt"]["B"]["median_s"] == 0.4
     assert row["by_prompt"]["A"]["overhead_median_s"] == pytest.approx(0.1)
     assert row["by_prompt"]["A"]["same_engine_ratio"] == pytest.approx(0.9 / 0.15)
-    floor = e2e.summarize("vllm_prefix", {"records": [record("hit0", "A", 0.15, 3968),
+    floor = judging.summarize("vllm_prefix", {"records": [record("hit0", "A", 0.15, 3968),
                                                        record("hit1", "B", 0.2, 3648)]}, EXPECTED)
-    recompute = e2e.summarize("recompute", {"records": [record("recompute0", "A", 12.0, 0),
+    recompute = judging.summarize("recompute", {"records": [record("recompute0", "A", 12.0, 0),
                                                         record("recompute1", "B", 8.0, 0)]}, EXPECTED)
-    q = e2e.remote_ratios_by_prompt(row, floor, recompute)
+    q = judging.remote_ratios_by_prompt(row, floor, recompute)
     assert q["A"]["cross_engine_ratio"] == pytest.approx(6.0)
     assert q["B"]["cross_engine_ratio"] == pytest.approx(2.0)
     assert q["A"]["speedup_vs_recompute"] == pytest.approx(12.0 / 0.9)
     assert q["B"]["x_recompute"] == pytest.approx(0.05)
 
 
-def test_writer_summary_takes_cold_runs_and_final_counters(e2e):
+def test_writer_summary_takes_cold_runs_and_final_counters():
     result = {"records": [
         record("warmup", "warmup", 0.1, 0), record("cold A", "A", 12.0, 0), record("cold B", "B", 11.0, 0),
         {"label": "counters", "counters": {"remote_written_chunks": 14, "stored_chunks": 16, "lookups": 3}},
     ], "startup_s": 9.0}
-    s = e2e.writer_summary(result)
+    s = runner.writer_summary(result)
     assert s["cold_s"] == [12.0, 11.0]
     assert s["counters"] == {"remote_written_chunks": 14, "stored_chunks": 16}
     assert s["num_cached_tokens"] == {"warmup": 0, "cold A": 0, "cold B": 0}
 
 
-def test_report_states_the_shorter_hit_and_a_missing_row(e2e):
+def test_report_states_the_shorter_hit_and_a_missing_row():
     rows = {
-        "recompute": e2e.summarize("recompute", {"records": [record("recompute0", "A", 12.0, 0)]}, EXPECTED),
-        "vllm_prefix": e2e.summarize("vllm_prefix", {"records": [record("hit0", "A", 0.15, 3968),
+        "recompute": judging.summarize("recompute", {"records": [record("recompute0", "A", 12.0, 0)]}, EXPECTED),
+        "vllm_prefix": judging.summarize("vllm_prefix", {"records": [record("hit0", "A", 0.15, 3968),
                                                                   record("hit1", "B", 0.14, 3648)]}, EXPECTED),
-        "tieredkv_remote": e2e.summarize("tieredkv_remote", remote_result(), EXPECTED, REMOTE),
+        "tieredkv_remote": judging.summarize("tieredkv_remote", remote_result(), EXPECTED, REMOTE),
     }
     payload = {"rows": rows, "params": {"prompt_lengths": {"A": 4000, "B": 3676},
                                         "expected_hit_tokens": EXPECTED,
@@ -162,14 +148,14 @@ def test_report_states_the_shorter_hit_and_a_missing_row(e2e):
                "remote": {"server": "redis-server 7.0.15", "timeout_s": 0.5, "host_slots": 8,
                           "expected_keys": 14, "keys_after_writer": 14,
                           "writer": {"cold_s": [12.0, 11.0], "counters": {"remote_written_chunks": 14}}}}
-    text = e2e.remote_markdown(payload)
+    text = report.remote_markdown(payload)
     assert "A 3,584 tokens, against vLLM's prefix-cache hit of 3,968" in text
     assert "416 tokens for A and 92 tokens for B" in text
     assert "A 416 vs 32; B 92 vs 28" in text
     assert "Redis held 14 keys" in text and "| yes |" in text
     assert "↳ prompt A only (4,000 tokens" in text and "| 416 vs 32 |" in text
-    bad = dict(rows, tieredkv_remote=e2e.summarize("tieredkv_remote", remote_result(hit_a=0), EXPECTED, REMOTE))
-    assert "**NO — FAIL**" in e2e.remote_markdown({**payload, "rows": bad})
+    bad = dict(rows, tieredkv_remote=judging.summarize("tieredkv_remote", remote_result(hit_a=0), EXPECTED, REMOTE))
+    assert "**NO — FAIL**" in report.remote_markdown({**payload, "rows": bad})
     missing = {k: v for k, v in rows.items() if k != "tieredkv_remote"}
-    assert "not run**: no redis-server" in e2e.remote_markdown(
+    assert "not run**: no redis-server" in report.remote_markdown(
         {**payload, "rows": missing, "remote": {"skipped": "no redis-server"}})

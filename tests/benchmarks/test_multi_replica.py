@@ -13,12 +13,12 @@ import math
 import pytest
 
 from benchmarks import multi_replica as mr
-from benchmarks import serve_bench
+from benchmarks.serve import client, judging, workload
 
 
-def spec(**kw) -> serve_bench.ChatWorkload:
+def spec(**kw) -> workload.ChatWorkload:
     base = dict(system_tokens=100, user_tokens=48, reply_tokens=4, turns=5, think_mean_s=0.0, seed=3)
-    return serve_bench.ChatWorkload(**{**base, **kw})
+    return workload.ChatWorkload(**{**base, **kw})
 
 
 # ---------------------------------------------------------------------------- assignment
@@ -44,12 +44,12 @@ def test_client_sends_each_turn_to_its_replica_with_the_grown_history(monkeypatc
         calls.append((url, list(tokens)))
         return 0.01, [7] * max_tokens
 
-    monkeypatch.setattr(serve_bench, "stream_completion", fake)  # the client multi_replica uses
+    monkeypatch.setattr(client, "stream_completion", fake)  # the client multi_replica uses
     records, _ = mr.run_level_rr(["http://a", "http://b"], s, convs, timeout_s=30, request_timeout_s=5)
     assert len(records) == 2 * 4 and all(r["ok"] for r in records)
     for r in records:
         assert r["replica"] == mr.replica_for(r["user"], r["turn"])
-    system = list(serve_bench.system_prompt(s))
+    system = list(workload.system_prompt(s))
     for conv in convs:
         mine = [c for c in calls if c[1][len(system):len(system) + len(conv.user_texts[0])]
                 == list(conv.user_texts[0])]
@@ -72,7 +72,7 @@ def test_user_lengths_are_random_seeded_and_bounded():
     s = spec(user_tokens=64)
     a = mr.level_conversations(s, 4, 16)
     assert a == mr.level_conversations(s, 4, 16)
-    plain = serve_bench.make_conversations(s, 4)
+    plain = workload.make_conversations(s, 4)
     lens = [len(t) for c in a for t in c.user_texts]
     assert all(16 <= n <= 64 for n in lens) and len(set(lens)) > 3
     for mine, orig in zip(a, plain, strict=True):  # a prefix of serve_bench's text, same think times
@@ -94,7 +94,7 @@ def test_rounds_get_fresh_conversations_and_interleave_the_configurations():
 
 
 def test_prompt_lengths_follow_the_conversation_and_are_not_chunk_aligned():
-    s = serve_bench.ChatWorkload(system_tokens=1000, user_tokens=448, reply_tokens=48, turns=6, seed=0)
+    s = workload.ChatWorkload(system_tokens=1000, user_tokens=448, reply_tokens=48, turns=6, seed=0)
     convs = mr.level_conversations(s, 8, 160)
     conv = convs[0]
     got = mr.prompt_lengths(1000, conv, 48)
@@ -102,16 +102,16 @@ def test_prompt_lengths_follow_the_conversation_and_are_not_chunk_aligned():
     assert got[0] == 1000 + texts[0]
     assert got[3] == 1000 + sum(texts[:4]) + 3 * 48
     lengths = [n for c in convs for n in mr.prompt_lengths(1000, c, 48)]
-    assert sum(1 for n in lengths if n % serve_bench.CHUNK_TOKENS == 0) < len(lengths) // 10
-    assert len(set(n % serve_bench.CHUNK_TOKENS for n in lengths)) > 10
+    assert sum(1 for n in lengths if n % workload.CHUNK_TOKENS == 0) < len(lengths) // 10
+    assert len(set(n % workload.CHUNK_TOKENS for n in lengths)) > 10
 
 
 def test_host_tier_is_the_same_formula_for_both_configurations():
-    s = serve_bench.ChatWorkload(system_tokens=1000, user_tokens=448, reply_tokens=48, turns=6)
+    s = workload.ChatWorkload(system_tokens=1000, user_tokens=448, reply_tokens=48, turns=6)
     host = mr.host_bytes_per_replica(s, (2, 4, 8))
-    chunk = serve_bench.CHUNK_TOKENS * 4096
-    assert host == 2 * serve_bench.chunks_of(s, 14) * chunk
-    assert mr.host_bytes_per_replica(s, (2, 4, 8), 2) == 2 * serve_bench.chunks_of(s, 28) * chunk
+    chunk = workload.CHUNK_TOKENS * 4096
+    assert host == 2 * workload.chunks_of(s, 14) * chunk
+    assert mr.host_bytes_per_replica(s, (2, 4, 8), 2) == 2 * workload.chunks_of(s, 28) * chunk
     shared, separate = mr.kv_config(host, "redis://127.0.0.1:1/0"), mr.kv_config(host, None)
     assert shared["kv_connector_extra_config"]["host_bytes"] == separate["kv_connector_extra_config"]["host_bytes"]
     assert shared["kv_connector_extra_config"]["remote_url"] == "redis://127.0.0.1:1/0"
@@ -167,7 +167,7 @@ def test_pooling_sums_tokens_and_recomputes_rates():
 def level(ttfts, prompt=1000, wall=2.0, hits=None):
     recs = [{"ok": True, "turn": i, "user": 0, "replica": i % 2, "ttft_s": t, "prompt_tokens": prompt,
              "output": [1, 2]} for i, t in enumerate(ttfts)]
-    summary = serve_bench.level_summary(recs, wall)
+    summary = judging.level_summary(recs, wall)
     summary["hits"] = hits or mr.aggregate_hits([scrape(0, 0, 0)], [scrape(0, 0, 0)], summary["prompt_tokens"])
     return recs, summary
 

@@ -202,3 +202,23 @@ def test_multi_replica_pooled_row_has_no_empty_rounds():
 def test_results_page_is_rendered_from_the_kept_files():
     """benchmarks/RESULTS.md says exactly what the kept files say (re-render after a new run)."""
     assert render_results.main(["--check"]) == 0, "run: python -m benchmarks.render_results"
+
+
+def test_code_changed_since_sees_a_benchmarks_parts(tmp_path):
+    """e2e_ttft's judging lives in benchmarks/ttft/, serve_bench's chat client (which
+    multi_replica and soak play too) in benchmarks/serve/: a change there is a change to what
+    those benchmarks measure, not only a change to their scripts."""
+    _git(tmp_path, "init", "-q")
+    for path in ("benchmarks/e2e_ttft.py", "benchmarks/soak.py", "benchmarks/ttft/judging.py",
+                 "benchmarks/serve/client.py", "tieredkv/__init__.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("a = 1\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert not render_results.code_changed_since("HEAD", "e2e_ttft", tmp_path)
+    (tmp_path / "benchmarks" / "ttft" / "judging.py").write_text("a = 2\n")
+    assert render_results.code_changed_since("HEAD", "e2e_ttft", tmp_path)
+    assert not render_results.code_changed_since("HEAD", "soak", tmp_path)
+    (tmp_path / "benchmarks" / "serve" / "client.py").write_text("a = 2\n")
+    for script in ("serve_bench", "multi_replica", "soak"):
+        assert render_results.code_changed_since("HEAD", script, tmp_path), script

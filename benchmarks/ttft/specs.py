@@ -1,0 +1,233 @@
+"""e2e_ttft's configurations: each row's engine settings (connector, tiers, prefix cache),
+its set-up phases and one measured round's phases (:func:`build_specs`, :func:`round_phases`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import kv_bytes_per_token
+from benchmarks.ttft.workload import (
+    CHUNK_BLOCKS,
+    CHUNK_TOKENS,
+    DTYPE_BYTES,
+    HERE,
+    LMCACHE_CONFIG,
+    MODEL,
+    PROFILES,
+    REMOTE_KEY_PREFIX,
+    WARMUP_TOKENS,
+    MiB,
+    host_entries,
+    host_tier_bytes,
+    hybrid_host_slots,
+    lmcache_llm_kwargs,
+    make_prompt,
+)
+
+
+def tieredkv_transfer_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "TieredKVConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"chunk_blocks": CHUNK_BLOCKS, **extra},
+    }
+
+
+def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
+                remote_url: str | None = None,
+                hybrid_model_dir: Path | None = None,
+                lmcache: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Every configuration: engine settings, set-up phases (not measured unless labelled
+    ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index,
+    ``{AB}`` = prompt A in even rounds, B in odd ones). The remote rows (replica A, which
+    only writes, and replica B, which measures) exist when ``remote_url`` is given; the
+    LMCache row when ``lmcache`` is (:func:`lmcache_peer`: the peer venv's python and
+    LMCache's vLLM settings)."""
+    prof = PROFILES[args.profile]
+    longest = max(lengths.values())
+    prompt_kv = longest * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    # The disk rows' host tier holds one prompt (the larger one's chunks and tail), not two.
+    one_prompt_slots = max(host_entries(n) for n in lengths.values())
+    base = {
+        "model": str(model_dir),
+        "max_model_len": longest + 64,
+        "kv_cache_memory_bytes": max(256 * MiB, 4 * prompt_kv),
+        "prompts": {
+            "warmup": make_prompt(7, WARMUP_TOKENS),
+            "A": make_prompt(1, lengths["A"]),
+            "B": make_prompt(2, lengths["B"]),
+        },
+        "trace": args.trace,
+        "switch_interval": args.switch_interval,
+    }
+
+    def gen(prompt: str, label: str) -> dict[str, str]:
+        return {"kind": "generate", "prompt": prompt, "label": label}
+
+    reset = {"kind": "reset_prefix"}
+    drain = {"kind": "drain"}
+    example_dir = work / "example_connector"
+    disk_dir = work / "tieredkv_disk"
+    disk_cfg = tieredkv_transfer_config(
+        host_bytes=one_prompt_slots * chunk_payload, disk_path=str(disk_dir),
+        disk_bytes=8 * prompt_kv + 64 * MiB,
+    )
+    # Every connector hit is followed by the same prompt again without a reset: a vLLM
+    # prefix-cache hit in the same engine a moment later ("pfloor", the same-engine floor).
+    disk_round = [
+        # The host tier holds exactly one prompt and A, B alternate: the measured prompt is
+        # the one the other evicted from host (it is on disk). After its disk hit it is in
+        # host again: a host-tier hit of the same engine follows ("hosthit").
+        reset, gen("{AB}", "hit{i}"), drain, gen("{AB}", "pfloor{i}"),
+        reset, gen("{AB}", "hosthit{i}"), drain,
+    ]
+    specs = {
+        # 1. no connector, no prefix caching: every run computes everything.
+        "recompute": {"prefix_caching": False, "setup": [
+            gen("warmup", "warmup"),
+            *[gen("AB"[i % 2], f"recompute{i}")
+              for i in range(args.recompute_repeats or prof["recompute_repeats"])],
+        ], "round": []},
+        # 2. vLLM's own prefix cache: compute once, then hit it.
+        "vllm_prefix": {"prefix_caching": True,
+                        "setup": [gen("warmup", "warmup"), gen("A", "cold A"), gen("B", "cold B")],
+                        "round": [gen("{AB}", "hit{i}")]},
+        # 3. ExampleConnector: reads its files through the page cache, warm right after they
+        #    were written; "diskhit" runs first drop them from the page cache (read from disk).
+        "example_connector": {
+            "prefix_caching": True,
+            "kv_transfer_config": {
+                "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
+            "setup": [gen("warmup", "warmup"), gen("A", "cold A"), gen("B", "cold B")],
+            "round": [reset, gen("{AB}", "hit{i}"), gen("{AB}", "pfloor{i}"),
+                      reset, {"kind": "drop_page_cache", "path": str(example_dir)},
+                      gen("{AB}", "diskhit{i}")],
+        },
+        # 4. tieredkv host tier: plenty of host memory, no disk.
+        "tieredkv_host": {
+            "prefix_caching": True,
+            "kv_transfer_config": tieredkv_transfer_config(host_bytes=host_tier_bytes(lengths)),
+            "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                      gen("B", "cold B"), drain],
+            "round": [reset, gen("{AB}", "hit{i}"), drain, gen("{AB}", "pfloor{i}")],
+        },
+        # 5. tieredkv disk tier: host_bytes = one prompt (the larger's), disk behind it.
+        "tieredkv_disk": {
+            "prefix_caching": True, "kv_transfer_config": disk_cfg,
+            # The warmup prompt's tail (3 blocks) takes a host slot: stored (drained) before A
+            # so that A's entries can evict it, and A is stored whole.
+            "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                      gen("B", "cold B"), drain],
+            "round": disk_round,
+        },
+        # 6. the same disk tier after a restart: a fresh engine recovers the index from the
+        #    journal; its host tier starts empty, so every measured hit is read from disk.
+        "tieredkv_disk_restart": {
+            "prefix_caching": True, "kv_transfer_config": disk_cfg,
+            "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
+        },
+    }
+    if remote_url is not None:
+        # Both replicas: host tier = one prompt (as the disk rows), no disk, the same Redis.
+        remote_cfg = tieredkv_transfer_config(
+            host_bytes=one_prompt_slots * chunk_payload, remote_url=remote_url,
+            remote_key_prefix=REMOTE_KEY_PREFIX,
+        )
+        specs.update({
+            # 7a. replica A: computes A and B (their whole chunks go to Redis), then exits.
+            "tieredkv_remote_writer": {
+                "prefix_caching": True, "kv_transfer_config": remote_cfg,
+                "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                          gen("B", "cold B"), drain, {"kind": "counters", "label": "counters"}],
+                "round": [],
+            },
+            # 7b. replica B, a fresh process started after A exited: its host tier holds one
+            #     prompt and A, B alternate, so each measured prompt is read from Redis (the
+            #     other one evicted it from host); after the remote hit the prompt (with the
+            #     tail B computed) is in host again: a host-tier hit of the same engine follows.
+            "tieredkv_remote": {
+                "prefix_caching": True, "kv_transfer_config": remote_cfg,
+                "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
+            },
+        })
+    if hybrid_model_dir is not None:
+        # 8. the hybrid model: its floor, a host-tier hit, a disk-tier hit (host = one
+        #    prompt's whole chunks, A and B alternate), each engine as its non-hybrid row.
+        hybrid_model = str(hybrid_model_dir)
+        specs.update({
+            "hybrid_vllm_prefix": {**specs["vllm_prefix"], "model": hybrid_model},
+            "hybrid_tieredkv_host": {**specs["tieredkv_host"], "model": hybrid_model},
+            "hybrid_tieredkv_disk": {
+                **specs["tieredkv_disk"], "model": hybrid_model,
+                "kv_transfer_config": tieredkv_transfer_config(
+                    host_bytes=hybrid_host_slots(lengths) * chunk_payload,
+                    disk_path=str(work / "hybrid_tieredkv_disk"), disk_bytes=8 * prompt_kv + 64 * MiB),
+            },
+        })
+    if lmcache is not None:
+        # 9. LMCache (the peer): the host row's phases, its engine in .venv-lmcache with
+        #    LMCacheMPConnector -> the lmcache server the parent starts (budget = row 4's
+        #    host_bytes). The child imports this package only: a directory holding nothing
+        #    but a link to it is its working directory and PYTHONPATH, so neither tieredkv's
+        #    source nor its egg-info (a vLLM plugin entry point) is on the peer's sys.path.
+        sys_path = work / "lmcache_sys_path"
+        sys_path.mkdir(parents=True, exist_ok=True)
+        link = sys_path / "benchmarks"
+        if not link.is_symlink():
+            link.symlink_to(HERE, target_is_directory=True)
+        llm_kwargs, _ = lmcache_llm_kwargs(lmcache["vllm_flags"])
+        specs[LMCACHE_CONFIG] = {
+            **{k: v for k, v in specs["tieredkv_host"].items() if k in ("setup", "round")},
+            "prefix_caching": True,
+            "kv_transfer_config": lmcache["kv_transfer_config"],
+            "llm_kwargs": llm_kwargs,
+            "python": str(lmcache["python"]),
+            "cwd": str(sys_path),
+            "env": {**lmcache["env"], "PYTHONPATH": str(sys_path)},
+            "lmcache_budget_bytes": lmcache["budget_bytes"],
+        }
+    example_dir.mkdir(parents=True, exist_ok=True)
+    for config, spec in specs.items():
+        spec.update({k: v for k, v in base.items() if k not in spec})
+        spec["config"] = config
+        spec["log"] = str(work / f"{config}.log")
+    return specs
+
+
+def lmcache_peer(server, python: Path | str, version: str) -> dict[str, Any]:
+    """What :func:`build_specs` needs for the LMCache row, and what the results record: the
+    peer venv's python, LMCache's vLLM settings for ``server`` (a not yet started
+    ``benchmarks.peers.lmcache.LMCacheServer``), its command line, budget and chunk size."""
+    kv_config, env, flags = server.vllm_settings()
+    llm_kwargs, not_applied = lmcache_llm_kwargs(flags)
+    return {
+        "version": f"lmcache {version}", "python": str(python),
+        "server_command": " ".join(server.command()),
+        "budget_bytes": server.budget_bytes, "chunk_tokens": server.chunk_size,
+        "kv_transfer_config": kv_config, "env": env, "vllm_flags": list(flags),
+        "llm_kwargs": llm_kwargs, "vllm_flags_not_applied": not_applied,
+        "prefix_caching": "on, reset before every measured hit (as row 4)",
+    }
+
+
+# Configurations whose rounds are numbered from 0 in their own engine (A/B alternation starts
+# with A); the others continue their numbering when they run again beside the late engines.
+OWN_ROUND_NUMBERS = ("tieredkv_disk", "tieredkv_disk_restart", "tieredkv_remote",
+                     "hybrid_tieredkv_disk")
+
+
+def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """One measured round of a configuration, labels numbered ``i``; A/B alternate by ``i``."""
+    out = []
+    for phase in spec["round"]:
+        phase = dict(phase)
+        if "label" in phase:
+            phase["label"] = phase["label"].format(i=i)
+            phase["prompt"] = phase["prompt"].replace("{AB}", "AB"[i % 2])
+        out.append(phase)
+    return out

@@ -1,0 +1,201 @@
+"""e2e_ttft's workload: the model's geometry, the two prompts, the hit each row must show,
+the rows' names and labels.
+
+Pure arithmetic, no engine: the parent, the children and the tests share it.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import kv_bytes_per_token
+
+HERE = Path(__file__).resolve().parents[1]  # the benchmarks package (the LMCache child imports it)
+
+
+NAME = "e2e_ttft"
+
+
+BLOCK_SIZE = 32
+
+
+CHUNK_BLOCKS = 16
+
+
+CHUNK_TOKENS = BLOCK_SIZE * CHUNK_BLOCKS
+
+
+MODEL = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
+
+
+DTYPE_BYTES = 2  # bf16, the tiny model's dtype
+
+
+HOST_TARGET = 1.3  # host hit <= 1.3 x floor
+
+
+DISK_TARGET = 1.3  # disk hit <= 1.3 x (floor + KV bytes / raw disk read bandwidth)
+
+
+WARMUP_TOKENS = 96  # a short first prompt: first-forward costs stay out of every figure
+
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+PROFILES = {
+    # prompt A's tokens (B: a random length, see random_b_length), recompute repeats, hit
+    # repeats, timeout per child (s)
+    "quick": {"prompt_tokens": 4000, "recompute_repeats": 2, "hit_repeats": 10, "timeout": 420},
+    "full": {"prompt_tokens": 8000, "recompute_repeats": 3, "hit_repeats": 20, "timeout": 900},
+}
+
+
+PROMPT_SEED = 2026  # prompt B's length
+
+
+def random_length(low: int, high: int, seed: int = PROMPT_SEED) -> int:
+    """A length in [low, high) that is no multiple of the block (nor, then, of the chunk)."""
+    rnd = random.Random(seed)
+    while True:
+        n = rnd.randrange(low, high)
+        if n % BLOCK_SIZE:
+            return n
+
+
+def random_b_length(a_tokens: int, seed: int = PROMPT_SEED) -> int:
+    """Prompt B: a random length that takes as many tieredkv host slots as A (whole chunks
+    and a tail of at least one block), so the disk rows' host tier, sized for one prompt,
+    holds either one whole and each measured disk hit is read from disk entirely."""
+    entries = host_entries(a_tokens)
+    return random_length((entries - 1) * CHUNK_TOKENS + BLOCK_SIZE, entries * CHUNK_TOKENS, seed)
+
+
+def prefix_hit(tokens: int) -> int:
+    """vLLM's prefix-cache hit for a prompt seen before: every full block but the one
+    holding the last token (vLLM computes at least one token)."""
+    return (tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def host_entries(tokens: int) -> int:
+    """tieredkv host slots one prompt takes: its whole chunks and its tail."""
+    return -(-(tokens // BLOCK_SIZE) // CHUNK_BLOCKS)
+
+
+def remote_hit(tokens: int) -> int:
+    """The hit a fresh replica gets from the remote tier for a prompt another replica
+    computed: the prompt's whole chunks only (the partial last chunk is never written to the
+    remote tier), and never more than vLLM takes from any cache (:func:`prefix_hit`)."""
+    return min(tokens // CHUNK_TOKENS * CHUNK_TOKENS, prefix_hit(tokens))
+
+
+# Hybrid rows: the same geometry, layers alternating sliding-window (window < chunk) and full.
+HYBRID_WINDOW = 256
+
+
+HYBRID_LAYER_TYPES = ["sliding_attention", "full_attention"] * (MODEL["num_layers"] // 2)
+
+
+HYBRID_CONFIGS = ("hybrid_vllm_prefix", "hybrid_tieredkv_host", "hybrid_tieredkv_disk")
+
+
+def hybrid_hit(tokens: int) -> int:
+    """tieredkv's hit on a hybrid model: it ends on a chunk boundary (the sliding windows
+    stored are those ending there), and never exceeds vLLM's (:func:`prefix_hit`)."""
+    return min(tokens // CHUNK_TOKENS * CHUNK_TOKENS, prefix_hit(tokens))
+
+
+def hybrid_host_slots(lengths: dict[str, int]) -> int:
+    """The hybrid disk row's host slots: one prompt's whole chunks (no tail is kept for a
+    hybrid hit), so the other prompt evicts all of them."""
+    return max(n // CHUNK_TOKENS for n in lengths.values())
+
+
+def hybrid_kv_bytes(hit_tokens: int, window: int = HYBRID_WINDOW,
+                    layer_types: list[str] | None = None) -> int:
+    """Bytes a hybrid hit of ``hit_tokens`` (whole chunks) copies: every block of the
+    full-attention layers, the last ``ceil((window-1)/block)`` blocks of each chunk of the
+    sliding layers."""
+    layer_types = HYBRID_LAYER_TYPES if layer_types is None else layer_types
+    per_layer_token = kv_bytes_per_token(MODEL, DTYPE_BYTES) // MODEL["num_layers"]
+    sliding_blocks = min(CHUNK_BLOCKS, -(-(window - 1) // BLOCK_SIZE))
+    chunks = hit_tokens // CHUNK_TOKENS
+    full = layer_types.count("full_attention") * hit_tokens
+    sliding = layer_types.count("sliding_attention") * chunks * sliding_blocks * BLOCK_SIZE
+    return (full + sliding) * per_layer_token
+
+
+REMOTE_KEY_PREFIX = "e2e_ttft"  # remote_key_prefix of both replicas (keys: prefix:namespace:r0:...)
+
+
+REMOTE_CONFIGS = ("tieredkv_remote_writer", "tieredkv_remote")
+
+
+# The LMCache peer row (benchmarks/peers/lmcache.py; its module is imported by the parent only:
+# the row's child runs in .venv-lmcache, where nothing of tieredkv is installed).
+LMCACHE_CONFIG = "lmcache"
+
+
+LMCACHE_BUILD = "bash benchmarks/peers/lmcache_env.sh"
+
+
+def host_tier_bytes(lengths: dict[str, int]) -> int:
+    """Row 4's host tier (``host_bytes``): room for both prompts several times over. The
+    LMCache row's server gets the same bytes as its L1 (CPU memory) budget."""
+    return 4 * max(lengths.values()) * kv_bytes_per_token(MODEL, DTYPE_BYTES) + 64 * MiB
+
+
+def lmcache_hit(tokens: int, chunk_tokens: int) -> int:
+    """LMCache's hit for a prompt it stored: its whole ``chunk_tokens`` chunks (a trailing
+    partial chunk is never stored), one token less when the chunks cover the whole prompt
+    (``LMCacheMPConnector.get_num_new_matched_tokens`` leaves the last token to compute)."""
+    whole = tokens // chunk_tokens * chunk_tokens
+    return tokens - 1 if whole == tokens else whole
+
+
+def lmcache_llm_kwargs(flags: list[str] | tuple[str, ...]) -> tuple[dict[str, Any], list[str]]:
+    """The offline-``LLM`` keyword arguments for LMCache's vLLM CLI flags
+    (``benchmarks.peers.lmcache.vllm_settings``), and the flags deliberately not applied.
+
+    ``--disable-hybrid-kv-cache-manager`` applies as is. ``--no-enable-prefix-caching`` is
+    not applied: the row keeps vLLM's prefix cache on and resets it before every measured
+    hit, as row 4 does (the same-engine floor ``pfloor`` needs it; LMCache's connector
+    handles an APC hit). Any other flag is an error, so a change to the peer's settings
+    cannot be dropped silently."""
+    kwargs: dict[str, Any] = {}
+    not_applied: list[str] = []
+    for flag in flags:
+        if flag == "--disable-hybrid-kv-cache-manager":
+            kwargs["disable_hybrid_kv_cache_manager"] = True
+        elif flag == "--no-enable-prefix-caching":
+            not_applied.append(flag)
+        else:
+            raise ValueError(f"LMCache vLLM flag {flag!r}: no offline-LLM equivalent known to e2e_ttft")
+    return kwargs, not_applied
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 2000) for _ in range(length)]
+
+
+LABELS = {
+    "recompute": "1. recompute (no connector, no prefix cache) — ceiling",
+    "vllm_prefix": "2. vLLM prefix-cache hit — floor",
+    "example_connector": "3. ExampleConnector hit",
+    "tieredkv_host": "4. tieredkv host-tier hit",
+    "tieredkv_disk": "5a. tieredkv disk-tier hit (evicted from host)",
+    "tieredkv_disk_restart": "5b. tieredkv disk-tier hit after restart",
+    "tieredkv_remote": "6. tieredkv remote-tier hit (Redis; fresh replica B, chunk-aligned hit)",
+    LMCACHE_CONFIG: "7. LMCache hit (peer: MP server, L1 = row 4's host budget, 256-token chunks, "
+                    "chunk-aligned hit)",
+}
+
+
+HYBRID_LABELS = {
+    "hybrid_vllm_prefix": "H1. hybrid model: vLLM prefix-cache hit — hybrid floor",
+    "hybrid_tieredkv_host": "H2. hybrid model: tieredkv host-tier hit (chunk-aligned)",
+    "hybrid_tieredkv_disk": "H3. hybrid model: tieredkv disk-tier hit (evicted from host, chunk-aligned)",
+}
