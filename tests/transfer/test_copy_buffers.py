@@ -67,6 +67,7 @@ def test_staged_copies_go_piece_by_piece_through_a_bounded_buffer(kind: str, par
         staging = staged._staging[direction]
         assert 0 < staging.capacity_bytes <= bound
         assert staging.allocations == 1
+    assert staged._uploads["h2d"].allocations == 2  # two index buffers, reused by the 2nd load
 
 
 def test_a_slot_larger_than_the_bound_is_staged_alone() -> None:
@@ -79,11 +80,11 @@ def test_a_slot_larger_than_the_bound_is_staged_alone() -> None:
     assert buffer.allocations == 1
 
 
-# ---------------------------------------------------------------------- pinned index buffers
+# ---------------------------------------------------------------------- reuse while in flight
 
 
 class _Event:
-    """A copy that stays in flight until :meth:`finish` or :meth:`synchronize`."""
+    """A copy that stays in flight until the test sets ``done`` or someone waits for it."""
 
     def __init__(self, log: list, name: str, on_wait=None) -> None:
         self.log, self.name, self.done, self.on_wait = log, name, False, on_wait
@@ -99,6 +100,17 @@ class _Event:
             self.on_wait(self)
         self.log.append(f"wait {self.name}")
         self.done = True
+
+
+def test_staging_is_replaced_only_after_its_last_copy_finished() -> None:
+    """Growing past the old buffer drops it: first wait until nothing reads it."""
+    log: list[str] = []
+    buffer = StagingBuffer(limit_bytes=1 << 20, new_event=lambda device: _Event(log, "use"))
+    buffer.take(100, torch.device("cpu"))
+    buffer.release(torch.device("cpu"))  # a copy from it is (pretend) still in flight
+    assert not log
+    buffer.take(4000, torch.device("cpu"))
+    assert log == ["wait use"] and buffer.allocations == 2
 
 
 def test_index_buffers_are_reused_and_grow_geometrically() -> None:
