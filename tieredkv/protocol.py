@@ -168,6 +168,10 @@ class LoadJob:
     job_id: int
     req_id: str
     chunks: tuple[LoadChunk, ...]
+    # The planner found device blocks in the load's range that no stored row fills (a hybrid
+    # window it did not store): the worker copies nothing and reports every block failed, so
+    # vLLM recomputes them rather than attend to whatever those blocks held.
+    unserved: bool = False
 
     @property
     def block_ids(self) -> tuple[int, ...]:

@@ -97,6 +97,8 @@ class Lookup:
         lower_chunks: list[bytes] = []
         pending = False
         last = min(len(keys), -(-limit // self.chunk_tokens))
+        if state.hit_chunk_limit is not None:
+            last = min(last, state.hit_chunk_limit)
         request_keys = keys  # the keys object (block keys too); ``keys`` may become its list
         materialize = getattr(keys, "materialize", None)
         head = materialize(first + 1) if materialize is not None and first < last else keys
@@ -378,6 +380,8 @@ class Lookup:
         chunks: list[LoadChunk] = []
         spans: list[int] = []  # blocks of the hit each chunk covers
         keep: list[bytes] = []
+        unserved: list[int] = []  # real blocks of the range no stored row fills
+        unserved_chunk: int | None = None
         for offset, key in enumerate(hit.keys):
             chunk = hit.first_chunk + offset
             lo = max(chunk * C, start_block)
@@ -390,15 +394,30 @@ class Lookup:
             assert placement is not None
             chunks.append(self._load_chunk(key, placement.slot, state, chunk, lo, hi))
             spans.append(hi - lo)
+            holes = self.layout.unserved(state.tables, chunk, lo, hi) if self.layout else []
+            if holes and unserved_chunk is None:
+                unserved_chunk = chunk
+            unserved.extend(holes)
         if not chunks:
             return
         if hit.partial and keep[-1] == hit.keys[-1]:
             self.counters["partial_hits"] += 1  # a hit that ended inside a chunk
-        job_id = self._ledger.issue(
-            JobKind.LOAD, tuple(keep), req_id,
-            chunk_blocks=tuple(tuple(b for b in c.block_ids if b != NO_BLOCK) for c in chunks),
+        chunk_blocks = tuple(tuple(b for b in c.block_ids if b != NO_BLOCK) for c in chunks)
+        if unserved_chunk is not None:
+            # vLLM kept more of a window than a hit needs (no vLLM 0.32 path is known to):
+            # those blocks would stay unwritten. The load is failed on every rank without a
+            # copy, so vLLM recomputes the request, and its later hits end before that chunk
+            # (the same hit would fail again). The chunks are sound and stay: no block of
+            # theirs is named to the ledger.
+            logger.error("tieredkv: load for %s would leave blocks %s unwritten (a sliding "
+                         "window wider than stored): failed, to be recomputed", req_id, unserved)
+            self.counters["load_rows_unserved"] += len(unserved)
+            state.hit_chunk_limit = unserved_chunk
+            chunk_blocks = tuple(() for _ in chunks)
+        job_id = self._ledger.issue(JobKind.LOAD, tuple(keep), req_id, chunk_blocks=chunk_blocks)
+        self._ledger.plan.loads.append(
+            LoadJob(job_id, req_id, tuple(chunks), unserved=unserved_chunk is not None)
         )
-        self._ledger.plan.loads.append(LoadJob(job_id, req_id, tuple(chunks)))
         state.load_job = job_id
         tokens = end_block * self.block_size - hit.start_token
         spans_of = dict(zip(keep, spans, strict=True))
@@ -423,11 +442,6 @@ class Lookup:
         if layout is None:
             C = self.chunk_blocks
             return LoadChunk(key, slot, lo - chunk * C, tuple(state.block_ids[lo:hi]))
-        unserved = layout.unserved(state.tables, chunk, lo, hi)
-        if unserved:  # vLLM kept more of a window than a hit needs: it would stay unwritten
-            logger.error("tieredkv: load for %s leaves blocks %s unwritten (a sliding window "
-                         "wider than stored)", state.req_id, unserved)
-            self.counters["load_rows_unserved"] += len(unserved)
         return LoadChunk(key, slot, 0, layout.load_rows(state.tables, chunk, lo, hi))
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:

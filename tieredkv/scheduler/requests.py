@@ -40,6 +40,8 @@ class RequestState:
     hit_tokens: dict[str, int] = field(default_factory=dict)
     finished: bool = False
     looked_up: bool = False
+    # A load found blocks it does not hold from this chunk on (hybrid): later hits end before it.
+    hit_chunk_limit: int | None = None
 
     @property
     def tables(self) -> list[list[int]]:

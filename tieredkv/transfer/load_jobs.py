@@ -73,6 +73,9 @@ class LoadJobs:
             if self._closed():
                 failure, failed_from = FailureCause.CANCELLED, 0
                 return
+            if job.unserved:  # blocks the planner does not hold: never report them loaded
+                failure, failed_from = FailureCause.MISSING, 0
+                return
             pairs: list[Pair] = []
             for i, chunk in enumerate(chunks):
                 runs = split_holes(chunk.host_slot, chunk.first_block, chunk.block_ids)
