@@ -147,6 +147,9 @@ class RemoteWriteJob:
     key: bytes
     host_slot: int
     req_id: str | None = None  # writes serve the tier, not a request: always None
+    # Slot rows the entry holds (rows 0..rows-1). The worker writes a slot only when this is
+    # every row it has: other rows hold a previous tenant's bytes (0: unknown, refused).
+    rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -48,3 +48,14 @@ def chunk_items(
         value = encode(payload_for(key, rank, size), fingerprint=fingerprint, key=key, rank=rank)
         out.append((key, remote_key(fingerprint, rank, key, prefix), value))
     return out
+
+
+def sent_bytes(servers: RedisServer | RedisClusterProcs) -> int:
+    """Bytes the server (every node of a Cluster) has sent to clients, by its own count."""
+    nodes = servers.servers if isinstance(servers, RedisClusterProcs) else [servers]
+    total = 0
+    for node in nodes:
+        for line in node.cli("INFO", "stats").splitlines():
+            if line.startswith("total_net_output_bytes:"):
+                total += int(line.split(":", 1)[1])
+    return total

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.helpers import HANG_S, finishes, make_key
-from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer
+from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer, sent_bytes
 from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key
 from tieredkv.remote.threaded import ThreadedRemoteStore
@@ -24,6 +24,7 @@ from tieredkv.transfer.remote_jobs import RemoteJobs
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/transfer remote namespace").digest()
 PAYLOAD = 5000  # not a 4 KiB multiple: slots carry padding a value must never reach
 SENTINEL = 0xAB
+ROWS = 4  # rows of a slot: a write covers all of them (a tail holds fewer)
 NEVER = (FailureCause.TIMEOUT, FailureCause.IO_ERROR, FailureCause.UNAVAILABLE)
 
 MakeJobs = Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]]
@@ -49,12 +50,12 @@ def make_jobs(host: HostPool) -> Iterator[MakeJobs]:
     made: list[RemoteJobs] = []
     prefix = f"t{uuid.uuid4().hex[:10]}"  # this test's own keys on a shared server
 
-    def make(url: str, *, rank: int = 0, timeout_s: float = 2.0,
+    def make(url: str, *, rank: int = 0, timeout_s: float = 2.0, jobs_options: dict | None = None,
              **store_options: object) -> tuple[RemoteJobs, ThreadedRemoteStore]:
         store = ThreadedRemoteStore(parse_remote_url(url), **{**FAST, **store_options})
         assert store.wait_up(10), store.stats()
         jobs = RemoteJobs(store, host, fingerprint=FINGERPRINT, rank=rank, prefix=prefix,
-                          ttl_s=60.0, timeout_s=timeout_s)
+                          ttl_s=60.0, timeout_s=timeout_s, slot_rows=ROWS, **(jobs_options or {}))
         made.append(jobs)
         return jobs, store
 
@@ -66,6 +67,11 @@ def make_jobs(host: HostPool) -> Iterator[MakeJobs]:
 def payload(i: int, rank: int = 0) -> bytes:
     seed = hashlib.blake2b(f"{i}/{rank}".encode(), digest_size=64).digest()
     return (seed * (PAYLOAD // 64 + 1))[:PAYLOAD]
+
+
+def whole(items: list[tuple[int, bytes, int]]) -> list[tuple[int, bytes, int, int]]:
+    """Writes of entries that hold every row of their slots."""
+    return [(job_id, key, slot, ROWS) for job_id, key, slot in items]
 
 
 def fill(host: HostPool, slot: int, data: bytes) -> None:
@@ -118,7 +124,7 @@ def test_round_trip_from_one_slot_into_another(
     keys = [make_key(i) for i in range(4)]
     for slot in range(4):
         fill(host, slot, payload(slot))
-    written = jobs.write([(10 + i, k, i) for i, k in enumerate(keys)])
+    written = jobs.write(whole([(10 + i, k, i) for i, k in enumerate(keys)]))
     assert written == [JobResult.done(10 + i) for i in range(4)]
     for slot in range(4):  # the payload was copied at call time: the slot is free at once
         fill(host, slot, bytes(PAYLOAD))
@@ -147,7 +153,7 @@ def test_each_rank_reads_only_its_own_shard(
     rank1, _ = make_jobs(redis_server.url, rank=1)
     key = make_key(1)
     fill(host, 0, payload(1, rank=0))
-    assert rank0.write([(1, key, 0)]) == [JobResult.done(1)]
+    assert rank0.write(whole([(1, key, 0)])) == [JobResult.done(1)]
     assert rank0.flush_writes(5)
     rank1.start_reads([(2, key, 1)])
     assert causes(settle(rank1, 1, 5)) == {2: FailureCause.MISSING}
@@ -174,7 +180,8 @@ def _corrupt(value: bytes, key: bytes) -> dict[str, tuple[bytes, FailureCause]]:
         "bigger than the slot": (encode(good * 2, fingerprint=FINGERPRINT, key=key, rank=0),
                                  FailureCause.WRONG_NAMESPACE),
         "not ours": (b"hello", FailureCause.SHORT_READ),
-        "empty": (b"", FailureCause.SHORT_READ),
+        # STRLEN answers 0 for an empty value and for none: both read as absent.
+        "empty": (b"", FailureCause.MISSING),
     }
 
 
@@ -201,7 +208,7 @@ def test_one_byte_flipped_in_redis_is_a_checksum_miss(
     jobs, _ = make_jobs(redis_server.url)
     key = make_key(3)
     fill(host, 0, payload(3))
-    assert jobs.write([(1, key, 0)]) == [JobResult.done(1)]
+    assert jobs.write(whole([(1, key, 0)])) == [JobResult.done(1)]
     assert jobs.flush_writes(5)
     name = remote_key(FINGERPRINT, 0, key, jobs.prefix).decode()
     was = encode(payload(3), fingerprint=FINGERPRINT, key=key, rank=0)[offset]
@@ -231,7 +238,7 @@ def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
     keys = [make_key(i) for i in range(3)]
     for slot in range(3):
         fill(host, slot, payload(slot))
-    assert all(r.ok for r in jobs.write([(i, k, i) for i, k in enumerate(keys)]))
+    assert all(r.ok for r in jobs.write(whole([(i, k, i) for i, k in enumerate(keys)])))
     assert jobs.flush_writes(5)
     stall(own_server)
     jobs.start_reads([(10 + i, k, 4 + i) for i, k in enumerate(keys)])
@@ -248,7 +255,7 @@ def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
     assert not store.up
     fill(host, 7, payload(7))
     round_trips = store.stats().round_trips
-    assert jobs.write([(20, keys[0], 7)]) == [JobResult.fail(20, FailureCause.DROPPED)]
+    assert jobs.write(whole([(20, keys[0], 7)])) == [JobResult.fail(20, FailureCause.DROPPED)]
     jobs.start_reads([(21, keys[0], 4)])
     assert causes(settle(jobs, 1)) == {21: FailureCause.UNAVAILABLE}
     assert store.stats().round_trips == round_trips  # answered without asking the server
@@ -264,14 +271,14 @@ def test_a_stalled_server_times_reads_out_and_their_slots_stay_busy_until_then(
     jobs, _ = make_jobs(own_server.url, timeout_s=0.5)
     key = make_key(1)
     fill(host, 0, payload(1))
-    assert jobs.write([(1, key, 0)]) == [JobResult.done(1)]
+    assert jobs.write(whole([(1, key, 0)])) == [JobResult.done(1)]
     assert jobs.flush_writes(5)
     stall(own_server)
     jobs.start_reads([(2, key, 3), (3, make_key(2), 4)])
     assert jobs.busy_slots() == {3, 4}
     # A busy slot is refused to a second read and to a write; the first read is unaffected.
     jobs.start_reads([(4, key, 3), (5, key, 5), (6, key, 5), (7, key, 99)])
-    assert jobs.write([(8, key, 4), (9, key, 99)]) == [
+    assert jobs.write(whole([(8, key, 4), (9, key, 99)])) == [
         JobResult.fail(8, FailureCause.COPY_ERROR), JobResult.fail(9, FailureCause.COPY_ERROR)
     ]
     assert causes(settle(jobs, 3)) == dict.fromkeys((4, 6, 7), FailureCause.COPY_ERROR)
@@ -301,7 +308,7 @@ def test_close_cancels_reads_in_flight_without_touching_their_slots(
     # After close: reads are cancelled at once and writes dropped.
     jobs.start_reads([(3, make_key(1), 0)])
     assert causes(settle(jobs, 1)) == {3: FailureCause.CANCELLED}
-    assert jobs.write([(4, make_key(1), 2)]) == [JobResult.fail(4, FailureCause.DROPPED)]
+    assert jobs.write(whole([(4, make_key(1), 2)])) == [JobResult.fail(4, FailureCause.DROPPED)]
     assert untouched(host, 0)
 
 
@@ -315,7 +322,7 @@ def test_writes_beyond_a_full_queue_are_dropped_and_counted(
     keys = [make_key(i) for i in range(5)]
     for slot in range(5):
         fill(host, slot, payload(slot))
-    results = jobs.write([(i, k, i) for i, k in enumerate(keys)])
+    results = jobs.write(whole([(i, k, i) for i, k in enumerate(keys)]))
     # The queue keeps a prefix of one offer: the first two go in, the rest drop.
     assert results == [JobResult.done(0), JobResult.done(1)] + [
         JobResult.fail(i, FailureCause.DROPPED) for i in (2, 3, 4)
@@ -339,7 +346,7 @@ def test_writes_to_a_stalled_server_never_block_and_the_excess_drops(
     for round_ in range(5):
         batch = [(round_ * 4 + s, make_key(round_ * 4 + s), s) for s in range(4)]
         # Each call returns its results while the server is stalled: it never waits on it.
-        results += finishes(lambda batch=batch: jobs.write(batch))
+        results += finishes(lambda batch=batch: jobs.write(whole(batch)))
         time.sleep(0.05)
     assert store.stats().writes_done == 0  # nothing reached the stalled server meanwhile
     done = [r for r in results if r.ok]
@@ -349,3 +356,87 @@ def test_writes_to_a_stalled_server_never_block_and_the_excess_drops(
     stats = jobs.take_stats()
     assert (stats.writes_ok, stats.writes_dropped) == (len(done), len(dropped))
     assert store.stats().writes_dropped == len(dropped)
+
+
+# -- bounded reads (issue #23, 5) -------------------------------------------------------------
+
+PLANTED = 32 << 20
+
+
+@pytest.mark.parametrize("deployment", ["redis_server", "redis_cluster"])
+def test_a_planted_oversized_value_is_a_counted_miss_that_costs_one_values_bytes(
+    deployment: str, request: pytest.FixtureRequest, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    """Anyone who can write to Redis can plant a huge value under a chunk's name: the read
+    takes at most one value's bytes of it (measured by the server) and misses by cause."""
+    servers = request.getfixturevalue(deployment)
+    jobs, store = make_jobs(servers.url)
+    keys = [make_key(40 + i) for i in range(3)]
+    names = [remote_key(FINGERPRINT, 0, k, jobs.prefix) for k in keys]
+    good = encode(payload(40), fingerprint=FINGERPRINT, key=keys[0], rank=0)
+    bigger = encode(payload(41) * (PLANTED // PAYLOAD), fingerprint=FINGERPRINT, key=keys[1], rank=0)
+    planted = {
+        keys[0]: (good + bytes(PLANTED), FailureCause.CHECKSUM),  # trailing bytes
+        keys[1]: (bigger, FailureCause.WRONG_NAMESPACE),  # well formed, another length
+        keys[2]: (b"\x07" * PLANTED, FailureCause.CHECKSUM),  # not a tieredkv value
+    }
+    assert store.batch_set([(n, planted[k][0]) for n, k in zip(names, keys, strict=True)]).result(30).ok
+
+    before = sent_bytes(servers)
+    jobs.start_reads([(i, k, i) for i, k in enumerate(keys)])
+    results = settle(jobs, 3)
+    sent = sent_bytes(servers) - before
+
+    assert causes(results) == {i: planted[k][1] for i, k in enumerate(keys)}
+    assert sent < 1 << 20, f"{sent} bytes sent to read three values of {len(good)} bytes"
+    assert all(untouched(host, slot) for slot in range(host.num_slots))
+    stats = jobs.take_stats()
+    assert stats.reads_ok == 0
+    assert stats.reads_failed == {"checksum": 2, "wrong_namespace": 1}
+
+
+def test_reads_past_the_batch_budget_wait_until_earlier_ones_landed(
+    own_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    value_len = HEADER_BYTES + PAYLOAD
+    jobs, store = make_jobs(own_server.url, timeout_s=30.0,
+                            jobs_options={"read_batch_bytes": 2 * value_len})
+    keys = [make_key(60 + i) for i in range(5)]
+    for slot in range(5):
+        fill(host, slot, payload(60 + slot))
+    assert all(r.ok for r in jobs.write(whole([(i, k, i) for i, k in enumerate(keys)])))
+    assert jobs.flush_writes(5)
+    host.buffer.fill_(SENTINEL)
+    calls = store.stats().calls.get("get", 0)
+
+    stall(own_server)
+    jobs.start_reads([(10 + i, k, i) for i, k in enumerate(keys)])
+    assert jobs.busy_slots() == {0, 1, 2, 3, 4}
+    # One batch of two values is out; the other three reads wait for it to land.
+    assert jobs.reads_waiting() == 3
+    assert finishes(jobs.poll) == [] and jobs.reads_waiting() == 3
+    assert own_server.proc is not None
+    os.kill(own_server.proc.pid, signal.SIGCONT)
+
+    results = settle(jobs, 5)
+    assert results == {10 + i: JobResult.done(10 + i) for i in range(5)}
+    assert store.stats().calls["get"] == calls + 3  # batches of 2, 2 and 1
+    for slot in range(5):
+        assert slot_bytes(host, slot)[:PAYLOAD] == payload(60 + slot)
+    assert jobs.reads_waiting() == 0 and jobs.busy_slots() == frozenset()
+
+
+def test_close_answers_reads_that_were_never_sent(
+    own_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, _ = make_jobs(own_server.url, timeout_s=30.0,
+                        jobs_options={"read_batch_bytes": HEADER_BYTES + PAYLOAD})
+    stall(own_server)
+    jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1), (3, make_key(3), 2)])
+    assert jobs.reads_waiting() == 2
+    results = finishes(lambda: jobs.close(1.0))
+    assert sorted(results, key=lambda r: r.job_id) == [
+        JobResult.fail(i, FailureCause.CANCELLED) for i in (1, 2, 3)
+    ]
+    assert jobs.busy_slots() == frozenset() and jobs.reads_waiting() == 0
+    assert all(untouched(host, slot) for slot in range(3))

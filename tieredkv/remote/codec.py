@@ -125,6 +125,11 @@ def encode(payload: bytes | bytearray | memoryview, *, fingerprint: bytes, key: 
     return b"".join((header, view))
 
 
+def value_bytes(payload_len: int) -> int:
+    """How long the value of a ``payload_len``-byte payload is (what a reader asks for)."""
+    return HEADER_BYTES + payload_len
+
+
 def decode(
     value: bytes | bytearray | memoryview | None,
     *,
@@ -132,8 +137,12 @@ def decode(
     key: bytes,
     rank: int,
     expected_len: int | None = None,
+    value_len: int | None = None,
 ) -> Decoded:
     """Verify ``value`` against what was asked for; never raises on bad data.
+
+    ``value_len``: the value's length in Redis when ``value`` is only its first bytes (a
+    bounded read); bytes past what was read count as trailing bytes.
 
     Causes: no value: ``missing``; shorter than its header or than the length it declares:
     ``short_read``; bad magic, header checksum, payload checksum or trailing bytes:
@@ -144,6 +153,7 @@ def decode(
     if value is None:
         return Rejected(FailureCause.MISSING, "no value")
     view = memoryview(value).cast("B")
+    total = len(view) if value_len is None else max(len(view), value_len)
     if len(view) < HEADER_BYTES:
         return Rejected(FailureCause.SHORT_READ, f"{len(view)} bytes, header needs {HEADER_BYTES}")
     magic, version, _flags, v_rank, v_fp, v_key, length, checksum = _FIELDS.unpack_from(view)
@@ -169,8 +179,9 @@ def decode(
     payload = view[HEADER_BYTES:]
     if len(payload) < length:
         return Rejected(FailureCause.SHORT_READ, f"payload has {len(payload)} of {length} bytes")
-    if len(payload) > length:
-        return Rejected(FailureCause.CHECKSUM, f"{len(payload) - length} unexpected trailing bytes")
+    if total - HEADER_BYTES > length:
+        return Rejected(FailureCause.CHECKSUM,
+                        f"{total - HEADER_BYTES - length} unexpected trailing bytes")
     if payload_checksum(payload) != checksum:
         return Rejected(FailureCause.CHECKSUM, "payload checksum mismatch")
     return Verified(payload)

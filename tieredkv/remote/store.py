@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -50,6 +50,25 @@ def _exists(reply: Any) -> bool:
 
 def _value(reply: Any) -> bytes | None:
     return reply if reply is None else bytes(reply)
+
+
+class Head(NamedTuple):
+    """A value read with a bound: at most its first ``max_len`` bytes, and its full length.
+
+    ``len(data) < length``: the value is longer than the reader asked for (or was replaced
+    by a longer one between the two commands); the caller treats it as a miss."""
+
+    data: bytes
+    length: int
+
+
+def _head(replies: Any) -> Head | None:
+    """``(STRLEN, GETRANGE)`` replies of one key -> its head; None when absent (or empty:
+    the two are one answer to STRLEN, and neither is a value)."""
+    length, data = replies
+    if not length:
+        return None
+    return Head(bytes(data or b""), int(length))
 
 
 def _per_node(reply: Any) -> bool:
@@ -222,10 +241,32 @@ class RemoteStore:
     async def batch_get(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> BatchResult[bytes | None]:
-        """Values (``None`` = absent or failed) in one round trip; verify with ``codec.decode``."""
+        """Whole values (``None`` = absent or failed) in one round trip, however big: for
+        tests and tools. Reads of chunk values use :meth:`batch_get_bounded`."""
         return await self._batch(
             "get", len(keys), lambda pipe: [pipe.get(k) for k in keys], _value, None, timeout_s
         )
+
+    async def batch_get_bounded(
+        self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None
+    ) -> BatchResult[Head | None]:
+        """At most ``max_len`` bytes of each value, and its length, in one round trip.
+
+        Per key a ``STRLEN`` and a ``GETRANGE 0 max_len-1`` (same key: same node and
+        connection on a Cluster, answered in order). Whatever anyone wrote into Redis, no
+        more than ``max_len`` bytes per key cross the network or are held here; a value of
+        another length is the caller's miss (:class:`Head` says so). The worker's reads use
+        this, never :meth:`batch_get`.
+        """
+        if max_len < 1:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+
+        def fill(pipe: Any) -> None:
+            for k in keys:
+                pipe.strlen(k)
+                pipe.getrange(k, 0, max_len - 1)
+
+        return await self._batch("get", len(keys), fill, _head, None, timeout_s, per_item=2)
 
     async def batch_set(
         self,
@@ -267,7 +308,10 @@ class RemoteStore:
         convert: Callable[[Any], T],
         default: T,
         timeout_s: float | None,
+        per_item: int = 1,
     ) -> BatchResult[T]:
+        """``fill`` adds ``per_item`` commands per item; ``convert`` gets an item's reply (a
+        tuple of its replies when ``per_item`` > 1). Items, not commands, are counted."""
         with self._lock:
             self._calls[op] += 1
         if count == 0:
@@ -295,7 +339,7 @@ class RemoteStore:
                 self._conn.mark_down(gen, cause, exc)
             return self._failed(op, count, default, cause, time.monotonic() - started)
         latency = time.monotonic() - started
-        return self._convert(op, gen, replies, count, convert, default, latency)
+        return self._convert(op, gen, replies, count, convert, default, latency, per_item)
 
     async def _execute(self, client: RemoteClient, fill: Fill) -> list[Any]:
         async with client.pipeline(transaction=False) as pipe:
@@ -313,16 +357,20 @@ class RemoteStore:
         convert: Callable[[Any], T],
         default: T,
         latency: float,
+        per_item: int = 1,
     ) -> BatchResult[T]:
         """Per-item replies to values; an error reply fails only its item."""
-        if len(replies) != count:
+        if len(replies) != count * per_item:
             logger.error("tieredkv remote tier: %s got %d replies for %d keys", op, len(replies), count)
             return self._failed(op, count, default, FailureCause.UNKNOWN, latency)
         values: list[T] = []
         first: FailureCause | None = None
         failed = 0
         causes: Counter[str] = Counter()
-        for reply in replies:
+        for i in range(count):
+            group = replies[i * per_item:(i + 1) * per_item]
+            errors = [r for r in group if isinstance(r, BaseException)]
+            reply = errors[0] if errors else (group[0] if per_item == 1 else tuple(group))
             if isinstance(reply, BaseException):
                 cause, unusable = classify(reply)
                 # An error *reply* (OOM, CLUSTERDOWN for one slot range) means a server

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.results import BatchResult, RemoteStats
-from tieredkv.remote.store import RemoteStore
+from tieredkv.remote.store import Head, RemoteStore
 from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,17 @@ class ThreadedRemoteStore:
     ) -> Future[BatchResult[bytes | None]]:
         keys = list(keys)
         return self._call(lambda: self._store.batch_get(keys, timeout_s=timeout_s), len(keys), None)
+
+    def batch_get_bounded(
+        self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None
+    ) -> Future[BatchResult[Head | None]]:
+        """At most ``max_len`` bytes of each value (see :meth:`RemoteStore.batch_get_bounded`)."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        keys = list(keys)
+        return self._call(
+            lambda: self._store.batch_get_bounded(keys, max_len, timeout_s=timeout_s), len(keys), None
+        )
 
     def batch_set(
         self,

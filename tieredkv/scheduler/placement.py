@@ -9,7 +9,8 @@
   step's plan is taken.
 * Remote writes: a whole chunk READY in host is queued for the shared remote tier once
   admitted (``remote_admission``) and not known to be there; :meth:`Placer.plan_remote_writes`
-  turns the queue into write jobs, the host copy pinned until every rank copied it out.
+  turns the queue into write jobs, the host copy pinned until every rank copied it out. A
+  tail never goes there: the rest of its slot holds a previous tenant's rows (issue #23).
 * Settle/supersede: an entry that becomes READY drops the shorter entries of its tier whose
   blocks it holds, or is dropped itself when a longer READY entry holds all of its blocks
   (a prompt's tail that grew leaves one copy, not two).
@@ -50,6 +51,9 @@ class Placer:
         self.layout = parts.layout  # None: one full-attention group
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
         self._remote_queue: OrderedDict[bytes, None] = OrderedDict()
+        # Whether keys name blocks (then an entry's aliases say how many blocks it holds);
+        # None until the first store says: until then only entries with every alias are whole.
+        self._granular: bool | None = None
 
     # ------------------------------------------------------------------ stores
 
@@ -73,6 +77,7 @@ class Placer:
         n_chunks = min(storable_tokens // self.chunk_tokens, len(keys))
         n_chunks = min(n_chunks, len(state.block_ids) // C)
         granular = getattr(keys, "block_granular", False)
+        self._granular = granular
         if self.layout is not None:
             if computed_tokens is None:
                 return  # hybrid: only the step that computes a chunk may store it
@@ -180,12 +185,23 @@ class Placer:
 
     def _whole(self, key: bytes) -> bool:
         """Whether the host entry ``key`` holds a whole chunk (the remote tier keeps only
-        those: lookups probe it by chunk key). An entry without aliases counts as whole (keys
-        that are not block-granular); a one-block tail is then written in vain, never wrongly."""
+        those: lookups probe it by chunk key, and a value is a whole slot).
+
+        With block-granular keys an entry's aliases say how many blocks it holds, and a
+        one-block tail has none, just like a whole chunk under keys that are not granular: so
+        an entry without every alias is whole only once keys are known not to be granular
+        (then no tail is ever stored). A tail's slot rows past its blocks hold whatever the
+        slot held before, another tenant's KV included: it must never be written.
+        """
         placement = self.host.get(key)
-        return placement is not None and (
-            placement.blocks == self.chunk_blocks or not placement.aliases
-        )
+        if placement is None:
+            return False
+        return placement.blocks == self.chunk_blocks or self._granular is False
+
+    @property
+    def _slot_rows(self) -> int:
+        """Rows of a whole chunk's slot: ``chunk_blocks`` per KV-cache group."""
+        return self.layout.rows if self.layout is not None else self.chunk_blocks
 
     def plan_remote_writes(self) -> None:
         """Turn queued remote writes into jobs (in this step's plan); the host copy is pinned
@@ -196,14 +212,16 @@ class Placer:
             return
         while self._remote_queue:
             key, _ = self._remote_queue.popitem(last=False)
-            if not host.is_ready(key) or remote.holds_hint(key):
+            if not host.is_ready(key) or remote.holds_hint(key) or not self._whole(key):
                 continue
             placement = host.get(key)
             assert placement is not None
             host.pin(key)
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(JobKind.REMOTE_WRITE, (key,), None)
-            self._ledger.plan.remote_writes.append(RemoteWriteJob(job_id, key, placement.slot))
+            self._ledger.plan.remote_writes.append(
+                RemoteWriteJob(job_id, key, placement.slot, rows=self._slot_rows)
+            )
 
     def complete_remote_write(self, job: JobRecord, outcome: JobResult) -> None:
         (key,) = job.keys

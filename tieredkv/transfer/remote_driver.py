@@ -42,6 +42,8 @@ class RemoteDriver:
         stats: TransferStats,
         finish: Finish,
         payload_bytes: int,
+        *,
+        chunk_rows: int,
     ) -> None:
         self.jobs = jobs
         self._guard = guard
@@ -53,6 +55,7 @@ class RemoteDriver:
         self._writes_failed_seen = 0
         if jobs is not None:
             jobs.on_answer = self.pump
+            jobs.slot_rows = chunk_rows  # a write must cover every row of its slot
 
     def take(self, entries: list[EngineEntry]) -> list[EngineEntry]:
         """Submit the remote jobs among the engine's ``entries``; return the others."""
@@ -69,7 +72,7 @@ class RemoteDriver:
                 self._finish(seq, JobResult.fail(job.job_id, FailureCause.UNAVAILABLE), t0)
             return
         reads: list[tuple[int, bytes, int]] = []
-        writes: list[tuple[int, bytes, int]] = []
+        writes: list[tuple[int, bytes, int, int]] = []
         write_entries: dict[int, tuple[int, RemoteWriteJob, float]] = {}
         for seq, job, t0 in entries:
             if isinstance(job, RemoteReadJob):
@@ -84,14 +87,14 @@ class RemoteDriver:
                     self._finish(seq, JobResult.fail(job.job_id, FailureCause.COPY_ERROR), t0)
                     continue
                 write_entries[job.job_id] = (seq, job, t0)
-                writes.append((job.job_id, job.key, job.host_slot))
+                writes.append((job.job_id, job.key, job.host_slot, job.rows))
         if reads:
             self.jobs.start_reads(reads)  # answers arrive through pump (on_answer)
         if writes:
             try:
                 results = self.jobs.write(writes)
             finally:
-                for _, _, slot in writes:
+                for _, _, slot, _ in writes:
                     self._guard.release(slot, write=False)
             for result in results:
                 seq, job, t0 = write_entries[result.job_id]

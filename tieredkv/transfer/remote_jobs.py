@@ -1,7 +1,10 @@
 """Remote jobs: host slots to and from the shared Redis/Valkey tier, one TP rank's shards.
 
-Reads: one ``batch_get`` per batch, answered by a future; ``on_answer`` tells the owner when
-one can be polled. A value reaches its host slot only in :meth:`RemoteJobs.poll`, and only once
+Reads: ``batch_get_bounded`` calls answered by futures; ``on_answer`` tells the owner when
+one can be polled. Redis is written by anyone who can reach it, so no read takes more than one
+value's exact length per key (a planted 400 MiB value costs one value's bytes, and is a miss),
+and the values out at once (sent, not yet landed) total at most ``read_batch_bytes`` (or one
+batch cut to fit it): reads past that wait, in order, until earlier batches landed. A value reaches its host slot only in :meth:`RemoteJobs.poll`, and only once
 ``codec.decode`` proved it is this rank's shard of this key in this namespace, of the exact
 payload length and checksum; anything else leaves the slot alone and is a miss with its
 cause. A slot stays *busy* until its read was polled, so the engine does not hand it to a
@@ -10,31 +13,37 @@ new tenant that the late answer would overwrite.
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
 and offered to the store's bounded write queue. What does not fit, or arrives while the
 store is down or closing, is dropped and counted: the shared tier is a bonus, never a
-reason for the engine to wait on the network.
+reason for the engine to wait on the network. A write whose entry does not hold every row
+of its slot is refused (``wrong_key``): the other rows hold a previous tenant's bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tieredkv.protocol import FailureCause, JobResult
-from tieredkv.remote.codec import Rejected, RemoteKeyNames, decode, encode
+from tieredkv.remote.codec import Rejected, RemoteKeyNames, decode, encode, value_bytes
 from tieredkv.remote.results import BatchResult
 from tieredkv.transfer.host_pool import HostPool
 
 if TYPE_CHECKING:
+    from tieredkv.remote.store import Head
     from tieredkv.remote.threaded import ThreadedRemoteStore
 
 logger = logging.getLogger(__name__)
 
-# (job id, chunk key, host slot): one read into, or one write from, a host slot.
+# (job id, chunk key, host slot): one read into a host slot.
 SlotJob = tuple[int, bytes, int]
+# (job id, chunk key, host slot, rows of the slot the entry holds): one write from a slot.
+WriteJob = tuple[int, bytes, int, int]
+# Bytes of values one rank's reads hold at once (in flight or arrived, not yet landed).
+READ_BATCH_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -56,10 +65,11 @@ class RemoteJobStats:
 
 @dataclass
 class _Batch:
-    """One ``batch_get`` in flight and the jobs waiting on it, in key order."""
+    """One bounded read: its jobs and Redis names in key order; ``future`` once sent."""
 
-    future: Future[BatchResult[bytes | None]]
     jobs: list[SlotJob]
+    names: list[bytes]
+    future: Future[BatchResult[Head | None]] | None = None
 
 
 class RemoteJobs:
@@ -78,9 +88,13 @@ class RemoteJobs:
         prefix: str,
         ttl_s: float | None,
         timeout_s: float,
+        slot_rows: int | None = None,
+        read_batch_bytes: int = READ_BATCH_BYTES,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"remote read timeout must be positive, got {timeout_s}")
+        if read_batch_bytes <= 0:
+            raise ValueError(f"remote read batch bytes must be positive, got {read_batch_bytes}")
         self._redis_name = RemoteKeyNames(fingerprint, rank, prefix)  # checks the ids once
         self.store = store
         self.host = host
@@ -89,8 +103,15 @@ class RemoteJobs:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
+        # Rows of a host slot (the engine's geometry; set by its driver): a write must cover
+        # all of them. None: not known, every write is refused.
+        self.slot_rows = slot_rows
+        self.value_len = value_bytes(host.payload_bytes)  # the one length a read accepts
+        self._budget = read_batch_bytes
+        self._batch_keys = max(1, read_batch_bytes // self.value_len)
         self._lock = threading.Lock()
-        self._batches: list[_Batch] = []
+        self._batches: list[_Batch] = []  # sent, not yet polled
+        self._unsent: deque[_Batch] = deque()  # waiting for the batch before them
         self._busy: set[int] = set()
         self._ready: list[JobResult] = []  # failed before reaching the network
         # Called (on the store's thread, or the caller's) once a read's answer can be polled.
@@ -121,7 +142,7 @@ class RemoteJobs:
             return frozenset(self._busy)
 
     def start_reads(self, reads: Sequence[SlotJob]) -> None:
-        """Ask for every ``(job_id, key, slot)`` in one ``batch_get``; never blocks.
+        """Ask for every ``(job_id, key, slot)`` in bounded batches; never blocks.
 
         A slot out of range, busy with another read, or named twice fails ``copy_error``;
         a malformed key fails ``unknown`` (a bug upstream, logged). Results come from ``poll``.
@@ -141,34 +162,74 @@ class RemoteJobs:
                     continue
                 self._busy.add(slot)
                 jobs.append((job_id, key, slot))
-            future = None
-            if jobs:
-                future = self.store.batch_get(names, timeout_s=self.timeout_s)
-                self._batches.append(_Batch(future, jobs))
+            step = self._batch_keys
+            for at in range(0, len(jobs), step):
+                self._unsent.append(_Batch(jobs[at:at + step], names[at:at + step]))
+            sent = self._send_locked()
+            answered = bool(self._ready)
         callback = self.on_answer  # called outside the lock: it polls
-        if callback is not None and self._ready:
+        if callback is not None and answered:
             callback()
-        if callback is not None and future is not None:
+        self._watch(sent)
+
+    def _send_locked(self) -> list[Future[BatchResult[Head | None]]]:
+        """Send batches in order while the values out (sent, not yet landed) fit in
+        ``read_batch_bytes``; one batch always may go (it was cut to fit)."""
+        sent = []
+        out = sum(len(batch.jobs) for batch in self._batches) * self.value_len
+        while self._unsent:
+            size = len(self._unsent[0].jobs) * self.value_len
+            if self._batches and out + size > self._budget:
+                break
+            batch = self._unsent.popleft()
+            batch.future = self.store.batch_get_bounded(batch.names, self.value_len,
+                                                        timeout_s=self.timeout_s)
+            self._batches.append(batch)
+            sent.append(batch.future)
+            out += size
+        return sent
+
+    def _watch(self, sent: list[Future[BatchResult[Head | None]]]) -> bool:
+        """Have ``on_answer`` called when a sent batch is answered (outside the lock). Without
+        a callback: True if one is answered already (the caller polls again)."""
+        callback = self.on_answer
+        if callback is None:
+            return any(future.done() for future in sent)
+        for future in sent:
             future.add_done_callback(lambda _answered: callback())
+        return False
+
+    def reads_waiting(self) -> int:
+        """Reads not sent yet: behind batches still out (``read_batch_bytes``)."""
+        with self._lock:
+            return sum(len(batch.jobs) for batch in self._unsent)
 
     def poll(self) -> list[JobResult]:
         """Results of reads answered since the last poll; verified values land in their slots.
 
         Never blocks and never raises. A value that is absent or failed to arrive reads as a
         miss with the batch's cause (``timeout``, ``io_error``, ``unavailable``, ``cancelled``).
+        Landing a batch sends the next one.
         """
-        with self._lock:
-            out, self._ready = self._ready, []
-            waiting: list[_Batch] = []
-            for batch in self._batches:
-                if batch.future.done():
-                    out += self._finish(batch)
-                else:
-                    waiting.append(batch)
-            self._batches = waiting
-        return out
+        out: list[JobResult] = []
+        while True:
+            with self._lock:
+                out += self._ready
+                self._ready = []
+                waiting: list[_Batch] = []
+                for batch in self._batches:
+                    assert batch.future is not None
+                    if batch.future.done():
+                        out += self._finish(batch)
+                    else:
+                        waiting.append(batch)
+                self._batches = waiting
+                sent = self._send_locked()
+            if not self._watch(sent):
+                return out
 
     def _finish(self, batch: _Batch) -> list[JobResult]:
+        assert batch.future is not None
         try:
             result = batch.future.result(0)
             values, cause = result.values, result.cause
@@ -184,15 +245,17 @@ class RemoteJobs:
         return out
 
     def _land(
-        self, job_id: int, key: bytes, slot: int, value: bytes | None, cause: FailureCause | None
+        self, job_id: int, key: bytes, slot: int, value: Head | None, cause: FailureCause | None
     ) -> JobResult:
         """Verify one value and copy it into its slot, or fail with the reason it is unusable."""
         if value is None and cause is not None:
             # The call (or its item) failed: a miss by the call's cause, not ``missing``.
             return self._read_failed(job_id, cause)
         size = self.host.payload_bytes
-        decoded = decode(value, fingerprint=self.fingerprint, key=key, rank=self.rank,
-                         expected_len=size)
+        decoded = decode(
+            None if value is None else value.data, fingerprint=self.fingerprint, key=key,
+            rank=self.rank, expected_len=size, value_len=None if value is None else value.length,
+        )
         if isinstance(decoded, Rejected):
             logger.debug("tieredkv remote read %d rejected: %s", job_id, decoded.detail)
             return self._read_failed(job_id, decoded.cause)
@@ -205,20 +268,30 @@ class RemoteJobs:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def write(self, writes: Sequence[SlotJob]) -> list[JobResult]:
-        """Queue each ``(job_id, key, slot)``'s payload for the store; never blocks.
+    def write(self, writes: Sequence[WriteJob]) -> list[JobResult]:
+        """Queue each ``(job_id, key, slot, rows)``'s payload for the store; never blocks.
 
         Accepted: ``done`` (queued, not yet stored); no room or store down/closing: ``dropped``.
-        A slot out of range or still being read into fails ``copy_error``.
+        A slot out of range or still being read into fails ``copy_error``. An entry that
+        holds fewer than all ``slot_rows`` rows (a prompt's tail) fails ``wrong_key``: a value
+        is the whole slot, and its other rows hold whatever the slot held before.
         """
         size = self.host.payload_bytes
         out: list[JobResult] = []
         queued: list[tuple[int, bytes, bytes]] = []
         with self._lock:
-            for job_id, key, slot in writes:
+            for job_id, key, slot, rows in writes:
                 if not self._usable(slot):
                     self._writes_failed[FailureCause.COPY_ERROR.value] += 1
                     out.append(JobResult.fail(job_id, FailureCause.COPY_ERROR))
+                    continue
+                if self.slot_rows is None or rows != self.slot_rows:
+                    logger.error(
+                        "tieredkv remote write %d refused: its entry holds %d of the slot's %s "
+                        "rows; the others are not its own", job_id, rows, self.slot_rows,
+                    )
+                    self._writes_failed[FailureCause.WRONG_KEY.value] += 1
+                    out.append(JobResult.fail(job_id, FailureCause.WRONG_KEY))
                     continue
                 try:
                     payload = self.host.slot_memoryview(slot)[:size]
@@ -265,7 +338,8 @@ class RemoteJobs:
         """Close the store within ~``timeout_s`` (queued writes are dropped, counted by it).
 
         Returns the results of every read still outstanding: the store resolves the futures
-        it could not answer as ``cancelled``, so after this no slot is busy.
+        it could not answer as ``cancelled`` (and answers batches not sent yet so at once), so
+        after this no slot is busy.
         """
         self.store.close(timeout_s)
         return self.poll()

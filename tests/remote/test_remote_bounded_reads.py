@@ -1,0 +1,99 @@
+"""Bounded reads against real servers (issue #23, 5): a value is never read past the length
+asked for, whatever someone planted in Redis.
+
+What crosses the network is measured on the server side, by its own ``total_net_output_bytes``
+(every node of a Cluster), not by the client under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from tests.remote.remote_helpers import (
+    FINGERPRINT,
+    RedisClusterProcs,
+    RedisServer,
+    chunk_items,
+    sent_bytes,
+)
+from tieredkv.remote.codec import Verified, decode
+from tieredkv.remote.store import Head
+
+OpenStore = Callable[..., Awaitable[Any]]
+PLANTED = 32 << 20  # far more than any value asked for here
+SIZE = 4096
+
+
+@pytest.fixture(params=["single", "cluster"])
+def servers(request: pytest.FixtureRequest) -> RedisServer | RedisClusterProcs:
+    return request.getfixturevalue("redis_server" if request.param == "single" else "redis_cluster")
+
+
+async def test_a_planted_big_value_costs_at_most_the_asked_length(
+    servers: RedisServer | RedisClusterProcs, open_store: OpenStore, prefix: str,
+) -> None:
+    store = await open_store(servers.url)
+    items = chunk_items(prefix, 3, size=SIZE)
+    (key0, name0, value0), (_, big, _), (_, junk, good) = items
+    want = len(value0)
+    assert (await store.batch_set([
+        (name0, value0),
+        (big, value0 + bytes(PLANTED)),  # a well-formed value with 32 MiB of trailing bytes
+        (junk, b"\x00" * PLANTED),  # not a tieredkv value at all
+    ])).ok
+    absent = items[0][1] + b"-absent"
+
+    before = sent_bytes(servers)
+    got = await store.batch_get_bounded([name0, big, junk, absent], want)
+    sent = sent_bytes(servers) - before
+
+    assert got.ok, got
+    assert sent < 1 << 20, f"{sent} bytes sent for four reads of {want} bytes at most"
+    assert got.values[0] == Head(value0, want)
+    assert got.values[1] == Head(value0, want + PLANTED)  # its head, and how long it really is
+    assert got.values[2] == Head(bytes(want), PLANTED)
+    assert got.values[3] is None
+    verified = decode(got.values[0].data, fingerprint=FINGERPRINT, key=key0, rank=0,
+                      expected_len=SIZE, value_len=got.values[0].length)
+    assert isinstance(verified, Verified)
+
+    # The measure sees a whole read: the unbounded read of the same value sends it all.
+    before = sent_bytes(servers)
+    assert (await store.batch_get([junk])).values == [b"\x00" * PLANTED]
+    assert sent_bytes(servers) - before >= PLANTED
+
+
+async def test_bounded_reads_of_a_batch_answer_one_value_per_key_in_order(
+    servers: RedisServer | RedisClusterProcs, open_store: OpenStore, prefix: str,
+) -> None:
+    store = await open_store(servers.url)
+    items = chunk_items(prefix, 40, size=SIZE)
+    assert (await store.batch_set([(name, value) for _, name, value in items])).ok
+    calls = store.stats().calls.get("get", 0)
+    got = await store.batch_get_bounded([name for _, name, _ in items], len(items[0][2]))
+    assert got.ok and got.failed == 0
+    assert got.values == [Head(value, len(value)) for _, _, value in items]
+    assert store.stats().calls["get"] == calls + 1  # one call, counted once (not per command)
+
+
+async def test_a_key_of_another_type_fails_only_its_item(
+    redis_server: RedisServer, open_store: OpenStore, prefix: str,
+) -> None:
+    store = await open_store(redis_server.url)
+    (_, name, value), (_, other, _) = chunk_items(prefix, 2, size=SIZE)
+    assert (await store.batch_set([(name, value)])).ok
+    redis_server.cli("RPUSH", other.decode(), "x")
+    got = await store.batch_get_bounded([other, name], len(value))
+    assert got.values == [None, Head(value, len(value))]
+    assert got.failed == 1 and got.cause is not None
+    assert store.up  # an error reply is the item's, not the server's
+
+
+async def test_a_bound_below_one_byte_is_refused(redis_server: RedisServer,
+                                                 open_store: OpenStore) -> None:
+    store = await open_store(redis_server.url)
+    with pytest.raises(ValueError, match="max_len"):
+        await store.batch_get_bounded([b"k"], 0)

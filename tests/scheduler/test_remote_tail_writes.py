@@ -1,0 +1,206 @@
+"""What a prompt's tail may put into the shared tier: nothing but its own rows (issue #23, 4).
+
+A tail entry holds the first blocks of its chunk; the other rows of its host slot still hold
+whatever the slot held before, another tenant's KV included. The remote tier keeps whole
+chunks only, so a tail must never be written there. Planner + transfer engine + a real
+redis-server, no vLLM: tenant B (another ``cache_salt``) fills the host slots first, then
+tenant A's prompt (one whole chunk and a one-block tail) is stored into the slots B's
+chunks left; every value in Redis is read back and checked row by row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+
+from tests.remote.remote_helpers import FAST
+from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, keys_for
+from tests.transfer.transfer_helpers import layout_caches
+from tieredkv.config import TieredKVConfig
+from tieredkv.keys import LazyChunkKeys
+from tieredkv.protocol import FailureCause, JobResult, RemoteWriteJob
+from tieredkv.remote.codec import Verified, decode
+from tieredkv.remote.threaded import ThreadedRemoteStore
+from tieredkv.remote_url import parse_remote_url
+from tieredkv.scheduler.planner import Planner
+from tieredkv.scheduler.remote_probe import RemoteProbe
+from tieredkv.scheduler.remote_tier import RemoteTier
+from tieredkv.testing.hashing import sha256_block_hashes
+from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
+from tieredkv.transfer.engine import TransferEngine
+from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.kv_views import KVViews
+from tieredkv.transfer.remote_jobs import RemoteJobs
+
+FINGERPRINT = hashlib.sha256(b"tests/scheduler remote tail writes").digest()
+NUM_BLOCKS = 24
+HOST_SLOTS = 2
+A_TOKENS = list(range(CHUNK_TOKENS + BLOCK + 5))  # one whole chunk, one full block, 5 tokens
+B_TOKENS = list(range(1000, 1000 + 2 * CHUNK_TOKENS))  # two whole chunks
+A_BLOCKS = [0, 1, 2, 3, 4, 5]
+B_BLOCKS = [6, 7, 8, 9, 10, 11, 12, 13]  # A's neighbours on the device
+
+
+class Harness:
+    """One engine: a planner, a CPU transfer engine whose RemoteJobs write to ``url``."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.probe_store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
+        self.worker_store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
+        config = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, "host_bytes": "64MiB"})
+        probe = RemoteProbe(self.probe_store, FINGERPRINT, 1, prefix=prefix, deadline_s=2.0)
+        tier = RemoteTier(probe, is_up=lambda: self.probe_store.up, writes=True, admission=1,
+                          seen_limit=1024, server_info=lambda: None)
+        self.kv = KVViews.from_kv_caches(layout_caches(num_blocks=NUM_BLOCKS, seed=5), NUM_BLOCKS)
+        self.host = HostPool(HOST_SLOTS, self.kv.slot_payload_bytes(CHUNK_BLOCKS), pin=False)
+        self.jobs = RemoteJobs(self.worker_store, self.host, fingerprint=FINGERPRINT, rank=0,
+                               prefix=prefix, ttl_s=None, timeout_s=2.0)
+        self.engine = TransferEngine(self.kv, self.host, None, backend=TorchCopyBackend(),
+                                     remote=self.jobs)
+        self.planner = Planner(config, block_size=BLOCK, num_host_slots=HOST_SLOTS, remote=tier)
+        for store in (self.probe_store, self.worker_store):
+            assert store.wait_up(5.0), store.stats()
+
+    def step(self) -> None:
+        plan = self.planner.take_plan()
+        jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.stores,
+                *plan.remote_writes]
+        if jobs:
+            self.engine.submit(jobs)
+        assert self.engine.drain(10.0), "a job never reported"
+        self.planner.apply(self.engine.poll())
+
+    def compute_and_store(self, req: str, tokens: list[int], blocks: list[int], salt: str,
+                          keys: LazyChunkKeys | None = None) -> None:
+        self.planner.set_block_ids(req, blocks, replace=True)
+        keys = keys_for(tokens, salt) if keys is None else keys
+        self.planner.plan_stores(req, keys, len(tokens), tail=True)
+        for _ in range(50):
+            self.step()
+            if not self.planner.has_pending_work():
+                break
+        assert self.jobs.flush_writes(10.0)
+        self.planner.finished(req)
+
+    def close(self) -> None:
+        self.engine.shutdown(timeout_s=2.0)
+        self.probe_store.close(1.0)
+
+
+@pytest.fixture
+def harness(redis_server, prefix: str) -> Iterator[Harness]:
+    made = Harness(redis_server.url, prefix)
+    yield made
+    made.close()
+
+
+def _device_rows(kv: KVViews, blocks: list[int]) -> set[bytes]:
+    return {bytes(kv.rows[layer][b].numpy().tobytes()) for layer in range(kv.num_layers)
+            for b in blocks}
+
+
+def _value_rows(kv: KVViews, payload: memoryview) -> list[bytes]:
+    """A chunk value's payload as its rows: layer-major, ``CHUNK_BLOCKS`` blocks each."""
+    data, rows, at = bytes(payload), [], 0
+    for block_bytes in kv.block_bytes:
+        for _ in range(CHUNK_BLOCKS):
+            rows.append(data[at:at + block_bytes])
+            at += block_bytes
+    assert at == len(data)
+    return rows
+
+
+def _written(redis_server, prefix: str) -> dict[bytes, bytes]:
+    """Every value under this test's prefix, by the chunk key its header names."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    out: dict[bytes, bytes] = {}
+    for name in client.scan_iter(match=f"{prefix}:*"):
+        value = client.get(name)
+        key = value[48:80]  # the header's key field (see tieredkv.remote.codec)
+        out[key] = value
+    client.close()
+    return out
+
+
+def test_a_one_block_tail_never_reaches_redis_with_another_tenants_rows(
+    harness: Harness, redis_server, prefix: str,
+) -> None:
+    kv = harness.kv
+    harness.compute_and_store("b", B_TOKENS, B_BLOCKS, salt="tenant-b")
+    assert harness.planner.counters["remote_written_chunks"] == 2  # B's own two chunks
+    b_values = set(_written(redis_server, prefix))
+    # A's chunk and tail evict B's chunks: A's tail slot still holds B's rows 1..3.
+    harness.compute_and_store("a", A_TOKENS, A_BLOCKS, salt="tenant-a")
+    assert harness.planner.counters["stored_partial_chunks"] == 1  # the tail was stored
+
+    a_keys = keys_for(A_TOKENS, "tenant-a")
+    a_values = {k: v for k, v in _written(redis_server, prefix).items() if k not in b_values}
+    foreign = _device_rows(kv, B_BLOCKS)
+    for key, value in a_values.items():
+        decoded = decode(value, fingerprint=FINGERPRINT, key=key, rank=0,
+                         expected_len=harness.host.payload_bytes)
+        assert isinstance(decoded, Verified), decoded
+        rows = _value_rows(kv, decoded.payload)
+        leaked = sum(row in foreign for row in rows)
+        assert not leaked, f"{leaked} rows of tenant B's KV written to Redis under A's key"
+        want = [bytes(kv.rows[layer][b].numpy().tobytes()) for layer in range(kv.num_layers)
+                for b in A_BLOCKS[:CHUNK_BLOCKS]]
+        assert rows == want  # A's own blocks, exactly
+    assert set(a_values) == {a_keys[0]}  # the whole chunk only: no value for the tail
+
+
+@pytest.mark.parametrize("tail_blocks", [1, 2, CHUNK_BLOCKS - 1])
+def test_only_whole_chunks_are_written_whatever_the_tail(
+    harness: Harness, redis_server, prefix: str, tail_blocks: int,
+) -> None:
+    tokens = list(range(CHUNK_TOKENS + tail_blocks * BLOCK + 3))
+    harness.compute_and_store("a", tokens, A_BLOCKS, salt="a")
+    assert harness.planner.counters["stored_partial_chunks"] == 1
+    assert harness.planner.counters["remote_written_chunks"] == 1
+    assert set(_written(redis_server, prefix)) == {keys_for(tokens, "a")[0]}
+
+
+def test_whole_chunks_under_keys_that_name_no_blocks_are_still_written(
+    harness: Harness, redis_server, prefix: str,
+) -> None:
+    """Keys that are not block-granular (hybrid models, odd hash block sizes) give a whole
+    chunk no aliases, like a one-block tail: there, no tail exists and the chunk is whole."""
+    tokens = list(range(CHUNK_TOKENS + BLOCK + 3))
+    keys = LazyChunkKeys(FP, sha256_block_hashes(tokens, BLOCK, "a"), CHUNK_BLOCKS)
+    harness.compute_and_store("a", tokens, A_BLOCKS, salt="a", keys=keys)
+    assert harness.planner.counters["stored_partial_chunks"] == 0
+    assert harness.planner.counters["remote_written_chunks"] == 1
+    assert set(_written(redis_server, prefix)) == {keys[0]}
+
+
+@pytest.mark.parametrize("rows", [1, CHUNK_BLOCKS - 1, 0, CHUNK_BLOCKS + 1])
+def test_the_writer_refuses_a_job_that_does_not_cover_every_row(
+    harness: Harness, redis_server, prefix: str, rows: int,
+) -> None:
+    """Whatever the scheduler asks, the worker writes only values every row of which is the
+    entry's: a write naming fewer rows than a slot holds is refused and counted."""
+    harness.host.slot_memoryview(0)[:harness.host.payload_bytes] = b"\x5a" * harness.host.payload_bytes  # foreign rows
+    job = RemoteWriteJob(7, keys_for(A_TOKENS, "tenant-a").block_key(0), 0, rows=rows)
+    harness.engine.submit([job])
+    assert harness.engine.drain(10.0)
+    assert harness.engine.poll() == [JobResult.fail(7, FailureCause.WRONG_KEY)]
+    assert harness.jobs.flush_writes(10.0)
+    assert _written(redis_server, prefix) == {}
+    stats = harness.jobs.take_stats()
+    assert (stats.writes_ok, stats.writes_failed) == (0, {"wrong_key": 1})
+
+
+def test_the_writer_writes_a_job_that_covers_every_row(
+    harness: Harness, redis_server, prefix: str,
+) -> None:
+    key = keys_for(A_TOKENS, "tenant-a")[0]
+    harness.host.slot_memoryview(1)[:harness.host.payload_bytes] = b"\x33" * harness.host.payload_bytes
+    harness.engine.submit([RemoteWriteJob(8, key, 1, rows=CHUNK_BLOCKS)])
+    assert harness.engine.drain(10.0)
+    assert harness.engine.poll() == [JobResult.done(8)]
+    assert harness.jobs.flush_writes(10.0)
+    assert set(_written(redis_server, prefix)) == {key}
