@@ -3,8 +3,8 @@
 For each chunk size and batch size, the same bytes are moved four ways, interleaved round by
 round (medians reported):
 
-- ``contig``: one contiguous copy of the batch's bytes (GPU: one pinned ``copy_`` with
-  ``non_blocking=True``, the cudaMemcpyAsync ceiling; CPU: one plain ``copy_``);
+- ``contig``: one contiguous copy of the batch's bytes, uint8 to uint8 (GPU: one pinned
+  ``copy_`` with ``non_blocking=True``, the cudaMemcpyAsync ceiling; CPU: one plain ``copy_``);
 - each available tieredkv backend (``torch``, ``cupy`` on CUDA), scattered random block ids
   of an LBHNC cache (one backing buffer, as vLLM 0.32 registers it) into host slots;
 - ``vllm``: the way vLLM's platform copy op works, per layer ``dst[ids] = src[ids].cpu()``
@@ -29,7 +29,8 @@ a small machine shared with other work, wall time mostly measures the scheduler.
     python benchmarks/transfer_bench.py --device cuda --json out.json
 
 Each row is judged by the best backend (``result``); the JSON also judges every backend on
-its own (``result_by_backend``), since ``auto`` picks one of them (torch on CUDA).
+its own (``result_by_backend``, ``targets_met_by_backend``), and ``scripts/gpu_check.py``
+judges every backend that ran, not only the one ``auto`` picks.
 """
 
 from __future__ import annotations
@@ -156,8 +157,11 @@ class Setup:
             for name, t in self.layer_tensors.items()
         }
         self.flush = torch.zeros(96 * MiB // 8, dtype=torch.int64) if device.type == "cpu" else None
-        self.contig_src = raw[: max_batch * chunk]
+        # uint8 to uint8, as the backends copy: int8 device bytes into the uint8 host buffer
+        # would make torch convert through temporaries and understate the contiguous ceiling.
+        self.contig_src = raw.view(torch.uint8)[: max_batch * chunk]
         self.contig_dst = self.host.buffer[: max_batch * chunk]
+        assert self.contig_src.dtype == self.contig_dst.dtype == torch.uint8
 
 
 def run_config(setup: Setup, batch: int, backends: dict, rounds: int, rng: random.Random,

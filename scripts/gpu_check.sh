@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Verify tieredkv on a bare GPU machine (tests marked cuda, the GPU integration test, the
-# transfer benchmark, a compute-sanitizer copy run) and write results ready to commit under
-# benchmarks/results/gpu/. `bash scripts/gpu_check.sh --help` says what it needs and does;
-# `--device cpu` runs the CPU half (CI does, in tests/test_gpu_check_script.py).
+# Verify tieredkv on a bare GPU machine: tests marked cuda, the GPU integration test on the
+# layouts vLLM serves tieredkv, a compute-sanitizer copy run and the transfer benchmark, inside
+# a time budget (--budget-s, default 480 s), into three files (gpu_check.json, gpu_check.md,
+# gpu_check.tar.gz). `bash scripts/gpu_check.sh --help` says what it needs and does, and the
+# one line to give a machine that gets the tree without .git; `--device cpu` runs the CPU half
+# (CI does, in tests/test_gpu_check_script.py). Same as `python3 scripts/gpu_check.py`.
 #
 # The interpreter: $PYTHON if set, else the checkout's .venv if there is one, else python3.
 set -euo pipefail
@@ -21,4 +23,5 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; th
     echo "gpu_check: $PY is not Python >= 3.11 (set PYTHON=/path/to/python3.12)" >&2
     exit 2
 fi
+cd "$ROOT"
 exec "$PY" "$ROOT/scripts/gpu_check.py" "$@"

@@ -1,132 +1,221 @@
-"""scripts/gpu_check.sh works: its CPU half runs here, as on a GPU machine without vLLM.
+"""scripts/gpu_check.py works before a GPU ever runs it: a rehearsal of the whole check on CPU.
 
-``--device cpu`` runs the GPU integration test on the CPU, the transfer benchmark's smoke
-profile and the copy check; ``--without-vllm`` hides the installed vLLM (the GPU machines have
-none) and ``--no-install`` leaves this environment alone. About 40 s on 2 cores.
+The GPU machines return at most 8 files from a command that may run 10 minutes, get the tree
+without ``.git`` and have no vLLM: the check must write exactly its three result files, stay
+inside its time budget (a step cut short is ``timeout``, and the files are still written), and
+fail its exit status only on a correctness failure. ``--device cpu --without-vllm`` runs the
+CPU half here as on such a machine. About 70 s on 2 cores.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpucheck import report, steps  # noqa: E402
+from gpucheck.cli import parse_args  # noqa: E402
+from gpucheck.common import (  # noqa: E402
+    INTEGRATION,
+    RESULT_FILES,
+    WHEEL_FILL,
+    Budget,
+    cuda_test_files,
+    parse_junit,
+    provenance,
+    slug,
+    source_digest,
+)
+from gpucheck.runner import Runner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _helper():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
-
-
 def _run(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": sys.executable}
-    env.pop("OUT", None)
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    env = {**os.environ}
+    for name in ("OUT", "GPU_CHECK_COMMIT", "GPU_CHECK_TIMELINE"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def test_cpu_run_writes_passing_results(tmp_path: Path) -> None:
+def _archive(out: Path) -> dict[str, bytes]:
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        return {m.name.removeprefix("gpu_check/"): tar.extractfile(m).read()  # type: ignore[union-attr]
+                for m in tar.getmembers() if m.isfile()}
+
+
+def test_cpu_rehearsal_writes_three_files_and_passes(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    proc = _run("--device", "cpu", "--out", str(out), "--no-install", "--bench", "smoke",
-                "--without-vllm")
+    proc = _run("--device", "cpu", "--out", str(out), "--bench", "smoke", "--without-vllm")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(RESULT_FILES)
     data = json.loads((out / "gpu_check.json").read_text())
-    assert data["verdict"] == "pass" and data["device"] == "cpu"
-    steps = {step["name"]: step for step in data["steps"]}
-    assert [s["name"] for s in data["steps"]] == [
-        "environment", "wheels", "install", "cuda-tests", "integration", "bench", "bench-targets",
-        "copy-check",
+    assert (data["verdict"], data["device"]) == ("pass", "cpu")
+    assert data["seconds"] <= data["budget_s"] == 480
+    assert [(s["name"], s["kind"]) for s in data["steps"]] == [
+        ("environment", "setup"), ("wheels", "setup"), ("build", "setup"),
+        ("cuda-tests", "correctness"), ("integration", "correctness"), ("copy-check", "correctness"),
+        ("overlap", "correctness"), ("bench", "speed"),
     ]
-    assert steps["environment"]["status"] == "pass"
-    assert steps["cuda-tests"]["status"] == "skip"
-    for name in ("integration", "bench", "copy-check"):
-        assert steps[name]["status"] == "pass", steps[name]
+    status = {s["name"]: s["status"] for s in data["steps"]}
+    assert status["cuda-tests"] == "skip" and status["bench"] == "info"
+    assert all(status[n] == "pass" for n in ("environment", "integration", "copy-check", "overlap"))
+    assert data["speed"] == "not judged"  # CPU figures are not judged
     integration = data["tests"]["integration"]
-    assert integration["passed"] >= 30 and integration["failed"] == integration["errors"] == 0
-    # Without vLLM only the cross-check against the installed vLLM is skipped.
-    assert integration["skipped"] == 1, integration["skip_reasons"]
+    assert integration["passed"] >= 28 and integration["failed"] == integration["errors"] == 0
+    assert data["tests"]["overlap"]["passed"] == 1
     assert data["machine"]["vllm"] is None and data["vllm_hidden"]
-    assert data["suggested_dir"].startswith("benchmarks/results/gpu/cpu-")
-    assert len(data["source_digest"]) == 16  # (the tree may change while this runs)
-    bench = data["bench"]
-    assert bench["profile"] == "smoke" and bench["rows"]
-    assert all("target_text" in row and "result_by_backend" in row for row in bench["rows"])
-    for name in ("gpu_check.md", "transfer_bench.json", "transfer_bench.txt",
-                 "junit-integration.xml", "logs/integration.log", "logs/copy-check.log"):
-        assert (out / name).is_file(), name
+    assert data["machine"]["tieredkv_from"] == str(ROOT / "tieredkv")
+    assert len(data["source_digest"]) == 16
+    archive = _archive(out)
+    for name in ("logs/integration.log", "logs/overlap.log", "logs/copy-check.log", "logs/bench.log",
+                 "junit-integration.xml", "transfer_bench.json"):
+        assert name in archive, sorted(archive)
+    assert b"copy-check: 6 layouts" in archive["logs/copy-check.log"]
+    assert all(b"::test_d2h_and_h2d_overlap" not in line for line in
+               archive["logs/integration.log"].splitlines() if line.endswith(b"PASSED"))
     md = (out / "gpu_check.md").read_text()
-    assert "**Verdict: PASS**" in md and "| integration | **PASS**" in md
-    assert "copy-check: 5 layouts" in (out / "logs" / "copy-check.log").read_text()
+    assert "**Correctness: PASS**" in md and md.strip() in proc.stdout  # printed at the end too
 
 
-def test_help_says_how_to_fill_the_wheel_folder() -> None:
+def test_a_tiny_budget_cuts_later_steps_short_and_still_writes_the_files(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = _run("--device", "cpu", "--out", str(out), "--bench", "smoke", "--without-vllm",
+                "--budget-s", "20")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]  # nothing wrong found
+    assert sorted(p.name for p in out.iterdir()) == sorted(RESULT_FILES)
+    data = json.loads((out / "gpu_check.json").read_text())
+    status = {s["name"]: s["status"] for s in data["steps"]}
+    assert data["verdict"] == "incomplete" and "fail" not in status.values(), status
+    # The integration test alone needs more than the budget: it and everything after it is cut.
+    for name in ("integration", "copy-check", "overlap", "bench"):
+        assert status[name] == "timeout", status
+    assert data["seconds"] <= data["budget_s"] == 20
+    assert "**Correctness: INCOMPLETE**" in (out / "gpu_check.md").read_text()
+    assert "logs/integration.log" in _archive(out)
+
+
+def test_a_failing_test_fails_correctness_and_the_exit_status(tmp_path: Path) -> None:
+    failing = tmp_path / "test_wrong_bytes.py"
+    failing.write_text("def test_ok():\n    pass\n\n\ndef test_wrong_bytes():\n    assert 1 == 2\n")
+    runner = Runner(parse_args(["--device", "cpu", "--out", str(tmp_path / "out")]))
+    try:
+        runner.machine = {"pytest_timeout": True}
+        steps.pytest_step(runner, "integration", "correctness", [str(failing)], None, None)
+    finally:
+        runner.close()
+    step = runner.steps[-1]
+    assert (step["status"], runner.tests["integration"]["failed"]) == ("fail", 1)
+    assert runner.tests["integration"]["failures"] == ["test_wrong_bytes::test_wrong_bytes"]
+    assert report.verdicts(runner.steps)["correctness"] == "fail"
+    assert report.exit_status(runner.steps) == 1
+
+
+def _step(name: str, kind: str, status: str) -> dict[str, Any]:
+    return {"name": name, "kind": kind, "status": status, "seconds": 0.0, "detail": "", "log": None}
+
+
+def test_a_missed_speed_target_never_fails_a_correct_run() -> None:
+    correct = [_step("environment", "setup", "pass"), _step("integration", "correctness", "pass")]
+    slow = [*correct, _step("bench", "speed", "fail"), _step("overlap", "speed", "pass")]
+    assert report.verdicts(slow) == {"correctness": "pass", "speed": "missed"}
+    assert report.exit_status(slow) == 0
+    cut = [*correct, _step("copy-check", "correctness", "timeout"), _step("bench", "speed", "timeout")]
+    assert report.verdicts(cut) == {"correctness": "incomplete", "speed": "incomplete"}
+    assert report.exit_status(cut) == 0
+    broken = [*correct, _step("copy-check", "correctness", "fail"), _step("bench", "speed", "pass")]
+    assert report.verdicts(broken) == {"correctness": "fail", "speed": "met"}
+    assert report.exit_status(broken) == 1
+    no_gpu = [_step("environment", "setup", "fail")]
+    assert report.verdicts(no_gpu)["correctness"] == "incomplete"
+
+
+def test_every_backend_that_ran_is_judged_not_only_auto() -> None:
+    assert steps.every_backend_met({"torch": {"passed": 12, "judged": 12}, "cupy": {"passed": 12, "judged": 12}})
+    assert not steps.every_backend_met({"torch": {"passed": 12, "judged": 12}, "cupy": {"passed": 9, "judged": 12}})
+    assert not steps.every_backend_met({"torch": {"passed": 0, "judged": 0}})
+
+
+def test_the_contiguous_baseline_copies_uint8_to_uint8() -> None:
+    from benchmarks.transfer_bench import Setup
+
+    setup = Setup(torch.device("cpu"), 64 * 1024, layers=4, chunk_blocks=1, max_batch=1)
+    assert setup.contig_src.dtype == setup.contig_dst.dtype == torch.uint8
+    assert setup.contig_src.numel() == setup.contig_dst.numel() == 64 * 1024
+
+
+def test_budget_clips_every_step_to_what_is_left() -> None:
+    now = [100.0]
+    budget = Budget(60.0, clock=lambda: now[0])
+    assert budget.clip(200.0) == 60.0 - Budget.RESERVE_S and budget.clip(10.0) == 10.0
+    now[0] += 50.0
+    assert budget.clip(200.0) == 60.0 - 50.0 - Budget.RESERVE_S
+    now[0] += 30.0
+    assert budget.left() == budget.clip(10.0) == 0.0
+
+
+def test_help_shows_the_one_line_command_and_the_wheel_folder() -> None:
     proc = _run("--help", timeout=60)
     assert proc.returncode == 0
-    assert (
-        "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
-        "--implementation cp --platform manylinux2014_x86_64 --platform any -d .whl "
-        "pytest-asyncio pytest-timeout"
-    ) in proc.stdout
-    assert "--device" in proc.stdout and "compute-sanitizer" in proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert 'python3 scripts/gpu_check.py --out "$OUT"' in text and "GPU_CHECK_COMMIT=" in text
+    assert WHEEL_FILL in text and 'carry: [".whl"]' in text
+    assert "--budget-s" in text and "compute-sanitizer" in text
 
 
-def test_a_failing_step_fails_the_verdict_and_the_exit_status(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    # An integration run that selects no test counts as a failure, never as a pass.
-    proc = _run("--device", "cpu", "--out", str(out), "--no-install", "--bench", "none",
-                "--skip", "copy-check", "--test-timeout", "0.01")
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    data = json.loads((out / "gpu_check.json").read_text())
-    steps = {step["name"]: step for step in data["steps"]}
-    assert data["verdict"] == "fail" and steps["integration"]["status"] == "fail"
-    assert "timed out" in steps["integration"]["detail"]
-    assert "**Verdict: FAIL**" in (out / "gpu_check.md").read_text()
+def test_provenance_without_git_comes_from_the_environment(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tieredkv").mkdir()
+    (tmp_path / "tieredkv" / "a.py").write_text("x = 1\n")
+    monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
+    assert provenance(None, tmp_path)["commit"] is None  # no .git, nothing given
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "0123abc")
+    got = provenance(None, tmp_path)
+    assert (got["commit"], got["commit_from"]) == ("0123abc", "GPU_CHECK_COMMIT")
+    assert got["source_digest"] == source_digest(tmp_path) and len(got["source_digest"]) == 16
+    assert provenance("feed42", tmp_path)["commit_from"] == "--commit"
+    (tmp_path / "tieredkv" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != got["source_digest"]
 
 
 def test_helpers(tmp_path: Path) -> None:
-    helper = _helper()
-    assert helper.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    (tmp_path / "tieredkv").mkdir()
-    (tmp_path / "tieredkv" / "a.py").write_text("x = 1\n")
-    first = helper.source_digest(tmp_path)
-    assert first == helper.source_digest(tmp_path)
-    (tmp_path / "tieredkv" / "a.py").write_text("x = 2\n")
-    assert helper.source_digest(tmp_path) != first
-    files = helper.cuda_test_files()
+    assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    files = cuda_test_files()
     assert "tests/transfer/test_cuda.py" in files
-    assert helper.INTEGRATION not in files and not any(f.startswith("tests/e2e/") for f in files)
+    assert INTEGRATION not in files and not any(f.startswith("tests/e2e/") for f in files)
     junit = tmp_path / "junit.xml"
     junit.write_text(
         '<testsuites><testsuite><testcase classname="t" name="ok"/>'
         '<testcase classname="t" name="bad"><failure message="x"/></testcase>'
         '<testcase classname="t" name="gone"><skipped message="needs a CUDA device"/></testcase>'
         '</testsuite></testsuites>')
-    counts = helper.parse_junit(junit)
+    counts = parse_junit(junit)
     assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1)
     assert counts["skip_reasons"] == {"needs a CUDA device": 1} and counts["failures"] == ["t::bad"]
-    assert helper.parse_junit(tmp_path / "missing.xml")["errors"] == 1
+    assert parse_junit(tmp_path / "missing.xml")["errors"] == 1
 
 
 def test_missing_wheels_are_a_warning_that_says_how_to_fill_the_folder(tmp_path: Path) -> None:
-    helper = _helper()
-    args = helper.parse_args(["--device", "cpu", "--out", str(tmp_path), "--wheels",
-                              str(tmp_path / "empty")])
-    check = helper.Check(args)
-    check._importable = lambda module: False  # as on a machine without pytest-asyncio
-    check.wheels()
-    step = check.steps[-1]
+    runner = Runner(parse_args(["--device", "cpu", "--out", str(tmp_path), "--wheels",
+                                str(tmp_path / "empty")]))
+    try:
+        runner.machine = {"pytest_timeout": False, "pytest_asyncio": False}  # as on a bare machine
+        steps.wheels(runner)
+    finally:
+        runner.close()
+    step = runner.steps[-1]
     assert step["name"] == "wheels" and step["status"] == "warn"
-    assert helper.WHEEL_FILL in step["detail"] and "pytest-asyncio" in step["detail"]
-    assert json.loads((tmp_path / "gpu_check.json").read_text())["verdict"] == "pass"
+    assert WHEEL_FILL in step["detail"] and "pytest-asyncio" in step["detail"]
+    assert report.exit_status(runner.steps) == 0
