@@ -250,14 +250,16 @@ FILES: tuple[tuple[str, str, str, Extractor], ...] = (
 #: harness aside; the launcher that builds every vLLM server's command line and environment
 #: is ``tools/vllm_server.py``) and the shared benchmark code.
 MEASURED_CODE = ("tieredkv", ":(exclude)tieredkv/testing", "benchmarks/common.py")
-#: Code only some benchmarks run: their parts (``benchmarks/ttft/``: e2e_ttft's;
-#: ``benchmarks/serve/``: serve_bench's chat workload, client and servers, which multi_replica
-#: and soak play too) and the peers' settings.
+#: Code only some benchmarks run: their parts (each benchmark's subpackage; ``benchmarks/serve/``,
+#: serve_bench's chat workload, client and servers, is played by multi_replica and soak too)
+#: and the peers' settings.
 MEASURED_BY: dict[str, tuple[str, ...]] = {
+    "scheduler_bench": ("benchmarks/scheduler",),
+    "remote_throughput": ("benchmarks/remote",),
     "e2e_ttft": ("benchmarks/ttft", "benchmarks/peers"),
     "serve_bench": ("benchmarks/serve", "benchmarks/peers"),
-    "multi_replica": ("benchmarks/serve",),
-    "soak": ("benchmarks/serve",),
+    "multi_replica": ("benchmarks/replicas", "benchmarks/serve"),
+    "soak": ("benchmarks/endurance", "benchmarks/serve"),
 }
 
 
@@ -327,9 +329,9 @@ def render(sections: Sequence[Section]) -> str:
         "benchmark (this machine is shared; compare configurations within one run, never across "
         "files). **Code changed since** says whether `tieredkv/` (its `testing/` harness aside), "
         "`benchmarks/common.py`, "
-        "the benchmark's script, its parts (`benchmarks/ttft/` for e2e_ttft, `benchmarks/serve/` for "
-        "serve_bench, multi_replica and soak) or, for those with a peer row, `benchmarks/peers/` differ between the "
-        "stamped commit and the "
+        "the benchmark's script, its parts (its subpackage: `scheduler/`, `remote/`, `ttft/`, `serve/`, "
+        "`replicas/`, `endurance/`; `serve/` counts for multi_replica and soak too) or, for those with a "
+        "peer row, `benchmarks/peers/` differ between the stamped commit and the "
         "checkout this page was rendered from. **Reference lines** are printed beside the targets "
         "without being targets; a missed one is named in the headline all the same. What each "
         "benchmark measures and why: `benchmarks/README.md`.",

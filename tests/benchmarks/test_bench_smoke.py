@@ -11,6 +11,10 @@ import random
 import pytest
 
 from benchmarks import common, soak
+from benchmarks.endurance import judging as soak_judging
+from benchmarks.endurance import probes as soak_probes
+from benchmarks.endurance import report as soak_report
+from benchmarks.endurance import workload as soak_workload
 from benchmarks.serve import judging, workload
 from tieredkv.disk.layout import payload_offset, slab_path, slot_stride
 
@@ -55,7 +59,7 @@ def test_prompt_lengths_and_device_sizing():
     assert common.kv_bytes_per_token({"hidden_size": 256, "num_layers": 4, "num_heads": 4,
                                       "num_kv_heads": 2}, 4) == 4096
     assert common.kv_bytes_per_token(workload.MODEL, workload.DTYPE_BYTES) == 4096
-    assert common.kv_bytes_per_token(soak.MODEL, soak.DTYPE_BYTES) == 4096
+    assert common.kv_bytes_per_token(soak_workload.MODEL, soak_workload.DTYPE_BYTES) == 4096
 
 
 def test_percentile_math():
@@ -126,26 +130,26 @@ def test_judge_targets():
 
 
 def test_pool_and_zipf():
-    pool = soak.make_pool(0, 8, 2, 64, (32, 96))
-    assert pool == soak.make_pool(0, 8, 2, 64, (32, 96))
+    pool = soak_workload.make_pool(0, 8, 2, 64, (32, 96))
+    assert pool == soak_workload.make_pool(0, 8, 2, 64, (32, 96))
     assert len(pool) == 8 and all(96 <= len(x) <= 160 for x in pool)
     assert pool[0][:64] == pool[2][:64] and pool[0][:64] != pool[1][:64]
-    w = soak.zipf_weights(5, 1.0)
+    w = soak_workload.zipf_weights(5, 1.0)
     assert sum(w) == pytest.approx(1.0) and w == sorted(w, reverse=True)
-    choose = soak.ZipfChooser(10, 1.1, "x")
+    choose = soak_workload.ZipfChooser(10, 1.1, "x")
     picks = [choose() for _ in range(5000)]
     assert set(picks) <= set(range(10))
     counts = sorted((picks.count(i) for i in range(10)), reverse=True)
     assert counts[0] > 3 * counts[-1]  # skewed
     assert picks.count(choose.order[0]) == counts[0]  # the hottest is rank 1
-    again = soak.ZipfChooser(10, 1.1, "x")
+    again = soak_workload.ZipfChooser(10, 1.1, "x")
     assert [again() for _ in range(100)] == picks[:100]
     # Two prompts sharing a 64-token prefix with 32-token chunks: 2 shared chunks.
     a, b = [1] * 64 + [2] * 64, [1] * 64 + [3] * 64
-    assert soak.working_set_chunks([a, b], 32) == 2 + 2 + 2
-    assert soak.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert soak.first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert soak.first_difference([1, 2, 3], [1, 2]) == 2
+    assert soak_workload.working_set_chunks([a, b], 32) == 2 + 2 + 2
+    assert soak_workload.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert soak_workload.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert soak_workload.first_difference([1, 2, 3], [1, 2]) == 2
 
 
 def _series(fn, n=60, period=5.0):
@@ -155,62 +159,62 @@ def _series(fn, n=60, period=5.0):
 
 def test_leak_check_flat_noisy_and_plateau_pass():
     rnd = random.Random(1)
-    rule = soak.LeakRule(per_hour=16, rise=32)
+    rule = soak_judging.LeakRule(per_hour=16, rise=32)
     ts, ys = _series(lambda t: 2000 + rnd.uniform(-5, 5), n=400, period=10.0)  # 66 min, noise only
-    res = soak.leak_check(ts, ys, rule, warmup_s=600)
+    res = soak_judging.leak_check(ts, ys, rule, warmup_s=600)
     assert res["verdict"] == "PASS" and res["mode"] == "hourly"
     # Fast growth during the warm-up, then a plateau: not a leak.
     ts, ys = _series(lambda t: min(2000.0, 1000 + 2 * t), n=400, period=10.0)
-    assert soak.leak_check(ts, ys, rule, warmup_s=600)["verdict"] == "PASS"
+    assert soak_judging.leak_check(ts, ys, rule, warmup_s=600)["verdict"] == "PASS"
 
 
 def test_leak_check_hourly_rule_bites_on_slow_growth():
     """20 units/h over an hour: a 16/h limit fails it, though it climbs less than the rise."""
-    rule = soak.LeakRule(per_hour=16, rise=32)
+    rule = soak_judging.LeakRule(per_hour=16, rise=32)
     ts, ys = _series(lambda t: 2000 + 20 * t / 3600, n=400, period=10.0)
-    res = soak.leak_check(ts, ys, rule, warmup_s=600)
+    res = soak_judging.leak_check(ts, ys, rule, warmup_s=600)
     assert res["verdict"] == "FAIL" and res["mode"] == "hourly"
     assert res["slope_per_h"] == pytest.approx(20.0)
     assert "/h" in res["reason"]
-    ok = soak.leak_check(*_series(lambda t: 2000 + 12 * t / 3600, n=400, period=10.0), rule, warmup_s=600)
+    ok = soak_judging.leak_check(*_series(lambda t: 2000 + 12 * t / 3600, n=400, period=10.0), rule, warmup_s=600)
     assert ok["verdict"] == "PASS" and ok["slope_per_h"] == pytest.approx(12.0)
 
 
 def test_leak_check_short_run_judges_the_climb():
-    rule = soak.LeakRule(per_hour=16, rise=32)
+    rule = soak_judging.LeakRule(per_hour=16, rise=32)
     ts, ys = _series(lambda t: 2000 + 2.0 * t)  # +600 over 300 s
-    res = soak.leak_check(ts, ys, rule, warmup_s=60)
+    res = soak_judging.leak_check(ts, ys, rule, warmup_s=60)
     assert res["verdict"] == "FAIL" and res["mode"] == "short run"
     assert res["slope_per_s"] == pytest.approx(2.0)
     assert res["climb"] == pytest.approx(2.0 * res["span_s"])
     assert "climbs" in res["reason"]
     # The same slope as the hourly failure above climbs too little to judge on a short run.
-    slow = soak.leak_check(*_series(lambda t: 2000 + 20 * t / 3600), rule, warmup_s=60)
+    slow = soak_judging.leak_check(*_series(lambda t: 2000 + 20 * t / 3600), rule, warmup_s=60)
     assert slow["verdict"] == "PASS" and slow["mode"] == "short run"
 
 
 def test_leak_check_late_step_fails_on_ceiling():
-    rule = soak.LeakRule(per_hour=1, rise=2)
+    rule = soak_judging.LeakRule(per_hour=1, rise=2)
     ts, ys = _series(lambda t: 100 if t < 280 else 130)  # a jump in the last samples
-    res = soak.leak_check(ts, ys, rule, warmup_s=60)
+    res = soak_judging.leak_check(ts, ys, rule, warmup_s=60)
     assert res["verdict"] == "FAIL" and "last-quarter" in res["reason"]
 
 
 def test_leak_check_undecided_is_not_a_pass():
-    rule = soak.LeakRule(per_hour=1, rise=1)
-    assert soak.leak_check([0, 1, 2], [1, 1, 1], rule, warmup_s=0)["verdict"] == "n/a"
-    assert soak.leak_check([], [], rule, warmup_s=0)["verdict"] == "n/a"
+    rule = soak_judging.LeakRule(per_hour=1, rise=1)
+    assert soak_judging.leak_check([0, 1, 2], [1, 1, 1], rule, warmup_s=0)["verdict"] == "n/a"
+    assert soak_judging.leak_check([], [], rule, warmup_s=0)["verdict"] == "n/a"
     # Everything inside the warm-up: nothing to judge.
-    assert soak.leak_check(*_series(lambda t: 1.0), rule, warmup_s=1e6)["verdict"] == "n/a"
-    assert soak.lsq_slope([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(2.0)
-    assert soak.lsq_slope([1, 1], [0, 5]) == 0.0
+    assert soak_judging.leak_check(*_series(lambda t: 1.0), rule, warmup_s=1e6)["verdict"] == "n/a"
+    assert soak_judging.lsq_slope([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(2.0)
+    assert soak_judging.lsq_slope([1, 1], [0, 5]) == 0.0
 
 
 def test_rss_rule_is_16_mib_per_hour():
-    assert soak.LEAK_RULES["rss_bytes"].per_hour == 16 * soak.MiB
-    assert all(p["warmup_s"] > 0 for p in soak.PROFILES.values())
-    assert soak.PROFILES["full"]["duration_s"] - soak.PROFILES["full"]["warmup_s"] >= \
-        soak.LEAK_RULES["rss_bytes"].judge_span_s
+    assert soak_judging.LEAK_RULES["rss_bytes"].per_hour == 16 * soak_workload.MiB
+    assert all(p["warmup_s"] > 0 for p in soak_workload.PROFILES.values())
+    assert soak_workload.PROFILES["full"]["duration_s"] - soak_workload.PROFILES["full"]["warmup_s"] >= \
+        soak_judging.LEAK_RULES["rss_bytes"].judge_span_s
 
 
 def test_flip_payload_bytes(tmp_path):
@@ -218,7 +222,7 @@ def test_flip_payload_bytes(tmp_path):
     stride = slot_stride(payload)
     slab = slab_path(tmp_path, 0)
     slab.write_bytes(bytes(3 * stride))
-    offsets = soak.flip_payload_bytes(slab, 1, stride, payload, 16, random.Random(0))
+    offsets = soak_probes.flip_payload_bytes(slab, 1, stride, payload, 16, random.Random(0))
     data = slab.read_bytes()
     changed = [i for i, b in enumerate(data) if b]
     assert len(offsets) == 16 and len(changed) == 16
@@ -228,18 +232,18 @@ def test_flip_payload_bytes(tmp_path):
 
 
 def test_leak_rules_cover_every_plotted_series():
-    assert set(soak.LEAK_RULES) == set(soak.SERIES_UNITS)
+    assert set(soak_judging.LEAK_RULES) == set(soak_report.SERIES_UNITS)
 
 
 def test_pool_without_shared_prefixes_and_idle_verdict():
-    pool = soak.make_pool(0, 4, 0, 64, (32, 40))
+    pool = soak_workload.make_pool(0, 4, 0, 64, (32, 40))
     assert all(32 <= len(x) <= 40 for x in pool)
-    assert soak.idle_verdict({})[0] == "FAIL"
-    assert soak.idle_verdict({"error": "x"}) == ("FAIL", "x")
+    assert soak_judging.idle_verdict({})[0] == "FAIL"
+    assert soak_judging.idle_verdict({"error": "x"}) == ("FAIL", "x")
     zero = {"pinned_host_slots": 0, "jobs_in_flight": 0, "host_slots_in_flight": 0,
             "requests_waiting_on_load": 0}
-    assert soak.idle_verdict(zero)[0] == "PASS"
-    assert soak.idle_verdict({**zero, "pinned_host_slots": 3})[0] == "FAIL"
+    assert soak_judging.idle_verdict(zero)[0] == "PASS"
+    assert soak_judging.idle_verdict({**zero, "pinned_host_slots": 3})[0] == "FAIL"
 
 
 def test_root_cause_finds_the_engine_error(tmp_path):
@@ -249,16 +253,16 @@ def test_root_cause_finds_the_engine_error(tmp_path):
         "(EngineCore pid=2) ERROR [core.py:1512] KeyError: 'tieredkv: host tier: key ab is already present'\n"
         "(APIServer pid=1) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
     )
-    assert soak.root_cause(log) == "KeyError: 'tieredkv: host tier: key ab is already present'"
-    assert soak.root_cause(tmp_path / "missing.log") is None
+    assert soak_probes.root_cause(log) == "KeyError: 'tieredkv: host tier: key ab is already present'"
+    assert soak_probes.root_cause(tmp_path / "missing.log") is None
 
 
 def test_soak_results_name():
     """The full profile is kept as soak-full.* (a run once wrote soak-spills_dropped.*: the
     name was taken from a variable a later loop reused)."""
-    assert soak.results_name(None, False) == "soak"
-    assert soak.results_name(None, True) == "soak-full"
-    assert soak.results_name("single-client", False) == "soak-single-client"
+    assert soak_report.results_name(None, False) == "soak"
+    assert soak_report.results_name(None, True) == "soak-full"
+    assert soak_report.results_name("single-client", False) == "soak-single-client"
     import inspect
 
     body = inspect.getsource(soak.main)

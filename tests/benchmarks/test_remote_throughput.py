@@ -15,47 +15,49 @@ from pathlib import Path
 import pytest
 
 from benchmarks import remote_throughput as bench
+from benchmarks.remote import report, workload
+from tieredkv.remote.codec import HEADER_BYTES
 
 MiB = 1 << 20
 
 
 def test_value_sizes_are_real_shards_with_the_header() -> None:
-    sizes = {s.name: s.payload_bytes for s in bench.SHARDS}
+    sizes = {s.name: s.payload_bytes for s in workload.SHARDS}
     assert sizes == {
         "Qwen2.5-0.5B-class, TP 2, 16-token chunk": 96 * 1024,
         "Qwen2.5-0.5B-class, TP 1, 256-token chunk": 3 * MiB,
         "Llama-3.1-8B-class, TP 4, 256-token chunk": 8 * MiB,
     }
-    assert all(s.value_bytes == s.payload_bytes + bench.HEADER_BYTES for s in bench.SHARDS)
-    assert [s.batch for s in bench.SHARDS] == [256, 16, 16]  # one 4k-token prompt each
-    assert bench.verdict(0.8) == "PASS" and bench.verdict(0.79) == "MISS"
-    assert bench.verdict(float("inf")) == bench.verdict(0.0) == "n/a"
+    assert all(s.value_bytes == s.payload_bytes + HEADER_BYTES for s in workload.SHARDS)
+    assert [s.batch for s in workload.SHARDS] == [256, 16, 16]  # one 4k-token prompt each
+    assert report.verdict(0.8) == "PASS" and report.verdict(0.79) == "MISS"
+    assert report.verdict(float("inf")) == report.verdict(0.0) == "n/a"
 
 
 def test_smoke_profile_writes_sane_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--profile", "smoke", "--out-dir", str(tmp_path), "--quiet"]) == 0
-    profile = bench.PROFILES["smoke"]
+    profile = workload.PROFILES["smoke"]
 
     data = json.loads((tmp_path / "remote_throughput.json").read_text())
     assert data["benchmark"] == "remote_throughput" and data["profile"] == "smoke"
     assert data["deployment"] == "single redis-server"
     assert data["machine"]["name"] and data["date"] and "tieredkv_revision" in data
-    assert data["target"] == bench.TARGET
+    assert data["target"] == workload.TARGET
     assert data["verdict"] in ("PASS", "MISS")
     assert set(data["sides"]) == {"tieredkv", "redis-benchmark", "redis-py"}
     assert data["versions"]["redis_server"]
 
     rows = data["rows"]
-    expected = {(s.name, op.upper(), base, c) for s in profile.shards for op in bench.OPS
-                for base in bench.BASELINES for c in profile.clients}
+    expected = {(s.name, op.upper(), base, c) for s in profile.shards for op in workload.OPS
+                for base in workload.BASELINES for c in profile.clients}
     assert {(r["shard"], r["op"], r["baseline"], r["clients"]) for r in rows} == expected
     for row in rows:
         assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
         assert row["ratio"] == pytest.approx(row["tieredkv_ops_s"] / row["baseline_ops_s"])
         assert len(row["ratio_rounds"]) == profile.rounds
         assert all(math.isfinite(x) and x > 0 for x in row["ratio_rounds"]), row
-        assert row["verdict"] == ("PASS" if row["ratio"] >= bench.TARGET else "MISS")
-        assert row["target"] == bench.TARGET
+        assert row["verdict"] == ("PASS" if row["ratio"] >= workload.TARGET else "MISS")
+        assert row["target"] == workload.TARGET
         if row["op"] == "EXISTS":
             assert row["tieredkv_mb_s"] is None
         else:

@@ -210,7 +210,7 @@ def test_code_changed_since_sees_a_benchmarks_parts(tmp_path):
     those benchmarks measure, not only a change to their scripts."""
     _git(tmp_path, "init", "-q")
     for path in ("benchmarks/e2e_ttft.py", "benchmarks/soak.py", "benchmarks/ttft/judging.py",
-                 "benchmarks/serve/client.py", "tieredkv/__init__.py"):
+                 "benchmarks/serve/client.py", "benchmarks/scheduler/sides.py", "tieredkv/__init__.py"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("a = 1\n")
     _git(tmp_path, "add", ".")
@@ -222,3 +222,6 @@ def test_code_changed_since_sees_a_benchmarks_parts(tmp_path):
     (tmp_path / "benchmarks" / "serve" / "client.py").write_text("a = 2\n")
     for script in ("serve_bench", "multi_replica", "soak"):
         assert render_results.code_changed_since("HEAD", script, tmp_path), script
+    assert not render_results.code_changed_since("HEAD", "scheduler_bench", tmp_path)
+    (tmp_path / "benchmarks" / "scheduler" / "sides.py").write_text("a = 2\n")
+    assert render_results.code_changed_since("HEAD", "scheduler_bench", tmp_path)

@@ -13,6 +13,8 @@ import math
 
 import pytest
 
+from benchmarks.scheduler import report, workload
+
 
 @pytest.fixture(scope="module")
 def bench():
@@ -51,8 +53,8 @@ def test_smoke_profile_gives_sane_rows(bench, tmp_path):
     # The hit rows really hit: everything but the block of the last prompt token.
     hit_tokens = result.payload["hit_tokens"]
     for n in profile.sizes:
-        assert hit_tokens["tieredkv"][n] == (n - 1) // bench.BLOCK_SIZE * bench.BLOCK_SIZE
-        assert n - bench.CHUNK_TOKENS <= hit_tokens["vllm"][n] <= n
+        assert hit_tokens["tieredkv"][n] == (n - 1) // workload.BLOCK_SIZE * workload.BLOCK_SIZE
+        assert n - workload.CHUNK_TOKENS <= hit_tokens["vllm"][n] <= n
 
     # The smoke profile stops at 4k tokens: the 128k target row is reported as not measured.
     assert result.payload["targets"]["lookup_128k_under_2ms"] == "not measured"
@@ -75,9 +77,9 @@ def test_percentiles_and_table(bench):
 
 
 def test_verdicts_use_the_noise_band(bench):
-    assert bench.verdict(0.8) == "PASS"
-    assert bench.verdict(1.0) == "PASS"
-    assert bench.verdict(1.05) == "PASS (within noise)"
-    assert bench.verdict(1.1) == "PASS (within noise)"
-    assert bench.verdict(1.11) == "FAIL"
-    assert bench.verdict(float("nan")) == "n/a"
+    assert report.verdict(0.8) == "PASS"
+    assert report.verdict(1.0) == "PASS"
+    assert report.verdict(1.05) == "PASS (within noise)"
+    assert report.verdict(1.1) == "PASS (within noise)"
+    assert report.verdict(1.11) == "FAIL"
+    assert report.verdict(float("nan")) == "n/a"

@@ -1,0 +1,192 @@
+"""The soak's judging: a leak rule per sampled series (least-squares slope after the warm-up,
+or the climb of a short run), the idle state, and the checks that make the verdict."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks import common
+from benchmarks.endurance.runner import Run
+from benchmarks.endurance.workload import MiB
+from benchmarks.serve.judging import metric_sum
+
+
+@dataclass(frozen=True)
+class LeakRule:
+    """How flat one sampled series must stay after the warm-up; see :func:`leak_check`.
+
+    ``per_hour``: the largest least-squares slope allowed, in the series' units per hour, once
+    at least ``judge_span_s`` of samples follow the warm-up (a server must be flat, so the
+    limits are absolute, not a fraction of the level). ``rise``: on a shorter run, the most the
+    fitted line may climb over its span; on any run, the most the last quarter's maximum may
+    exceed the first post-warm-up quarter's maximum.
+    """
+
+    per_hour: float
+    rise: float
+    judge_span_s: float = 1800.0
+    min_samples: int = 8
+
+
+LEAK_RULES: dict[str, LeakRule] = {
+    "rss_bytes": LeakRule(per_hour=16 * MiB, rise=32 * MiB),
+    "open_fds": LeakRule(per_hour=1, rise=2),
+    "threads": LeakRule(per_hour=1, rise=2),
+    "host_slots_used": LeakRule(per_hour=1, rise=2),
+    # Pins of hits and transfers in flight come and go with the load; a leak of pins shows as a
+    # trend here and, exactly, in the idle check at the end (every pin must be gone).
+    "pinned_host_slots": LeakRule(per_hour=2, rise=8),
+    "disk_slots_used": LeakRule(per_hour=1, rise=2),
+    "journal_entries": LeakRule(per_hour=1, rise=2),
+    "disk_usage_bytes": LeakRule(per_hour=1 * MiB, rise=1 * MiB),
+    # The journal is compacted as it grows: a saw tooth is fine, a journal that only grows is not.
+    "journal_bytes": LeakRule(per_hour=256 * 1024, rise=64 * 1024),
+}
+
+
+def lsq_slope(ts: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``ys`` over ``ts`` (0 for fewer than two distinct times)."""
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    if var == 0:
+        return 0.0
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / var
+
+
+def leak_check(ts: Sequence[float], ys: Sequence[float], rule: LeakRule, warmup_s: float) -> dict[str, Any]:
+    """Decide whether a sampled series is flat after ``warmup_s`` (see the module docstring).
+
+    Returns the figures and ``verdict``: ``PASS``, ``FAIL`` or ``n/a`` (too few samples
+    after the warm-up to decide; never a PASS). ``mode`` says which trend limit applied:
+    ``hourly`` (slope per hour against ``rule.per_hour``) or ``short run`` (the fitted climb
+    over the run against ``rule.rise``; the hourly rule needs ``rule.judge_span_s`` of samples).
+    """
+    pairs = sorted((t, y) for t, y in zip(ts, ys, strict=True) if y is not None and y == y)
+    if len(pairs) < 2:
+        return {"verdict": "n/a", "reason": "fewer than two samples"}
+    t0, t_end = pairs[0][0], pairs[-1][0]
+    post = [(t, y) for t, y in pairs if t >= t0 + warmup_s]
+    if len(post) < rule.min_samples:
+        return {"verdict": "n/a", "reason": f"{len(post)} samples after the {warmup_s:.0f} s warm-up "
+                                            f"(< {rule.min_samples})"}
+    p0 = post[0][0]
+    span = t_end - p0
+    slope = lsq_slope([t for t, _ in post], [y for _, y in post])
+    per_hour = slope * 3600
+    level = statistics.median(y for _, y in post)
+    if span >= rule.judge_span_s:
+        mode, climb, limit = "hourly", per_hour, rule.per_hour
+    else:
+        mode, climb, limit = "short run", slope * span, rule.rise
+    quarter = span / 4
+    first_q = [y for t, y in post if t <= p0 + quarter]
+    last_q = [y for t, y in post if t >= t_end - quarter]
+    ceiling = max(first_q) + rule.rise
+    trend_ok = climb <= limit
+    ceiling_ok = max(last_q) <= ceiling
+    reasons = []
+    if not trend_ok:
+        if mode == "hourly":
+            reasons.append(f"slope {per_hour:.4g}/h > {limit:.4g}/h")
+        else:
+            reasons.append(f"climbs {climb:.4g} over {span:.0f} s > {limit:.4g}")
+    if not ceiling_ok:
+        reasons.append(f"last-quarter max {max(last_q):.4g} > first-quarter max {max(first_q):.4g} + {rule.rise:g}")
+    return {
+        "verdict": "PASS" if trend_ok and ceiling_ok else "FAIL", "mode": mode,
+        "slope_per_s": slope, "slope_per_h": per_hour, "climb": climb, "limit": limit,
+        "span_s": span, "median": level, "first_quarter_max": max(first_q),
+        "last_quarter_max": max(last_q), "ceiling": ceiling, "samples": len(post),
+        "reason": "; ".join(reasons),
+    }
+
+
+def idle_verdict(idle: Mapping[str, Any]) -> tuple[str, str]:
+    """PASS when nothing is pinned, in flight or waiting once idle; the figures as text."""
+    if not idle:
+        return "FAIL", "not measured (the engine had stopped answering)"
+    if "error" in idle:
+        return "FAIL", idle["error"]
+    keys = ("pinned_host_slots", "jobs_in_flight", "host_slots_in_flight", "requests_waiting_on_load")
+    text = ", ".join(f"{k} {idle.get(k, math.nan):g}" for k in keys)
+    return ("PASS" if all(idle.get(k) == 0 for k in keys) else "FAIL"), text
+
+
+def judge(run: Run, p: Mapping[str, Any], prompts: Sequence[list[int]]) -> dict[str, Any]:
+    """The run's leaks (one rule per sampled series), tieredkv's final counters, the checks,
+    the verdict and the summary; a leaking series is added to ``run.failures``."""
+    samples, records, faults, failures = run.samples, run.records, run.faults, run.failures
+    final_metrics, idle = run.final_metrics, run.idle
+    load_end, load_start = run.load_end, run.load_start
+    load_s = max(1e-9, load_end - load_start)
+    run_s = p["duration_s"]
+    leaks = {}
+    for key, rule in LEAK_RULES.items():
+        ts = [s["t"] for s in samples if key in s]
+        ys = [s[key] for s in samples if key in s]
+        leaks[key] = leak_check(ts, ys, rule, warmup_s=p["warmup_s"])
+    ok = [r for r in records if r.get("ok")]
+    ttfts = [r["ttft_s"] for r in ok]
+    mismatches = sum(1 for r in ok if r.get("mismatch"))
+    errors = sum(1 for r in records if not r.get("ok"))
+    counters = {}
+    for label, (name, labels) in {
+        "hit_tokens{tier=host}": ("vllm:tieredkv_hit_tokens_total", {"tier": "host"}),
+        "hit_tokens{tier=disk}": ("vllm:tieredkv_hit_tokens_total", {"tier": "disk"}),
+        "chunks{op=stored}": ("vllm:tieredkv_chunks_total", {"op": "stored"}),
+        "chunks{op=spilled}": ("vllm:tieredkv_chunks_total", {"op": "spilled"}),
+        "chunks{op=promoted}": ("vllm:tieredkv_chunks_total", {"op": "promoted"}),
+        "evictions{tier=disk}": ("vllm:tieredkv_evictions_total", {"tier": "disk"}),
+        "load_failures{cause=checksum}": ("vllm:tieredkv_load_failures_total", {"cause": "checksum"}),
+        "load_failures (all causes)": ("vllm:tieredkv_load_failures_total", None),
+        "spills_dropped": ("vllm:tieredkv_spills_dropped_total", None),
+    }.items():
+        counters[label] = metric_sum(final_metrics, name, labels) if final_metrics else math.nan
+    leak_fail = [k for k, v in leaks.items() if v["verdict"] == "FAIL"]
+    leak_undecided = [k for k, v in leaks.items() if v["verdict"] not in ("PASS", "FAIL")]
+    hourly = all(v.get("mode") == "hourly" for v in leaks.values())
+    leak_check_name = "every sampled series flat after the warm-up " + (
+        "(RSS slope < 16 MiB/h)" if hourly else "(short run: RSS climbs < 32 MiB; hourly rule: full profile)")
+    if leak_fail:
+        leak_text = "not flat: " + ", ".join(leak_fail)
+    elif leak_undecided:
+        leak_text = (f"not decided (too few samples after the warm-up: the load ran {load_s:.0f} s): "
+                     + ", ".join(leak_undecided))
+    else:
+        leak_text = "all flat"
+    checks = [
+        {"check": "every response equals its float32 reference",
+         "measured": f"{len(ok) - mismatches}/{len(ok)} equal", "verdict": "PASS" if ok and not mismatches else "FAIL"},
+        {"check": "engine kept answering (no request error/timeout, /health)",
+         "measured": f"{errors} request errors, {sum(1 for s in samples if not s.get('healthy'))} failed health checks",
+         "verdict": "PASS" if not any(f.startswith(("engine", "server", "soak")) for f in failures) and ok else "FAIL"},
+        {"check": leak_check_name,
+         "measured": leak_text, "verdict": "PASS" if not leak_fail and not leak_undecided else "FAIL"},
+        {"check": "nothing pinned, in flight or waiting once idle",
+         "measured": idle_verdict(idle)[1], "verdict": idle_verdict(idle)[0]},
+        {"check": "load ran for the planned duration",
+         "measured": f"{load_s:.0f} of {run_s:.0f} s", "verdict": "PASS" if load_s >= 0.95 * run_s else "FAIL"},
+        {"check": "faults injected (informational: detected = corrupted slots later read)",
+         "measured": f"{len(faults)} slots corrupted; tieredkv counted "
+                     f"{counters['load_failures{cause=checksum}']:.0f} checksum failures",
+         "verdict": "info"},
+    ]
+    for key in leak_fail:
+        failures.append(f"series {key}: {leaks[key]['verdict']}: {leaks[key].get('reason', '')}")
+    verdict = "PASS" if all(c["verdict"] in ("PASS", "info") for c in checks) else "FAIL"
+    summary = {
+        "requests": len(records), "ok": len(ok), "mismatches": mismatches, "errors": errors,
+        "rps": len(ok) / load_s, "ttft_p50_ms": common.percentile(ttfts, 50) * 1e3 if ttfts else math.nan,
+        "ttft_p99_ms": common.percentile(ttfts, 99) * 1e3 if ttfts else math.nan,
+        "faults": len(faults), "load_s": load_s,
+        "prompt_tokens_min": min(len(x) for x in prompts), "prompt_tokens_max": max(len(x) for x in prompts),
+    }
+    return {"load_s": load_s, "leaks": leaks, "counters": counters, "checks": checks,
+            "verdict": verdict, "summary": summary, "mismatches": mismatches}

@@ -1,0 +1,189 @@
+"""The soak's run: both servers started, every prompt's float32 reference taken from the
+server without a connector, then the load (clients choosing prompts by Zipf weights, a sampler
+reading the server and its disk tier, an injector corrupting journaled slots) until the
+duration ends or the engine stops answering."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.endurance.probes import (
+    disk_usage,
+    flip_payload_bytes,
+    health,
+    idle_state,
+    journaled_slots,
+    read_manifest,
+    scrape,
+    tree_usage,
+)
+from benchmarks.endurance.workload import ZipfChooser, first_difference
+from benchmarks.serve.client import stream_completion
+from benchmarks.serve.judging import metric_sum
+from benchmarks.serve.servers import start_servers
+from tieredkv.disk.layout import journal_path, slab_path
+from tieredkv.tools.vllm_server import Server
+
+
+@dataclass
+class Run:
+    """What the run saw: the sampled series, every request, the slots corrupted, the failures
+    (each a sentence), when the load started and ended, the idle state and the last /metrics,
+    the disk tier's manifest."""
+
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    load_start: float = 0.0
+    load_end: float = 0.0
+    idle: dict[str, Any] = field(default_factory=dict)
+    final_metrics: str = ""
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p: Mapping[str, Any], *,
+             seed: int, faults_on: bool, disk_path: Path, chunk_bytes: int, progress: Any) -> Run:
+    """Start both servers, take the references, run the load; both servers stopped at the end.
+    Any failure to set up is a failure of the run (``soak aborted: ...``), not an exception."""
+    run = Run()
+    samples, records, faults, failures = run.samples, run.records, run.faults, run.failures
+    refs: list[list[int]] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+    run.load_start = run.load_end = time.monotonic()
+    try:
+        errs = start_servers([reference, server], True, progress)
+        for name, err, srv in (("reference", errs[0], reference), ("tieredkv", errs[1], server)):
+            if err:
+                raise RuntimeError(f"{name} server did not start: {err}; log {srv.log_path}")
+        progress.advance(1, "reference outputs")
+        for i, prompt in enumerate(prompts):
+            _, out = stream_completion(reference.url, prompt, p["max_tokens"], p["request_timeout_s"])
+            refs.append(out)
+            progress.advance(1, f"reference {i + 1}/{len(prompts)}")
+        reference.stop()
+        manifest = run.manifest = read_manifest(disk_path)
+
+        load_start = run.load_start = time.monotonic()
+        deadline = load_start + p["duration_s"]
+
+        def client(idx: int) -> None:
+            choose = ZipfChooser(len(prompts), p["zipf_s"], f"{seed}:client{idx}")
+            for n in itertools.count():
+                if stop.is_set() or time.monotonic() >= deadline or n > 100_000:
+                    return
+                k = choose()
+                rec: dict[str, Any] = {"t": time.monotonic() - load_start, "prompt": k, "client": idx}
+                try:
+                    ttft, out = stream_completion(server.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
+                except (OSError, RuntimeError, ValueError, urllib.error.URLError) as exc:
+                    rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+                    with lock:
+                        records.append(rec)
+                        failures.append(f"engine stopped answering: request for prompt {k} at "
+                                        f"t={rec['t']:.0f}s failed: {rec['error']}")
+                    stop.set()
+                    return
+                diff = first_difference(refs[k], out)
+                rec.update(ok=True, ttft_s=ttft, mismatch=diff is not None)
+                if diff is not None:
+                    rec.update(first_diff=diff, want=refs[k], got=out)
+                with lock:
+                    records.append(rec)
+                    if diff is not None:
+                        failures.append(f"wrong output for prompt {k} at t={rec['t']:.0f}s: first "
+                                        f"difference at token {diff} (want {refs[k][diff:diff + 4]}, "
+                                        f"got {out[diff:diff + 4]})")
+                        if sum(r.get("mismatch", False) for r in records) >= 20:
+                            stop.set()
+
+        def sampler() -> None:
+            bad_health = 0
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= deadline:
+                    return
+                sample: dict[str, Any] = {"t": now - load_start, **tree_usage(server.proc.pid)}
+                text = scrape(server.url)
+                if text is not None:
+                    sample["host_slots_used"] = metric_sum(text, "vllm:tieredkv_used_bytes", {"tier": "host"}) / chunk_bytes
+                    sample["disk_slots_used"] = metric_sum(text, "vllm:tieredkv_used_bytes", {"tier": "disk"}) / chunk_bytes
+                    sample["pinned_host_slots"] = metric_sum(text, "vllm:tieredkv_pinned_host_slots")
+                    sample["requests_waiting_on_load"] = metric_sum(text, "vllm:tieredkv_requests_waiting_on_load")
+                    sample["checksum_failures"] = metric_sum(text, "vllm:tieredkv_load_failures_total", {"cause": "checksum"})
+                    sample["hit_tokens_disk"] = metric_sum(text, "vllm:tieredkv_hit_tokens_total", {"tier": "disk"})
+                try:
+                    sample["journal_entries"] = len(journaled_slots(disk_path))
+                    sample["journal_bytes"] = journal_path(disk_path).stat().st_size
+                except OSError:
+                    pass
+                sample["disk_usage_bytes"] = disk_usage(disk_path)
+                sample["healthy"] = health(server.url)
+                bad_health = 0 if sample["healthy"] else bad_health + 1
+                with lock:
+                    samples.append(sample)
+                    if bad_health >= 2:
+                        failures.append(f"engine stopped answering: /health failed twice in a row at t={sample['t']:.0f}s")
+                        stop.set()
+                        return
+                    if server.proc.poll() is not None:
+                        failures.append(f"server process exited with {server.proc.returncode} at t={sample['t']:.0f}s")
+                        stop.set()
+                        return
+                stop.wait(max(0.0, p["sample_every_s"] - (time.monotonic() - now)))
+
+        def injector() -> None:
+            rnd = random.Random(f"{seed}:faults")
+            slab = slab_path(disk_path, 0)
+            stride_m, payload_m = manifest["slot_stride"], manifest["payload_bytes"]
+            while not stop.wait(p["fault_every_s"]):
+                if time.monotonic() >= deadline:
+                    return
+                slots = sorted(set(journaled_slots(disk_path).values()))
+                for slot in rnd.sample(slots, min(p["fault_slots"], len(slots))):
+                    offsets = flip_payload_bytes(slab, slot, stride_m, payload_m, p["fault_bytes"], rnd)
+                    with lock:
+                        faults.append({"t": time.monotonic() - load_start, "slot": slot, "bytes": len(offsets)})
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(p["clients"])]
+        threads.append(threading.Thread(target=sampler, daemon=True))
+        if faults_on:
+            threads.append(threading.Thread(target=injector, daemon=True))
+        for thread in threads:
+            thread.start()
+        ticked = 0
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline + p["request_timeout_s"] + 30:
+            elapsed = int(min(p["duration_s"], time.monotonic() - load_start))
+            with lock:
+                n_req, n_bad = len(records), sum(1 for r in records if r.get("mismatch") or not r.get("ok"))
+            progress.advance(elapsed - ticked, f"load: {n_req} requests, {n_bad} bad, {len(faults)} faults")
+            ticked = elapsed
+            if stop.is_set():
+                break
+            time.sleep(1.0)
+        stop.set()
+        for thread in threads:
+            thread.join(p["request_timeout_s"] + 5)
+        run.load_end = time.monotonic()
+        if server.proc.poll() is None and not any(f.startswith(("engine", "server")) for f in failures):
+            run.idle = idle_state(server.url, chunk_bytes, p["request_timeout_s"])
+        run.final_metrics = scrape(server.url) or ""
+    except Exception as exc:  # noqa: BLE001 - any set-up failure is a FAIL with its message
+        failures.append(f"soak aborted: {type(exc).__name__}: {exc}")
+    finally:
+        stop.set()
+        reference.stop()
+        server.stop()
+        progress.close()
+
+    return run

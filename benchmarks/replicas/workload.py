@@ -1,0 +1,124 @@
+"""multi_replica's workload: serve_bench's multi-turn chat with each user's turn lengths
+varied, every turn routed to the other replica, and the configurations' tiers."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.common import kv_bytes_per_token
+from benchmarks.serve.workload import (
+    CHUNK_TOKENS,
+    DTYPE_BYTES,
+    MODEL,
+    ChatWorkload,
+    Conversation,
+    chunks_of,
+    make_conversations,
+)
+
+NAME = "multi_replica"
+
+
+REPLICAS = 2
+
+
+CONFIGS = ("shared_remote", "separate")
+
+
+CONFIG_LABELS = {
+    "shared_remote": "two replicas, tieredkv host tier each + one shared Redis (remote tier)",
+    "separate": "two replicas, tieredkv host tier each, nothing shared",
+}
+
+
+KEY_PREFIX = "multi_replica"
+
+
+FIT_USERS = 2  # each replica's device KV cache holds the system prompt + this many conversations
+
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "quick": {
+        "levels": (2, 4, 8), "rounds": 2, "turns": 6, "system_tokens": 1000, "user_tokens": 448,
+        "user_tokens_min": 160, "reply_tokens": 48, "think_mean_s": 0.5,
+        "level_timeout_s": 150.0, "request_timeout_s": 120.0, "budget_s": 480.0,
+    },
+    "full": {
+        "levels": (2, 4, 8, 16), "rounds": 3, "turns": 8, "system_tokens": 1000, "user_tokens": 448,
+        "user_tokens_min": 160, "reply_tokens": 48, "think_mean_s": 1.0,
+        "level_timeout_s": 900.0, "request_timeout_s": 300.0, "budget_s": 5400.0,
+    },
+}
+
+
+def replica_for(user: int, turn: int, replicas: int = REPLICAS) -> int:
+    """The replica that serves turn ``turn`` of user ``user``: round-robin per conversation
+    (consecutive turns on different replicas), staggered by user (the load is even)."""
+    return (user + turn) % replicas
+
+
+def vary_user_lengths(conversations: Sequence[Conversation], seed: int, min_tokens: int) -> list[Conversation]:
+    """Each user text trimmed to a seeded random length in ``[min_tokens, its length]``, so
+    prompt lengths are random (no multiples of the block or the chunk by construction)."""
+    out = []
+    for conv in conversations:
+        rnd = random.Random(f"{seed}:{conv.level}:{conv.user}:lengths")
+        texts = tuple(text[: rnd.randint(min(min_tokens, len(text)), len(text))] for text in conv.user_texts)
+        out.append(dataclasses.replace(conv, user_texts=texts))
+    return out
+
+
+def level_conversations(spec: ChatWorkload, level: int, min_tokens: int, round_: int = 0) -> list[Conversation]:
+    """The conversations of one level in one round: fresh ones every round (seed + 1000 x
+    round; the system prompt, from ``spec.seed``, stays the same)."""
+    seeded = dataclasses.replace(spec, seed=spec.seed + 1000 * round_)
+    return vary_user_lengths(make_conversations(seeded, level), seeded.seed, min_tokens)
+
+
+def schedule(levels: Sequence[int], rounds: int, configs: Sequence[str] = CONFIGS) -> list[tuple[int, int, str]]:
+    """(round, level, configuration) in the order they run: round by round, level by level,
+    the configurations' order reversed every other slot, so neither always goes first and
+    both of a level's runs sit next to each other in time (the machine's load drifts)."""
+    out = []
+    for r in range(rounds):
+        for i, level in enumerate(levels):
+            order = list(configs) if (r * len(levels) + i) % 2 == 0 else list(configs)[::-1]
+            out.extend((r, level, c) for c in order)
+    return out
+
+
+def prompt_lengths(system: int, conv: Conversation, reply_tokens: int) -> list[int]:
+    """The prompt length of every turn of ``conv`` (replies are exactly ``reply_tokens``)."""
+    out, total = [], system
+    for turn, text in enumerate(conv.user_texts):
+        total += len(text) + (reply_tokens if turn else 0)
+        out.append(total)
+    return out
+
+
+def host_bytes_per_replica(spec: ChatWorkload, levels: Sequence[int], rounds: int = 1) -> int:
+    """One replica's host tier: twice every chunk the whole run stores (every level's and
+    round's conversations at their longest, the system prompt once), so it never evicts and
+    the two configurations differ only by what the replicas share."""
+    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    return max(16, 2 * chunks_of(spec, rounds * sum(levels))) * chunk_bytes
+
+
+def default_remote_timeout_s() -> float:
+    """tieredkv's default ``remote_timeout_s`` (the shared configuration runs with it)."""
+    from tieredkv.config import TieredKVConfig
+
+    return next(f.default for f in dataclasses.fields(TieredKVConfig) if f.name == "remote_timeout_s")
+
+
+def kv_config(host_bytes: int, remote_url: str | None, remote_timeout_s: float | None = None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"host_bytes": host_bytes}
+    if remote_url is not None:
+        extra.update(remote_url=remote_url, remote_key_prefix=KEY_PREFIX)
+        if remote_timeout_s is not None:
+            extra["remote_timeout_s"] = remote_timeout_s
+    return {"kv_connector": "TieredKVConnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
