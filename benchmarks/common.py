@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,23 @@ def write_markdown(path: Path, title: str, sections: Sequence[str]) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def print_written(markdown: str, paths: Mapping[str, str | Path]) -> int:
+    """The table on stdout, each file written on stderr; the exit status of a finished run (0)."""
+    print(markdown)
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}", file=sys.stderr)
+    return 0
+
+
+def rewrite_from_json(path: Path, out_dir: Path | None, load: Callable[[Path], dict[str, Any]],
+                      write: Callable[[dict[str, Any], Path | None], tuple[Path, Path, Path | None]]) -> int:
+    """``--from-json``: an earlier run's Markdown and PNG written again from its JSON, nothing run."""
+    payload = load(path)
+    _, md_path, png_path = write(payload, out_dir)
+    print(f"wrote {md_path}" + (f", {png_path}" if png_path else ""), file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------- progress

@@ -105,10 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only rewrite the Markdown and PNG from an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.from_json is not None:
-        payload = load_payload(args.from_json)
-        _, md_path, png_path = write_outputs(payload, args.out)
-        print(f"wrote {md_path}" + (f", {png_path}" if png_path else ""), file=sys.stderr)
-        return 0
+        return common.rewrite_from_json(args.from_json, args.out, load_payload, write_outputs)
 
     from tieredkv.testing.redis_procs import RedisServer
 

@@ -230,10 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = "full" if args.full else (args.profile or "quick")
     result = run(profile, cluster=args.cluster, out_dir=args.out_dir, write=not args.no_write,
                  show_progress=not args.quiet)
-    print(result.markdown)
-    for kind, path in result.paths.items():
-        print(f"wrote {kind}: {path}", file=sys.stderr)
-    return 0
+    return common.print_written(result.markdown, result.paths)
 
 
 if __name__ == "__main__":

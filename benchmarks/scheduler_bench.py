@@ -205,10 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         show_progress=not args.quiet,
         model_dir=args.model_dir,
     )
-    print(result.markdown)
-    for kind, path in result.paths.items():
-        print(f"wrote {kind}: {path}", file=sys.stderr)
-    return 0
+    return common.print_written(result.markdown, result.paths)
 
 
 if __name__ == "__main__":
