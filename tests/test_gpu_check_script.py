@@ -67,10 +67,10 @@ def test_cpu_rehearsal_writes_three_files_and_passes(tmp_path: Path) -> None:
     assert [(s["name"], s["kind"]) for s in data["steps"]] == [
         ("environment", "setup"), ("wheels", "setup"), ("build", "setup"),
         ("cuda-tests", "correctness"), ("integration", "correctness"), ("copy-check", "correctness"),
-        ("overlap", "correctness"), ("bench", "speed"),
+        ("overlap", "correctness"), ("bench", "speed"), ("sanitizer", "correctness"),
     ]
     status = {s["name"]: s["status"] for s in data["steps"]}
-    assert status["cuda-tests"] == "skip" and status["bench"] == "info"
+    assert status["cuda-tests"] == status["sanitizer"] == "skip" and status["bench"] == "info"
     assert all(status[n] == "pass" for n in ("environment", "integration", "copy-check", "overlap"))
     assert data["speed"] == "not judged"  # CPU figures are not judged
     integration = data["tests"]["integration"]
@@ -102,6 +102,7 @@ def test_a_tiny_budget_cuts_later_steps_short_and_still_writes_the_files(tmp_pat
     # The integration test alone needs more than the budget: it and everything after it is cut.
     for name in ("integration", "copy-check", "overlap", "bench"):
         assert status[name] == "timeout", status
+    assert status["sanitizer"] == "skip"  # CPU: nothing to run
     assert data["seconds"] <= data["budget_s"] == 20
     assert "**Correctness: INCOMPLETE**" in (out / "gpu_check.md").read_text()
     assert "logs/integration.log" in _archive(out)
@@ -219,3 +220,42 @@ def test_missing_wheels_are_a_warning_that_says_how_to_fill_the_folder(tmp_path:
     assert step["name"] == "wheels" and step["status"] == "warn"
     assert WHEEL_FILL in step["detail"] and "pytest-asyncio" in step["detail"]
     assert report.exit_status(runner.steps) == 0
+
+
+FAKE_SANITIZER = """#!/usr/bin/env bash
+echo "$* PYTORCH_NO_CUDA_MEMORY_CACHING=$PYTORCH_NO_CUDA_MEMORY_CACHING" > "{args}"
+{body}
+"""
+
+
+@pytest.mark.parametrize(("body", "status", "exit_status"), [
+    ('echo "copy-check: 6 layouts x torch, cupy: 312 blocks right"; '
+     'echo "========= ERROR SUMMARY: 0 errors"; exit 0', "pass", 0),
+    ('echo "copy-check: 6 layouts x torch, cupy: 312 blocks right"; '
+     'echo "========= Invalid __global__ write of size 16 bytes"; '
+     'echo "========= ERROR SUMMARY: 3 errors"; exit 99', "fail", 1),
+    ('echo "compute-sanitizer: unrecognized option --report-api-errors" >&2; exit 1', "warn", 0),
+], ids=["clean", "memcheck-errors", "sanitizer-too-old"])
+def test_sanitizer_step_judges_memcheck_on_tieredkv_kernels_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, status: str, exit_status: int
+) -> None:
+    """The sanitizer's own output is judged (a stand-in prints what memcheck prints): errors in
+    tieredkv's kernels fail correctness; a sanitizer that cannot run the check is a warning."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    seen = tmp_path / "args.txt"
+    fake.write_text(FAKE_SANITIZER.format(args=seen, body=body))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    runner = Runner(parse_args(["--device", "cuda", "--out", str(tmp_path / "out")]))
+    try:
+        steps.sanitizer(runner)
+    finally:
+        runner.close()
+    step = runner.steps[-1]
+    assert (step["name"], step["status"]) == ("sanitizer", status), step
+    assert report.exit_status(runner.steps) == exit_status
+    args = seen.read_text()
+    assert "--tool memcheck --kernel-name kns=tieredkv_ --report-api-errors no" in args
+    assert args.rstrip().endswith("--copy-check --device cuda PYTORCH_NO_CUDA_MEMORY_CACHING=1")

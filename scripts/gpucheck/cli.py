@@ -49,7 +49,8 @@ carry list (carry: ["{WHEEL_FOLDER}"]) or it stays behind. It holds what the mac
 
 Nothing is installed: the tree is put first on PYTHONPATH and wheels are unpacked into a
 temporary folder. Steps (each one's outcome, log and time go into the results; a failed or
-cut-short step does not stop the next; correctness first, speed last):
+cut-short step does not stop the next; correctness first, then speed, the slow sanitizer
+last):
 
   environment  GPU, driver, torch/CUDA, CuPy, numpy, plugins; commit (GPU_CHECK_COMMIT when
                there is no .git) and the source digest
@@ -58,14 +59,17 @@ cut-short step does not stop the next; correctness first, speed last):
   cuda-tests   every test marked cuda (-m cuda), {PER_TEST_TIMEOUT_S} s per test
   integration  the worker half and transfer engine on the KV-cache layouts vLLM serves
                tieredkv; on CUDA the cuda-marked tests only, CPU otherwise
-  copy-check   every backend's bytes on small caches; on CUDA under compute-sanitizer memcheck
-               (at most {SANITIZER_CAP_S:.0f} s, only {OWN_KERNELS}* kernels,
-               PYTORCH_NO_CUDA_MEMORY_CACHING=1, API-error reports off) when it is installed
+  copy-check   every backend's bytes on small caches in the same layouts, directly and
+               through the engine's lanes
   overlap      (speed) d2h / h2d / next forward overlap on the GPU timeline
   bench        (speed) transfer_bench, every backend judged against the targets
+  sanitizer    CUDA: the copy check under compute-sanitizer memcheck when it is installed (at
+               most {SANITIZER_CAP_S:.0f} s, only {OWN_KERNELS}* kernels,
+               PYTORCH_NO_CUDA_MEMORY_CACHING=1, API-error reports off)
 
 Every step's time limit is clipped to what is left of --budget-s (default
-{DEFAULT_BUDGET_S:.0f} s; a normal H100 run takes under 6 minutes); a step cut short is
+{DEFAULT_BUDGET_S:.0f} s; the steps are sized for an H100 run of under 6 minutes, not yet
+measured on one); a step cut short is
 recorded as `timeout`. The output folder (--out, else $OUT, else
 benchmarks/results/gpu/<gpu>-<date>/) gets exactly {", ".join(RESULT_FILES)}: every log, JUnit
 file, timeline and benchmark file is inside the archive. gpu_check.md is also printed at the

@@ -1,8 +1,10 @@
-"""The check's steps, in order: set-up, then correctness (bytes and ordering), then speed.
+"""The check's steps, in order: set-up, correctness (bytes and ordering), speed, and last the
+sanitizer run (slow, at most SANITIZER_CAP_S).
 
 Each step records one outcome (pass, fail, timeout, skip, warn or info) with its kind; a
 failed or cut-short step never stops the next one. Correctness comes first so that a short
-budget spends itself on proof, not on figures.
+budget spends itself on proof, not on figures; the sanitizer comes last so that a slow one
+cuts only itself short.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from gpucheck.common import (
 from gpucheck.runner import Ran, Runner
 
 CAPS_S = {"environment": 90.0, "wheels": 60.0, "build": 120.0, "cuda-tests": 150.0,
-          "integration": 200.0, "copy-check": SANITIZER_CAP_S, "overlap": 90.0, "bench": 150.0}
+          "integration": 200.0, "copy-check": 90.0, "overlap": 90.0, "bench": 150.0,
+          "sanitizer": SANITIZER_CAP_S}
 
 
 def environment(r: Runner) -> bool:
@@ -187,26 +190,42 @@ def overlap(r: Runner) -> None:
 
 
 def copy_check(r: Runner) -> None:
-    """Every backend's bytes on small caches in vLLM's layouts; on CUDA under compute-sanitizer
-    memcheck, restricted to tieredkv's own kernels (at most SANITIZER_CAP_S)."""
-    plain = [r.python, "scripts/gpu_check.py", "--copy-check", "--device", r.device]
-    sanitizer = find_sanitizer() if r.device == "cuda" and not r.args.no_sanitizer else None
-    if sanitizer:
-        cmd = [sanitizer, "--tool", "memcheck", "--kernel-name", f"kns={OWN_KERNELS}",
-               "--report-api-errors", "no", "--error-exitcode", "99", "--print-limit", "50",
-               "--target-processes", "all", *plain]
-        ran = r.run("copy-check", cmd, SANITIZER_CAP_S, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
-        text = ran.text(r.work)
-        if _copy_line(text) is not None or ran.rc == 99 or ran.timed_out:
-            _judge_copy(r, ran, text, f"under compute-sanitizer memcheck ({OWN_KERNELS}* kernels)")
-            return
-        r.record("sanitizer", "setup", "warn", f"compute-sanitizer did not run the copy check "
-                 f"(exit {ran.rc}, see log): running it plainly", ran)
-    how = ("plain run (--no-sanitizer)" if r.args.no_sanitizer else
-           "plain run: no compute-sanitizer (it comes with the CUDA toolkit, not torch's wheels)"
-           ) if r.device == "cuda" else "plain run"
-    ran = r.run("copy-check-plain" if sanitizer else "copy-check", plain, SANITIZER_CAP_S)
-    _judge_copy(r, ran, ran.text(r.work), how)
+    """Every backend's bytes on small caches in vLLM's layouts, directly and through the
+    engine's lanes (the run the sanitizer step repeats under memcheck)."""
+    ran = r.run("copy-check", _copy_command(r), CAPS_S["copy-check"])
+    _judge_copy(r, "copy-check", ran, ran.text(r.work), "plain run")
+
+
+def sanitizer(r: Runner) -> None:
+    """The copy check under compute-sanitizer memcheck, restricted to tieredkv's own kernels,
+    with torch's caching allocator off (exact allocations: an overrun is not hidden in a cached
+    block) and API-error reports off (torch and CuPy probe the driver and expect errors).
+    Last, so a slow sanitizer only cuts itself short."""
+    if r.device != "cuda":
+        r.record("sanitizer", "correctness", "skip", "--device cpu: no CUDA kernels to check")
+        return
+    if r.args.no_sanitizer:
+        r.record("sanitizer", "correctness", "skip", "--no-sanitizer")
+        return
+    found = find_sanitizer()
+    if not found:
+        r.record("sanitizer", "correctness", "skip", "no compute-sanitizer on PATH or in "
+                 "/usr/local/cuda/bin (it comes with the CUDA toolkit, not with torch's wheels)")
+        return
+    cmd = [found, "--tool", "memcheck", "--kernel-name", f"kns={OWN_KERNELS}",
+           "--report-api-errors", "no", "--error-exitcode", "99", "--print-limit", "50",
+           "--target-processes", "all", *_copy_command(r)]
+    ran = r.run("sanitizer", cmd, CAPS_S["sanitizer"], {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+    text = ran.text(r.work)
+    if _copy_line(text) is None and ran.rc not in (0, 99) and not ran.timed_out:
+        r.record("sanitizer", "correctness", "warn", f"compute-sanitizer did not run the copy "
+                 f"check (exit {ran.rc}; its options or version? see the log)", ran)
+        return
+    _judge_copy(r, "sanitizer", ran, text, f"memcheck on {OWN_KERNELS}* kernels")
+
+
+def _copy_command(r: Runner) -> list[str]:
+    return [r.python, "scripts/gpu_check.py", "--copy-check", "--device", r.device]
 
 
 def _copy_line(text: str) -> str | None:
@@ -214,18 +233,18 @@ def _copy_line(text: str) -> str | None:
     return last[-1][len("copy-check:"):].strip() if last else None
 
 
-def _judge_copy(r: Runner, ran: Ran, text: str, how: str) -> None:
+def _judge_copy(r: Runner, name: str, ran: Ran, text: str, how: str) -> None:
     errors = re.findall(r"ERROR SUMMARY: (\d+) error", text)
     line = _copy_line(text)
     detail = how + (f", {errors[-1]} memcheck errors" if errors else "") + (f"; {line}" if line else "")
-    if line is not None and line.startswith("FAILED") or ran.rc == 99 or (errors and errors[-1] != "0"):
+    if (line or "").startswith("FAILED") or ran.rc == 99 or (errors and errors[-1] != "0"):
         status = "fail"
     elif ran.timed_out:
         status, detail = "timeout", f"{detail}: cut short after {ran.timeout_s:.0f} s (budget)"
     else:
         status = "pass" if ran.rc == 0 and line is not None else "fail"
         detail += "" if status == "pass" else f" (exit {ran.rc})"
-    r.record("copy-check", "correctness", status, detail, ran)
+    r.record(name, "correctness", status, detail, ran)
 
 
 def bench(r: Runner) -> None:
@@ -270,7 +289,7 @@ def every_backend_met(by_backend: dict[str, dict[str, int]]) -> bool:
 
 STEPS: list[tuple[str, Callable[[Runner], None]]] = [
     ("wheels", wheels), ("build", build), ("cuda-tests", cuda_tests), ("integration", integration),
-    ("copy-check", copy_check), ("overlap", overlap), ("bench", bench),
+    ("copy-check", copy_check), ("overlap", overlap), ("bench", bench), ("sanitizer", sanitizer),
 ]
 KINDS = {"wheels": "setup", "build": "setup", "cuda-tests": "correctness", "integration": "correctness",
-         "copy-check": "correctness", "overlap": "speed", "bench": "speed"}
+         "copy-check": "correctness", "overlap": "speed", "bench": "speed", "sanitizer": "correctness"}
