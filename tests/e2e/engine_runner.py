@@ -9,9 +9,10 @@ too), ``drain`` (wait until tieredkv has no job in flight), ``wait_for_file`` (c
 
 Each output carries ``num_cached_tokens`` (vLLM's count: its own prefix cache and the
 connector's tokens together) and ``tieredkv``: the tokens vLLM took from tieredkv for that
-request (``num_external_tokens`` of every allocation: ``allocs``, and their sum) and tieredkv's own
-account of them by tier (``planner.hit_tokens``), so a test can tell tieredkv's hit from vLLM's
-and attribute each counter to a request.
+request (``num_external_tokens`` of every allocation: ``allocs``, and their sum), tieredkv's own
+account of them by tier (``planner.hit_tokens``), and every store of the request's chunks as it
+completed (``stores``: ``[job id, chunk key, failure cause or None]``), so a test can tell
+tieredkv's hit from vLLM's and attribute each counter, and each lost store, to a request.
 """
 
 from __future__ import annotations
@@ -77,14 +78,39 @@ def record_external_hits(llm) -> dict[str, dict]:
     def update_state_after_alloc(request, blocks, num_external_tokens):
         plain(request, blocks, num_external_tokens)
         if num_external_tokens > 0:
-            entry = seen.setdefault(request.request_id, {"tokens": 0, "allocs": [], "by_tier": {}})
+            entry = seen.setdefault(request.request_id, new_entry())
             entry["tokens"] += num_external_tokens
             entry["allocs"].append(num_external_tokens)
             for tier, count in half.planner.hit_tokens(request.request_id).items():
                 entry["by_tier"][tier] = entry["by_tier"].get(tier, 0) + count
 
     connector.update_state_after_alloc = update_state_after_alloc
+    record_stores(half.planner, seen)
     return seen
+
+
+def new_entry() -> dict:
+    return {"tokens": 0, "allocs": [], "by_tier": {}, "stores": []}
+
+
+def record_stores(planner, seen: dict[str, dict]) -> None:
+    """Wrap the planner's store completion: each store, once every rank reported it, goes to
+    its request's ``stores`` (job id, chunk key, the failure cause or None)."""
+    from tieredkv.protocol import JobKind
+
+    ledger = planner._ledger
+    handlers = dict(ledger._handlers)
+    plain = handlers[JobKind.STORE]
+
+    def complete_store(job, outcome):
+        plain(job, outcome)
+        if job.req_id is not None:
+            failure = str(outcome.failure or "unknown") if outcome.failed else None
+            seen.setdefault(job.req_id, new_entry())["stores"].append(
+                [job.job_id, job.keys[0].hex(), failure])
+
+    handlers[JobKind.STORE] = complete_store
+    ledger.set_handlers(handlers)
 
 
 def external_hits_of(seen: dict[str, dict], request_id: str) -> dict:
@@ -93,7 +119,7 @@ def external_hits_of(seen: dict[str, dict], request_id: str) -> dict:
     for internal, entry in seen.items():
         if internal == request_id or internal.rsplit("-", 1)[0] == request_id:
             return entry
-    return {"tokens": 0, "allocs": [], "by_tier": {}}
+    return new_entry()
 
 
 def main() -> None:
