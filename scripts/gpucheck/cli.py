@@ -124,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     args.wheels = args.wheels.resolve()
     runner = Runner(args)
     try:
-        if steps.environment(runner):
-            for name, step in steps.STEPS:
-                if runner.skip(name):
-                    runner.record(name, steps.KINDS[name], "skip", "--skip " + name)
-                    continue
+        ready = steps.environment(runner)
+        for name, step in steps.STEPS:
+            if not ready:  # nothing can run; say so for each step when it is the budget's doing
+                if runner.budget.left() < 1.0:
+                    runner.record(name, steps.KINDS[name], "timeout", "not started: the budget is spent")
+            elif runner.skip(name):
+                runner.record(name, steps.KINDS[name], "skip", "--skip " + name)
+            else:
                 try:
                     step(runner)
                 except Exception as exc:  # noqa: BLE001 - a broken step is a result, not a crash

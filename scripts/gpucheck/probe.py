@@ -116,6 +116,8 @@ def probe(python: str, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
 
 def problems(info: dict[str, Any], device: str) -> list[str]:
     """Why nothing can be checked here (empty: go on)."""
+    if info.get("probe_timeout"):
+        return [info["probe_error"]]
     found = []
     if "torch" not in info:
         found.append(f"torch is not importable ({info.get('torch_error') or info.get('probe_error', '')[:300]}); "
