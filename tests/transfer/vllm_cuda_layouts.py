@@ -36,9 +36,10 @@ are the same files as in the CUDA build):
 ``RECORDED`` holds, for a small geometry (``RECORD_LAYERS`` layers, ``RECORD_BLOCKS`` blocks),
 the shape, strides and storage offsets (in elements of the registered dtype) of every layer
 tensor exactly as vLLM 0.32.0's own functions build them. ``build_kv_caches`` reproduces them
-for any size; ``tests/transfer/test_gpu_integration.py`` checks ``build_kv_caches`` against
-``RECORDED`` everywhere and ``RECORDED`` against the installed vLLM where there is one, so a
-vLLM upgrade that moves a byte shows up as a failing test rather than a silent mismatch.
+for any size; ``tests/transfer/test_layouts_as_served.py`` checks ``build_kv_caches`` against
+``RECORDED`` everywhere, and ``RECORDED`` and each case's layout against the installed vLLM
+where there is one, so a vLLM upgrade that moves a byte or changes the layout it serves
+tieredkv shows up as a failing test rather than a silent mismatch.
 """
 
 from __future__ import annotations
