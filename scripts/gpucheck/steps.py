@@ -22,6 +22,7 @@ from gpucheck.common import (
     OVERLAP,
     OWN_KERNELS,
     PER_TEST_TIMEOUT_S,
+    ROOT,
     SANITIZER_CAP_S,
     WHEEL_FILL,
     cuda_test_files,
@@ -54,7 +55,7 @@ def environment(r: Runner) -> bool:
     r.provenance = provenance(r.args.commit)
     r.suggested = f"benchmarks/results/gpu/{slug(name)}-{r.date.strftime('%Y-%m-%d')}"
     if r.out is None:
-        r.out = Path(r.env["OUT"]) if r.env.get("OUT") else Path(r.suggested).resolve()
+        r.out = Path(r.env["OUT"]).resolve() if r.env.get("OUT") else ROOT / r.suggested
     found = probe.problems(info, r.device)
     seconds = time.monotonic() - start
     if found:
