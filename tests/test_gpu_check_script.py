@@ -174,6 +174,10 @@ def test_help_shows_the_one_line_command_and_the_wheel_folder() -> None:
     assert 'python3 scripts/gpu_check.py --out "$OUT"' in text and "GPU_CHECK_COMMIT=" in text
     assert WHEEL_FILL in text and 'carry: [".whl"]' in text
     assert "--budget-s" in text and "compute-sanitizer" in text
+    sh = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--source-digest"], cwd="/",
+                        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                        timeout=60, check=False)
+    assert sh.stdout.strip() == source_digest(), sh.stderr  # the shell wrapper runs the same check
 
 
 def test_provenance_without_git_comes_from_the_environment(tmp_path: Path,
