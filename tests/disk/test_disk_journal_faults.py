@@ -45,16 +45,37 @@ class FaultyJournalFiles(JournalFiles):
         self._faults: list[Fault] = []
         self._role: dict[int, str] = {}
         self.fired: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()  # every call made, failed or not
+        self._gates: dict[str, tuple[threading.Event, threading.Event]] = {}
 
     def fail(self, step: str, err: int, **kw: object) -> None:
         with self._lock:
             self._faults.append(Fault(step, err, **kw))  # type: ignore[arg-type]
+
+    def clear(self) -> None:
+        """Every armed fault is forgotten: the disk has room again."""
+        with self._lock:
+            self._faults.clear()
+
+    def gate(self, step: str) -> tuple[threading.Event, threading.Event]:
+        """Hold the next ``step`` call until the second event is set; the first is set once
+        it is held."""
+        held, release = threading.Event(), threading.Event()
+        with self._lock:
+            self._gates[step] = (held, release)
+        return held, release
 
     def armed(self) -> int:
         with self._lock:
             return sum(f.times for f in self._faults)
 
     def _take(self, step: str, fd: int | None = None) -> Fault | None:
+        with self._lock:
+            self.calls[step] += 1
+            gate = self._gates.pop(step, None)
+        if gate is not None:
+            gate[0].set()
+            assert gate[1].wait(60), f"{step} held for a minute"
         with self._lock:
             for fault in self._faults:
                 if fault.step != step or fault.times <= 0:

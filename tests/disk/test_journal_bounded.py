@@ -1,9 +1,46 @@
-"""A long-running journal stays bounded: it compacts itself without the caller waiting."""
+"""A long-running journal stays bounded: it compacts itself without the caller waiting, and a
+full disk costs neither unbounded memory nor a busy core, nor anything reported durable.
+
+While writes fail (ENOSPC, injected one system call at a time by the journal's own
+``FaultyJournalFiles``, or real on a full tmpfs) the backlog stays under its cap, what it drops
+is counted, retries follow the backoff schedule, and once writes succeed the journal is
+rebuilt from the live index, so a restart finds every live entry again (issue #23, point 3).
+"""
 
 from __future__ import annotations
 
+import errno
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tests.disk.test_disk_journal_faults import (
+    ONE_ATTEMPT_PER_FLUSH,
+    FaultyJournalFiles,
+    _fill,
+    assert_replays,
+)
+from tests.helpers import wide_key as k
 from tieredkv.disk import journal as journal_mod
+from tieredkv.disk import journal_backlog
+from tieredkv.disk.catalog import DiskCatalog
+from tieredkv.disk.errors import SlabError
 from tieredkv.disk.journal import Journal
+from tieredkv.disk.journal_backlog import RetryBackoff
+from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES
+from tieredkv.disk.layout import journal_path
+from tieredkv.disk.slab import SlabFile
+from tieredkv.metrics.exporter import build_exporter_metrics
+from tieredkv.protocol import FailureCause
+
+FOREVER = 10**9  # an armed fault that never runs out: the disk stays full until clear()
+CAP = 64
+PAYLOAD = 32 * 1024
+SLOTS = 16
 
 
 def test_journal_compacts_itself_and_keeps_the_index(tmp_path, monkeypatch):
@@ -26,3 +63,307 @@ def test_journal_compacts_itself_and_keeps_the_index(tmp_path, monkeypatch):
     records = (path.stat().st_size) // 56
     assert records < 64 + 4 * 40 + 64, records  # bounded, not 3000 records
     assert Journal.recover(path) == live
+
+
+class Slots:
+    """What the disk tier journals: a key spilled into a slot (the slot's old key journaled
+    removed first, as ``DiskTier.allocate`` does), with the index the records describe."""
+
+    def __init__(self, journal: Journal | DiskCatalog, num_slots: int) -> None:
+        self.journal = journal
+        self.num_slots = num_slots
+        self.entries: dict[bytes, int] = {}
+        self._owner: dict[int, bytes] = {}
+        self.records = 0  # records journaled
+
+
+    def spill(self, key: bytes, slot: int) -> None:
+        old = self._owner.get(slot)
+        if old is not None:
+            self.remove(old)
+        if isinstance(self.journal, DiskCatalog):
+            self.journal.record_written(key, slot)
+        else:
+            self.journal.record_add(key, slot)
+        self.records += 1
+        self.entries[key] = slot
+        self._owner[slot] = key
+
+    def remove(self, key: bytes) -> None:
+        if isinstance(self.journal, DiskCatalog):
+            self.journal.record_removed(key)
+        else:
+            self.journal.record_remove(key)
+        self.records += 1
+        self._owner.pop(self.entries.pop(key), None)
+
+
+def test_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
+    backoff = RetryBackoff()  # the journal's default: 50 ms doubling to 5 s
+    assert backoff.delay == 0
+    delays = [backoff.failed() for _ in range(10)]
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0]
+    backoff.succeeded()
+    assert backoff.delay == 0 and backoff.failed() == 0.05
+    with pytest.raises(ValueError):
+        RetryBackoff(first_s=1.0, max_s=0.5)
+
+
+def test_a_full_disk_keeps_the_backlog_under_its_cap_and_counts_what_it_drops(tmp_path: Path) -> None:
+    path = journal_path(tmp_path)
+    files = FaultyJournalFiles()
+    with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files, max_backlog=CAP) as journal:
+        tier = Slots(journal, 40)
+        for i in range(10):
+            tier.spill(k(i), i)
+        journal.flush()
+        written, writes = journal.records_written, files.calls["write"]
+        files.fail("write", errno.ENOSPC, times=FOREVER)
+        first = tier.records
+        peak = 0
+        for i in range(10, 10 + 50 * CAP):  # a server spilling and evicting on a full disk
+            tier.spill(k(i), i % 40)
+            peak = max(peak, journal.backlog_records)
+        records = tier.records - first
+        assert peak == CAP  # filled up to the cap, never past it
+        # Nothing was written (no attempt even: the flusher waits for its interval), and every
+        # record is either still queued or dropped and counted, the backlog dropped with them.
+        assert journal.records_written == written and files.calls["write"] == writes
+        assert journal.overflowing
+        assert journal.backlog_records == 0 and journal.records_dropped == records
+        # A flush does not report the dropped records durable while the disk is full.
+        with pytest.raises(SlabError) as err:
+            journal.flush(timeout=30)
+        assert err.value.kind is FailureCause.NO_SPACE
+        assert journal.overflowing and journal.records_dropped == records
+        files.clear()
+        journal.flush(timeout=30)  # the rebuild from the live index
+        assert not journal.overflowing and journal.rebuilds == 1
+        assert_replays(path, tier.entries)
+        # One record per live entry, not the 3,200 that were dropped.
+        assert path.stat().st_size == FILE_HEADER_BYTES + len(tier.entries) * RECORD_BYTES
+        tier.spill(k(100_000), 3)  # and journaling goes on as before
+        journal.flush()
+        assert_replays(path, tier.entries)
+    assert_replays(path, tier.entries)
+
+
+def _most_attempts(schedule: Callable[[int], float], elapsed: float) -> int:
+    """The most attempts that fit into ``elapsed`` seconds when the wait before attempt n+1
+    is ``schedule(n)``: the first attempt, then one per delay that fits."""
+    attempts, spent = 1, 0.0
+    while spent + schedule(attempts) <= elapsed:
+        spent += schedule(attempts)
+        attempts += 1
+    return attempts
+
+
+def test_a_failing_disk_is_retried_on_the_backoff_schedule_not_every_interval(tmp_path: Path) -> None:
+    # Without backoff the flusher retried at every interval (1 ms here): hundreds of attempts,
+    # each encoding the whole backlog again. The count of attempts is bounded by how many of
+    # the backoff's delays fit into the time the test took (a slower machine only makes fewer).
+    first, cap = 0.01, 0.08
+    backoff = RetryBackoff(first_s=first, max_s=cap)
+    files = FaultyJournalFiles()
+    path = journal_path(tmp_path)
+    with Journal(path, flush_interval_s=0.001, files=files, backoff=backoff, max_backlog=CAP) as journal:
+        tier = Slots(journal, 40)
+        tier.spill(k(0), 0)
+        journal.flush()
+        writes = files.calls["write"]
+        files.fail("write", errno.ENOSPC, times=FOREVER)
+        start = time.monotonic()
+        for i in range(1, 301):  # records keep arriving, about one a millisecond
+            tier.spill(k(i), i % 40)
+            time.sleep(0.001)
+        attempts = files.calls["write"] - writes  # each attempt (append or rebuild) is one write
+        elapsed = time.monotonic() - start
+        assert journal.records_dropped > 0 and journal.write_errors == attempts
+        files.clear()
+        journal.flush(timeout=30)
+        assert_replays(path, tier.entries)
+    most = _most_attempts(lambda n: max(0.001, min(cap, first * 2 ** (n - 1))), elapsed)
+    assert 2 <= attempts <= most, (attempts, most, elapsed)
+
+
+@pytest.mark.parametrize("rebuild_fails", [False, True], ids=["rebuild succeeds", "rebuild fails"])
+@pytest.mark.parametrize("arriving", [3, 3 * CAP], ids=["a few records", "past the cap again"])
+def test_records_made_while_the_rebuild_is_written_are_not_lost(
+    tmp_path: Path, rebuild_fails: bool, arriving: int,
+) -> None:
+    path = journal_path(tmp_path)
+    files = FaultyJournalFiles()
+    with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files, max_backlog=CAP) as journal:
+        tier = Slots(journal, 40)
+        for i in range(10):
+            tier.spill(k(i), i)
+        journal.flush()
+        files.fail("write", errno.ENOSPC, times=FOREVER)
+        for i in range(10, 10 + 2 * CAP):
+            tier.spill(k(i), i % 40)
+        assert journal.overflowing
+        files.clear()
+        if rebuild_fails:
+            files.fail("create_temp", errno.ENOSPC)
+        held, release = files.gate("create_temp")
+        errors: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                journal.flush(timeout=60)
+            except SlabError as exc:
+                errors.append(exc)
+
+        flusher = threading.Thread(target=flush)
+        flusher.start()
+        try:
+            assert held.wait(30)  # the rebuild took its snapshot and is writing it
+            for i in range(1000, 1000 + arriving):
+                tier.spill(k(i), i % 40)
+            tier.remove(k(1000 + arriving - 1))
+        finally:
+            release.set()
+            flusher.join(60)
+        assert len(errors) == rebuild_fails
+        journal.flush(timeout=30)  # a second rebuild where the first failed or overflowed
+        assert not journal.overflowing
+        # Records past the cap during a rebuild that succeeds need a rebuild of their own;
+        # after a failed one, the next covers them all.
+        assert journal.rebuilds == 1 + (arriving > CAP and not rebuild_fails)
+        assert_replays(path, tier.entries)
+    assert_replays(path, tier.entries)
+
+
+class SpillingTier(Slots):
+    """:class:`Slots` over a real catalog: each spill writes its slot on every rank first."""
+
+    def __init__(self, catalog: DiskCatalog, fp: bytes, world: int, payload: Callable) -> None:
+        super().__init__(catalog, catalog.num_slots)
+        self.payload = payload
+        self.slabs = [SlabFile.open(catalog.slab_path(r), SLOTS, PAYLOAD, fp) for r in range(world)]
+
+    def spill(self, key: bytes, slot: int) -> None:
+        for rank, slab in enumerate(self.slabs):
+            slab.write_slot(slot, key, self.payload(key, rank, PAYLOAD))
+        super().spill(key, slot)  # journaled once every rank confirmed its write
+
+    def close(self) -> None:
+        for slab in self.slabs:
+            slab.close()
+
+
+def assert_reads_back(catalog: DiskCatalog, fp: bytes, world: int, payload: Callable) -> None:
+    """Every recovered entry reads back, verified, exactly its own bytes on every rank."""
+    out = bytearray(PAYLOAD)
+    for rank in range(world):
+        with SlabFile.open(catalog.slab_path(rank), SLOTS, PAYLOAD, fp) as slab:
+            for key, slot in catalog.recovered.items():
+                slab.read_slot_into(slot, key, memoryview(out))
+                assert out == payload(key, rank, PAYLOAD)
+
+
+def test_after_the_disk_frees_up_a_restart_finds_every_live_entry(
+    tmp_path: Path, fp: bytes, key, payload, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    disk = tmp_path / "tier"
+    files = FaultyJournalFiles()
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2, journal_files=files) as catalog:
+        tier = SpillingTier(catalog, fp, 2, payload)
+        for i in range(6):
+            tier.spill(key(i), i)
+        catalog.flush()
+        files.fail("write", errno.ENOSPC, times=FOREVER)
+        first_dropped = None
+        for i in range(6, 60):  # slots reused round-robin: evictions and spills
+            tier.spill(key(i), i % SLOTS)
+            if first_dropped is None and catalog.journal.records_dropped:
+                first_dropped = i
+            assert catalog.journal.backlog_records <= 8
+        journal = catalog.journal
+        assert journal.overflowing and first_dropped is not None
+        dropped = journal.records_dropped
+        deltas = catalog.take_counter_deltas()  # as the scheduler's stats snapshot carries them
+        assert deltas == {"journal_records_dropped": dropped}
+        assert catalog.take_counter_deltas() == {}  # deltas: each drop reported once
+        registry = CollectorRegistry()
+        build_exporter_metrics(registry, {"scheduler": {"counters": deltas}})
+        assert registry.get_sample_value(
+            "vllm:tieredkv_journal_records_dropped_total", {"model_name": "tieredkv"}
+        ) == dropped
+        # Every live entry was spilled after records started being dropped.
+        assert all(i >= first_dropped for i in range(60) if key(i) in tier.entries)
+        files.clear()
+        catalog.flush()
+        assert journal.rebuilds == 1 and not journal.overflowing
+        assert catalog.take_counter_deltas() == {}
+        tier.close()
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
+        assert catalog.recovered == tier.entries and len(tier.entries) == SLOTS
+        assert catalog.dropped_at_recovery == {}
+        assert_reads_back(catalog, fp, 2, payload)
+
+
+def test_an_engine_that_dies_while_records_are_dropped_never_serves_a_reused_slot(
+    tmp_path: Path, fp: bytes, key, payload, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The journal on disk is the one from before the disk filled up; since then slots 0-3
+    # were evicted and reused by new keys whose records were dropped. A restart must find the
+    # entries made durable before (4-7), and for 0-3 a miss, never the new keys' bytes.
+    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    disk = tmp_path / "tier"
+    files = FaultyJournalFiles()
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2, journal_files=files) as catalog:
+        tier = SpillingTier(catalog, fp, 2, payload)
+        for i in range(8):
+            tier.spill(key(i), i)
+        catalog.flush()  # reported durable
+        durable = dict(tier.entries)
+        before = journal_path(disk).read_bytes()
+        files.fail("write", errno.ENOSPC, times=FOREVER)
+        for i in range(4):
+            tier.spill(key(100 + i), i)  # evicts key(i): REMOVE + ADD, into the same slot
+        for i in range(8, SLOTS):
+            tier.spill(key(100 + i), i)
+        assert catalog.journal.overflowing
+        with pytest.raises(SlabError):
+            catalog.flush()  # nothing more is reported durable
+        tier.close()
+    # The engine went down with the disk still full: its journal file is exactly as a crash
+    # at any moment since the disk filled up would have left it.
+    assert journal_path(disk).read_bytes() == before
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2) as catalog:
+        assert catalog.recovered == {k_: s for k_, s in durable.items() if s >= 4}
+        assert catalog.dropped_at_recovery == {FailureCause.WRONG_KEY: 4}
+        assert_reads_back(catalog, fp, 2, payload)
+        with SlabFile.open(catalog.slab_path(0), SLOTS, PAYLOAD, fp) as slab:
+            with pytest.raises(SlabError) as err:
+                slab.read_slot_into(0, key(0), memoryview(bytearray(PAYLOAD)))
+            assert err.value.kind is FailureCause.WRONG_KEY
+
+
+def test_real_enospc_on_a_full_tmpfs_is_survived_by_a_rebuild(
+    small_tmpfs: Path, fp: bytes, key, payload, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slab file is preallocated, so spills go on succeeding on a full filesystem while
+    # every journal append fails with a real ENOSPC.
+    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    disk = small_tmpfs / "tier"
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 1) as catalog:
+        tier = SpillingTier(catalog, fp, 1, payload)
+        tier.spill(key(0), 0)
+        catalog.flush()
+        filler = _fill(small_tmpfs)
+        for i in range(1, 80):
+            tier.spill(key(i), i % SLOTS)
+        with pytest.raises(SlabError) as err:
+            catalog.flush()
+        assert err.value.kind is FailureCause.NO_SPACE
+        assert catalog.journal.overflowing and catalog.journal.backlog_records == 0
+        filler.unlink()
+        catalog.flush()
+        assert catalog.journal.rebuilds == 1
+        tier.close()
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 1) as catalog:
+        assert catalog.recovered == tier.entries
+        assert_reads_back(catalog, fp, 1, payload)

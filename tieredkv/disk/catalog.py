@@ -13,6 +13,19 @@ current ranks' files are left for their workers to resize and overwrite. Their o
 never be served: nothing indexes them, and a slot is only read for a key after being written
 whole for that key, header and checksum included.
 
+What survives a restart: a READY disk entry is served from the in-memory index as soon as its
+spill completes; its journal record is queued then and made durable by the journal's flusher a
+moment later (or by :meth:`DiskCatalog.flush`, which reports it). Nothing promises more for an
+entry whose record is not yet durable: if the engine dies first, that entry is simply not
+recovered (a miss). While the disk is full the journal drops records past a bounded backlog
+and, once it can write again, rebuilds itself from the live index, so dropped entries are
+recovered again from then on; :meth:`flush` does not return while any record it covers is
+only in that pending rebuild. A crash before the rebuild leaves the older journal, which may
+name keys whose slots were reused by later spills: every recovered entry's slot header must
+name its key on every rank (so a reused slot is dropped as ``wrong_key``, a torn one by its
+checksum) and every read checks the payload's checksum, so a stale record costs a miss, never
+wrong bytes.
+
 ``disk_path`` must be a real directory owned by the engine's user and not writable by group
 or others (created 0700 if missing), and no file in it is opened through a symlink: see
 :mod:`tieredkv.disk.private_files`. The scheduler checks it here; each worker, which vLLM
@@ -31,6 +44,7 @@ from pathlib import Path
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.journal import Journal, JournalReplay
+from tieredkv.disk.journal_records import JournalFiles
 from tieredkv.disk.layout import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
@@ -135,6 +149,7 @@ class DiskCatalog:
         self._lock = lock
         self._journal = journal
         self._closed = False
+        self._reported_dropped = 0
 
     @classmethod
     def open(
@@ -145,8 +160,12 @@ class DiskCatalog:
         num_slots: int,
         world_size: int,
         io: FileIO | None = None,
+        journal_files: JournalFiles | None = None,
     ) -> DiskCatalog:
         """Lock ``disk_path`` and recover the last run's verified index (see module docstring).
+
+        ``io`` and ``journal_files``: the system calls for the slab headers and the journal
+        (tests pass fault-injecting ones).
 
         Raises ``ConfigError`` if another engine holds the directory, ``UntrustedPathError``
         (a ValueError naming ``disk_path`` or the file) if the directory is not private to this
@@ -163,7 +182,9 @@ class DiskCatalog:
         restrict_dir(disk_path)
         lock = DiskLock(disk_path)
         try:
-            return cls._open_locked(disk_path, fingerprint, payload_bytes, num_slots, world_size, io, lock)
+            return cls._open_locked(
+                disk_path, fingerprint, payload_bytes, num_slots, world_size, io, lock, journal_files
+            )
         except BaseException:
             lock.close()
             raise
@@ -171,7 +192,7 @@ class DiskCatalog:
     @classmethod
     def _open_locked(
         cls, disk_path: Path, fingerprint: bytes, payload_bytes: int, num_slots: int,
-        world_size: int, io: FileIO | None, lock: DiskLock,
+        world_size: int, io: FileIO | None, lock: DiskLock, journal_files: JournalFiles | None,
     ) -> DiskCatalog:
         stride = slot_stride(payload_bytes)
         journal_file = journal_path(disk_path)
@@ -209,7 +230,7 @@ class DiskCatalog:
             _remove_stale_ranks(disk_path, world_size)
             log = logger.info if reason == "new disk tier" else logger.warning
             log("tieredkv disk tier %s: starting empty (%s)", disk_path, reason)
-        journal = Journal(journal_file, replay=replay)
+        journal = Journal(journal_file, replay=replay, files=journal_files)
         try:
             journal.compact(recovered)
             manifest = Manifest.new(
@@ -252,6 +273,18 @@ class DiskCatalog:
     def flush(self, timeout: float | None = 10.0) -> None:
         """Block until every record so far is durable (tests, shutdown)."""
         self._journal.flush(timeout)
+
+    @property
+    def journal(self) -> Journal:
+        return self._journal
+
+    def take_counter_deltas(self) -> dict[str, int]:
+        """The journal's counters since the last call, for the scheduler's stats snapshot:
+        ``journal_records_dropped``, records dropped while the disk was full (see
+        :mod:`tieredkv.disk.journal_backlog`)."""
+        dropped = self._journal.records_dropped
+        delta, self._reported_dropped = dropped - self._reported_dropped, dropped
+        return {"journal_records_dropped": delta} if delta else {}
 
     def close(self) -> None:
         """Flush the journal and release the lock (idempotent)."""

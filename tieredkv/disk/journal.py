@@ -9,10 +9,17 @@ every ``flush_interval_s`` (about 50 ms), so the engine's step never waits on di
 that arrives after :meth:`Journal.close` (vLLM shutting down) is logged and dropped, never
 raised into the caller.
 
+While writes fail (a full disk) the queue is bounded and retries back off
+(:mod:`tieredkv.disk.journal_backlog`): past ``max_backlog`` records the journal stops
+queueing, counts what it drops (``records_dropped``), logs once, and its next write rebuilds
+the file from the live index it keeps, which says everything the dropped records would have.
+
 Losing the last few records in a crash is harmless: an entry that is not journaled is simply
 not recovered, and an entry that is journaled is verified against its slot header at start-up
 and its payload checksum on every read, so a stale record can cost a miss, never wrong bytes.
-What must not happen is losing records that :meth:`Journal.flush` reported durable, so:
+What must not happen is losing records that :meth:`Journal.flush` reported durable (a flush
+that returned covers every record recorded before it, dropped ones included: it waits for the
+rebuild), so:
 
 * Appends go through one unbuffered ``O_APPEND`` descriptor, not an aiofiles file object:
   aiofiles' files are buffered, and after a failed write the buffer still held the failed
@@ -38,25 +45,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import errno
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tieredkv.disk import journal_backlog
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
+from tieredkv.disk.journal_backlog import Backlog, Compaction, RetryBackoff
+from tieredkv.disk.journal_file import JournalFile
 from tieredkv.disk.journal_records import (
-    FILE_HEADER_BYTES,
     NO_KEY,
     JournalFiles,
     JournalReplay,
     Op,
     apply_record,
-    encode_record,
-    file_header,
     replay_journal,
 )
 from tieredkv.disk.private_files import ensure_private_dir
@@ -67,8 +71,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _AFTER_FAILURE = {
-    "append": "its records stay queued and are retried",
+    "append": "its records stay queued, up to the backlog's cap, and are retried with backoff",
     "compaction": "not retried; appends go on into the file the journal path names",
+    "rebuild": "retried with backoff; records stay dropped until it succeeds",
 }
 
 
@@ -82,12 +87,16 @@ class Journal:
 
     def __init__(
         self, path: Path, flush_interval_s: float = 0.05, replay: JournalReplay | None = None,
-        files: JournalFiles | None = None,
+        files: JournalFiles | None = None, max_backlog: int | None = None,
+        backoff: RetryBackoff | None = None,
     ) -> None:
         """Open (or create, 0600) the journal for appending, cutting off a torn tail.
 
         ``replay``: the result of :meth:`replay` on this file, if the caller already has it.
         ``files``: the system calls to use (tests pass one that injects faults).
+        ``max_backlog``: records queued at most while writes fail (default
+        ``BACKLOG_MAX_RECORDS``, read at each call); ``backoff``: the waits
+        between failed attempts (see :mod:`tieredkv.disk.journal_backlog`).
         Raises :class:`~tieredkv.disk.private_files.UntrustedPathError` when the journal's
         directory is not private or its path is a link or not our own regular file.
         """
@@ -97,8 +106,9 @@ class Journal:
         ensure_private_dir(self.path.parent)
         self.opened_replay = replay if replay is not None else Journal.replay(self.path)
         self._cond = threading.Condition()
-        self._pending: list[Any] = []
-        self._queued = 0  # items ever queued
+        self._backlog = Backlog(max_backlog or journal_backlog.BACKLOG_MAX_RECORDS)
+        self._backoff = backoff if backoff is not None else RetryBackoff()
+        self._queued = 0  # items ever recorded (dropped ones too)
         self._durable = 0  # items ever made durable (or superseded by a compaction)
         self._error: BaseException | None = None
         self._error_gen = 0
@@ -106,20 +116,14 @@ class Journal:
         self._stopping = False
         self._finished = False  # the flusher has exited: nothing queued becomes durable now
         self._closed = False
-        self._next_seq = self.opened_replay.last_sequence + 1
-        # The live index as the records describe it, kept for runtime compactions.
+        # The live index as the records describe it (dropped ones too), kept for compactions
+        # and rebuilds; changed under _cond, since a rebuild copies it on the flusher thread.
         self._live: dict[bytes, int] = dict(self.opened_replay.entries)
         self._owners: dict[int, bytes] = {slot: key for key, slot in self._live.items()}
         self._since_compaction = 0
         self.runtime_compactions = 0
-        # The file: a descriptor (None between a compaction's rename and the reopen), the
-        # bytes known durable in it, whether bytes past those may be there (a failed append,
-        # a reopen) and whether the last rename still needs its directory fsync.
-        self._fd: int | None = None
-        self._size = 0
-        self._dirty = False
-        self._dir_unsynced = False
-        self.records_written = 0
+        self.rebuilds = 0
+        self._file = JournalFile(self.path, self._files, self.opened_replay)
         self.write_errors = 0
         self.dropped_after_close = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,35 +149,65 @@ class Journal:
 
     # -- recording (any thread, never blocks on disk) ------------------------------------
 
-    def _queue(self, item: Any) -> bool:
-        """Queue ``item`` for the flusher; False (and nothing queued) once closed."""
+    @property
+    def records_written(self) -> int:
+        """Records written to the file (a compaction's count its entries)."""
+        return self._file.records_written
+
+    @property
+    def records_dropped(self) -> int:
+        """Records dropped because the backlog was full (each covered by a rebuild)."""
+        return self._backlog.dropped
+
+    @property
+    def backlog_records(self) -> int:
+        """Records queued or being written, neither durable nor dropped yet."""
         with self._cond:
-            if not self._stopping:
-                self._pending.append(item)
-                self._queued += 1
-                return True
-            self.dropped_after_close += 1
-            dropped = self.dropped_after_close
-        if dropped == 1:
+            return self._backlog.records
+
+    @property
+    def overflowing(self) -> bool:
+        """True from an overflow until its rebuild is durable."""
+        with self._cond:
+            return self._backlog.episode
+
+    def _closed_drop(self) -> None:
+        """Count (and log the first) record that arrived after close."""
+        self.dropped_after_close += 1
+        if self.dropped_after_close == 1:
             logger.warning(
                 "tieredkv journal %s: a record arrived after close and was dropped (that entry "
                 "is not recovered after a restart; later ones count in dropped_after_close)",
                 self.path,
             )
-        return False
 
     def _record(self, op: Op, key: bytes, slot: int) -> None:
-        """Queue a record; past a bound, queue a compaction too, so the file never grows
-        without limit on a long-running server (the caller never waits for it)."""
-        if not self._queue((op, key, slot)):
-            return
-        apply_record(self._live, self._owners, op, key, slot)
-        self._since_compaction += 1
-        if self._since_compaction >= max(COMPACT_MIN_RECORDS, 4 * len(self._live)):
-            self._since_compaction = 0
-            if self._queue(_Compaction(dict(self._live), cf.Future())):
+        """Queue a record (or drop it, see :class:`Backlog`); past a bound, queue a compaction
+        too, so the file never grows without limit on a long-running server (the caller never
+        waits for it)."""
+        with self._cond:
+            if self._stopping:
+                self._closed_drop()
+                return
+            self._queued += 1
+            apply_record(self._live, self._owners, op, key, slot)
+            started = self._backlog.add((op, key, slot))
+            self._since_compaction += 1
+            if not self._backlog.overflowing and self._since_compaction >= max(
+                COMPACT_MIN_RECORDS, 4 * len(self._live)
+            ):
+                # Written at the flusher's next turn: a kick would bypass the backoff.
+                self._since_compaction = 0
+                self._queued += 1
+                self._backlog.add(Compaction(dict(self._live), cf.Future()))
                 self.runtime_compactions += 1
-                self._kick()
+        if started:  # in the caller's thread, once per episode
+            logger.warning(
+                "tieredkv journal %s: %d records wait while writes fail; dropping records until "
+                "the journal is rebuilt from the live index (entries spilled meanwhile are not "
+                "recovered if the engine dies before then; dropped records count in "
+                "journal_records_dropped)", self.path, self._backlog.limit,
+            )
 
     def record_add(self, key: bytes, slot: int) -> None:
         """Journal ``key`` at ``slot``; call only once every rank confirmed its write."""
@@ -233,11 +267,14 @@ class Journal:
         names.
         """
         done: cf.Future[None] = cf.Future()
-        self._live = dict(entries)
-        self._owners = {slot: key for key, slot in self._live.items()}
-        self._since_compaction = 0
-        if not self._queue(_Compaction(dict(entries), done)):
-            raise RuntimeError(f"journal {self.path} is closed")
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError(f"journal {self.path} is closed")
+            self._live = dict(entries)
+            self._owners = {slot: key for key, slot in self._live.items()}
+            self._since_compaction = 0
+            self._queued += 1
+            self._backlog.add(Compaction(dict(entries), done))
         self._kick()
         try:
             done.result(timeout)
@@ -284,24 +321,27 @@ class Journal:
     async def _main(self, started: cf.Future[None]) -> None:
         self._wake = asyncio.Event()
         try:
-            await self._blocking(self._open)
+            await self._blocking(self._file.open)
         except BaseException as exc:
             started.set_exception(exc)
             return
         started.set_result(None)
         try:
             while True:
+                # A failing disk is retried after the backoff's delay, not every interval; a
+                # caller waiting (flush, compact, close) wakes the loop at once.
+                wait = max(self.flush_interval_s, self._backoff.delay)
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+                    await asyncio.wait_for(self._wake.wait(), wait)
                 except TimeoutError:
                     pass
                 self._wake.clear()
                 await self._drain()
                 with self._cond:
-                    if self._stopping and (not self._pending or self._error is not None):
+                    if self._stopping and (not self._backlog.items or self._error is not None):
                         break
         finally:
-            self._close_fd()
+            self._file.close()
             with self._cond:
                 self._finished = True
                 self._cond.notify_all()
@@ -310,50 +350,30 @@ class Journal:
         """Run a blocking file step on the loop's executor (one call per batch or rewrite)."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                self._files.close(fd)
-            except OSError as exc:
-                logger.warning("tieredkv journal %s: close failed: %s", self.path, exc)
-
-    def _open(self) -> None:
-        """Open the journal, writing a header into a new or unusable file, cutting a torn tail."""
-        replay = self.opened_replay
-        fd = self._files.open_log(self.path)
-        try:
-            os.fchmod(fd, 0o600)
-            if not replay.header_ok or replay.valid_bytes == 0:
-                self._files.truncate(fd, 0)
-                self._files.write(fd, file_header())
-                self._files.fsync(fd)
-                self._size = FILE_HEADER_BYTES
-            else:
-                if replay.bad_tail_bytes:
-                    self._files.truncate(fd, replay.valid_bytes)
-                    self._files.fsync(fd)
-                    logger.warning(
-                        "tieredkv journal %s: cut off %d bytes of torn tail",
-                        self.path, replay.bad_tail_bytes,
-                    )
-                self._size = replay.valid_bytes
-        except BaseException:
-            self._files.close(fd)
-            raise
-        self._fd = fd
-        self._dirty = True  # a ``replay`` handed in may be older than the file: check first
-
     async def _drain(self) -> None:
-        """Write out everything queued, in order; on failure requeue the rest for a retry."""
+        """Write out everything queued, in order; on failure requeue the rest for a retry.
+
+        After an overflow the first write is the rebuild, then whatever was queued after it.
+        """
         with self._cond:
-            items, self._pending = self._pending, []
+            rebuild = self._backlog.overflowing
+            if rebuild:  # the snapshot and its place in the order, taken together
+                entries, covered = dict(self._live), self._queued
+                waiters = self._backlog.rebuilding()
+        if rebuild and not await self._rebuild(entries, covered, waiters):
+            return
+        with self._cond:
+            items = self._backlog.take()
+        if not items:
+            if rebuild:
+                self._succeeded()
+            return
         i = 0
         while i < len(items):
             item = items[i]
-            if isinstance(item, _Compaction):
+            if isinstance(item, Compaction):
                 try:
-                    await self._blocking(self._compact, item.entries)
+                    await self._blocking(self._file.compact, item.entries)
                 except Exception as exc:
                     # Not retried: the caller waits on it and hears the error. The journal's
                     # own error state is set first, so a flush() the caller starts next sees
@@ -367,116 +387,68 @@ class Journal:
                 i += 1
                 continue
             j = i
-            while j < len(items) and not isinstance(items[j], _Compaction):
+            while j < len(items) and not isinstance(items[j], Compaction):
                 j += 1
             try:
-                await self._blocking(self._append, items[i:j])
+                await self._blocking(self._file.append, items[i:j])
             except Exception as exc:
                 self._failed(exc, items[i:], "append")
                 return
-            self._resolved(j - i)
+            self._resolved(j - i, records=j - i)
             i = j
+        self._succeeded()
+
+    async def _rebuild(
+        self, entries: dict[bytes, int], covered: int, waiters: list[cf.Future[None]]
+    ) -> bool:
+        """Rewrite the journal from the live index after an overflow; True once durable."""
+        try:
+            await self._blocking(self._file.compact, entries)
+        except Exception as exc:
+            with self._cond:
+                self._backlog.rebuild_failed()
+            self._failed(exc, [], "rebuild")
+            for done in waiters:
+                done.set_exception(exc)
+            return False
+        with self._cond:
+            self._durable = max(self._durable, covered)  # every record up to the snapshot
+            dropped = self._backlog.rebuilt()
+            self._cond.notify_all()
+        for done in waiters:
+            done.set_result(None)
+        self.rebuilds += 1
+        logger.warning(
+            "tieredkv journal %s: rebuilt from the live index (%d entries), covering %d dropped "
+            "records; journaling again", self.path, len(entries), dropped,
+        )
+        return True
+
+    def _succeeded(self) -> None:
         with self._cond:
             self._error = None
+        self._backoff.succeeded()
         if self._failing:
             logger.warning(
                 "tieredkv journal %s: writing again after %d failed attempts", self.path, self._failing
             )
             self._failing = 0
 
-    def _resolved(self, count: int) -> None:
+    def _resolved(self, count: int, records: int = 0) -> None:
         with self._cond:
             self._durable += count
+            self._backlog.written(records)
             self._cond.notify_all()
 
     def _failed(self, exc: BaseException, rest: list[Any], what: str) -> None:
         self.write_errors += 1
         self._failing += 1
+        delay = self._backoff.failed()
         log = logger.warning if self._failing == 1 else logger.debug
-        log("tieredkv journal %s: %s failed (%s): %s", self.path, what, _AFTER_FAILURE[what], exc)
+        log("tieredkv journal %s: %s failed (%s; next try in %.2f s): %s",
+            self.path, what, _AFTER_FAILURE[what], delay, exc)
         with self._cond:
-            self._pending[:0] = rest
+            self._backlog.requeue(rest)
             self._error = exc
             self._error_gen += 1
             self._cond.notify_all()
-
-    def _ready(self) -> int:
-        """The descriptor to append to, once the file is safe to append to after a failure.
-
-        Reopens the path after a compaction, makes its rename durable, and cuts off whatever a
-        failed append left past the durable size; raises (appending nothing) if any step fails.
-        """
-        if self._fd is None:
-            self._fd = self._files.open_log(self.path)
-            self._dirty = True
-        if self._dir_unsynced:
-            self._files.fsync_dir(self.path.parent)
-            self._dir_unsynced = False
-        if self._dirty:
-            size = self._files.size(self._fd)
-            if size < self._size:
-                raise OSError(
-                    errno.EIO, f"journal shrank to {size} bytes; {self._size} were made durable"
-                )
-            if size > self._size:
-                self._files.truncate(self._fd, self._size)
-            self._dirty = False
-        return self._fd
-
-    def _append(self, batch: list[tuple[Op, bytes, int]]) -> None:
-        fd = self._ready()
-        first_seq = self._next_seq
-        data = b"".join(
-            encode_record(op, key, slot, first_seq + i) for i, (op, key, slot) in enumerate(batch)
-        )
-        self._dirty = True  # part of the batch may reach the file even if this fails
-        self._files.write(fd, data)
-        self._files.fsync(fd)
-        self._dirty = False
-        self._next_seq += len(batch)
-        self._size += len(data)
-        self.records_written += len(batch)
-
-    def _compact(self, entries: dict[bytes, int]) -> None:
-        data = bytearray(file_header())
-        for sequence, (key, slot) in enumerate(sorted(entries.items(), key=lambda kv: kv[1]), 1):
-            data += encode_record(Op.ADD, key, slot, sequence)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        self._write_temp(tmp, bytes(data))
-        try:
-            self._files.replace(tmp, self.path)
-        except BaseException:
-            self._discard(tmp)
-            raise
-        # The path names the new file now: never write the old one again, whatever fails next.
-        self._close_fd()
-        self._size = len(data)
-        self._next_seq = len(entries) + 1
-        self._dir_unsynced = True
-        self.records_written += len(entries)
-        self._ready()
-
-    def _write_temp(self, tmp: Path, data: bytes) -> None:
-        """Write ``data`` durably into a new file at ``tmp`` (removed again on failure)."""
-        fd = self._files.create_temp(tmp)
-        try:
-            try:
-                self._files.write(fd, data)
-                self._files.fsync(fd)
-            finally:
-                self._files.close(fd)
-        except BaseException:
-            self._discard(tmp)
-            raise
-
-    def _discard(self, tmp: Path) -> None:
-        try:
-            self._files.unlink(tmp)
-        except OSError:
-            pass  # a leftover temporary file is replaced by the next compaction
-
-
-@dataclass
-class _Compaction:
-    entries: dict[bytes, int]
-    done: cf.Future[None]

@@ -215,6 +215,10 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "recovery_dropped", COUNTER,
         "Disk entries dropped while recovering the index at start-up (bad or missing slot "
         "headers)."),
+    "journal_records_dropped": _spec(
+        "journal_records_dropped", COUNTER,
+        "Disk journal records dropped because its bounded backlog filled while writes failed "
+        "(a full disk); the journal is rebuilt from the live index once writes succeed."),
 }
 
 # Scheduler counters (tieredkv/scheduler/planner.py Planner.counters) -> (spec id, label value).
@@ -237,6 +241,7 @@ _COUNTER_ROUTES: dict[str, tuple[str, str | None]] = {
     "preemptions": ("preemptions", None),
     "resets": ("resets", None),
     "dropped_at_recovery": ("recovery_dropped", None),
+    "journal_records_dropped": ("journal_records_dropped", None),
     "hit_tokens_remote": ("hit_tokens", "remote"),
     "evictions_remote": ("evictions", "remote"),
     "remote_written_chunks": ("chunks", "remote_written"),

@@ -294,6 +294,8 @@ class SchedulerHalf:
 
     def _snapshot(self) -> dict:
         counters = self.planner.take_counter_deltas()
+        if self.catalog is not None:
+            counters.update(self.catalog.take_counter_deltas())
         latency = self.planner.take_latency()
         return {
             "scheduler": {
