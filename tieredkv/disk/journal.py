@@ -447,6 +447,7 @@ class Journal:
         log = logger.warning if self._failing == 1 else logger.debug
         log("tieredkv journal %s: %s failed (%s; next try in %.2f s): %s",
             self.path, what, _AFTER_FAILURE[what], delay, exc)
+        exc.with_traceback(None)  # its frames would pin the failed batch (up to the cap)
         with self._cond:
             self._backlog.requeue(rest)
             self._error = exc
