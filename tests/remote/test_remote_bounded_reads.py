@@ -97,3 +97,27 @@ async def test_a_bound_below_one_byte_is_refused(redis_server: RedisServer,
     store = await open_store(redis_server.url)
     with pytest.raises(ValueError, match="max_len"):
         await store.batch_get_bounded([b"k"], 0)
+
+
+# The README's ACL for tieredkv's own user: exactly the commands the engine sends.
+ENGINE_ACL = ("on", ">acl-test-password", "~tkv:*", "resetchannels", "-@all", "+@connection",
+              "+exists", "+strlen", "+getrange", "+set", "+del", "+info", "+cluster|slots")
+
+
+async def test_the_engines_calls_work_under_the_readmes_acl(
+    servers: RedisServer | RedisClusterProcs, open_store: OpenStore,
+) -> None:
+    nodes = servers.servers if isinstance(servers, RedisClusterProcs) else [servers]
+    for node in nodes:
+        node.cli("ACL", "SETUSER", "tieredkv-acl-test", "reset", *ENGINE_ACL)
+    scheme, rest = servers.url.split("://", 1)
+    store = await open_store(f"{scheme}://tieredkv-acl-test:acl-test-password@{rest}")
+    items = chunk_items("tkv", 8, size=SIZE)
+    names = [name for _, name, _ in items]
+    assert (await store.batch_set([(name, value) for _, name, value in items], ttl_s=60)).ok
+    assert (await store.batch_exists(names)).values == [True] * 8
+    got = await store.batch_get_bounded(names, len(items[0][2]))
+    assert got.ok, got
+    assert got.values == [Head(value, len(value)) for _, _, value in items]
+    assert await store.server_info() is not None
+    assert (await store.batch_delete(names)).values == [True] * 8
