@@ -20,6 +20,7 @@ from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, 
 from tests.transfer.transfer_helpers import layout_caches
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
+from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
 from tieredkv.protocol import FailureCause, JobResult, RemoteWriteJob
 from tieredkv.remote.codec import Verified, decode
 from tieredkv.remote.threaded import ThreadedRemoteStore
@@ -46,7 +47,7 @@ B_BLOCKS = [6, 7, 8, 9, 10, 11, 12, 13]  # A's neighbours on the device
 class Harness:
     """One engine: a planner, a CPU transfer engine whose RemoteJobs write to ``url``."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, layout: GroupLayout | None = None) -> None:
         self.probe_store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
         self.worker_store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
         config = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, "host_bytes": "64MiB"})
@@ -54,12 +55,14 @@ class Harness:
         tier = RemoteTier(probe, is_up=lambda: self.probe_store.up, writes=True, admission=1,
                           seen_limit=1024, server_info=lambda: None)
         self.kv = KVViews.from_kv_caches(layout_caches(num_blocks=NUM_BLOCKS, seed=5), NUM_BLOCKS)
-        self.host = HostPool(HOST_SLOTS, self.kv.slot_payload_bytes(CHUNK_BLOCKS), pin=False)
+        rows = CHUNK_BLOCKS if layout is None else layout.rows
+        self.host = HostPool(HOST_SLOTS, self.kv.slot_payload_bytes(rows), pin=False)
         self.jobs = RemoteJobs(self.worker_store, self.host, fingerprint=FINGERPRINT, rank=0,
                                prefix=prefix, ttl_s=None, timeout_s=2.0)
         self.engine = TransferEngine(self.kv, self.host, None, backend=TorchCopyBackend(),
                                      remote=self.jobs)
-        self.planner = Planner(config, block_size=BLOCK, num_host_slots=HOST_SLOTS, remote=tier)
+        self.planner = Planner(config, block_size=BLOCK, num_host_slots=HOST_SLOTS, remote=tier,
+                               layout=layout)
         for store in (self.probe_store, self.worker_store):
             assert store.wait_up(5.0), store.stats()
 
@@ -204,3 +207,27 @@ def test_the_writer_writes_a_job_that_covers_every_row(
     assert harness.engine.poll() == [JobResult.done(8)]
     assert harness.jobs.flush_writes(10.0)
     assert set(_written(redis_server, prefix)) == {key}
+
+
+def test_a_hybrid_models_whole_chunks_are_written(redis_server, prefix: str) -> None:
+    """A hybrid slot has ``chunk_blocks`` rows per KV-cache group: the scheduler and the
+    worker count the same rows, so whole chunks still reach Redis."""
+    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=CHUNK_BLOCKS)
+    harness = Harness(redis_server.url, prefix, layout)
+    try:
+        tokens = list(range(2 * CHUNK_TOKENS + 5))
+        keys = LazyChunkKeys(FP, sha256_block_hashes(tokens, BLOCK), CHUNK_BLOCKS)
+        n = len(tokens) // BLOCK + 1
+        harness.planner.set_block_ids("h", [list(range(1, 1 + n)), list(range(12, 12 + n))],
+                                      replace=True)
+        harness.planner.plan_stores("h", keys, len(tokens), computed_tokens=0)
+        for _ in range(50):
+            harness.step()
+            if not harness.planner.has_pending_work():
+                break
+        assert harness.jobs.flush_writes(10.0)
+        assert harness.planner.counters["remote_written_chunks"] == 2
+        assert harness.jobs.take_stats().writes_failed == {}
+        assert set(_written(redis_server, prefix)) == {keys[0], keys[1]}
+    finally:
+        harness.close()
