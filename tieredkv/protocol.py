@@ -150,6 +150,9 @@ class RemoteWriteJob:
     # Slot rows the entry holds (rows 0..rows-1). The worker writes a slot only when this is
     # every row it has: other rows hold a previous tenant's bytes (0: unknown, refused).
     rows: int = 0
+    # Rows among them the entry leaves empty (hybrid: a sliding window's rows it does not
+    # keep, never copied into the slot): written as zeros, never as what the slot held.
+    holes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -104,11 +104,11 @@ def _device_rows(kv: KVViews, blocks: list[int]) -> set[bytes]:
             for b in blocks}
 
 
-def _value_rows(kv: KVViews, payload: memoryview) -> list[bytes]:
-    """A chunk value's payload as its rows: layer-major, ``CHUNK_BLOCKS`` blocks each."""
+def _value_rows(kv: KVViews, payload: memoryview, per_layer: int = CHUNK_BLOCKS) -> list[bytes]:
+    """A chunk value's payload as its rows: layer-major, ``per_layer`` rows each."""
     data, rows, at = bytes(payload), [], 0
     for block_bytes in kv.block_bytes:
-        for _ in range(CHUNK_BLOCKS):
+        for _ in range(per_layer):
             rows.append(data[at:at + block_bytes])
             at += block_bytes
     assert at == len(data)
@@ -209,17 +209,23 @@ def test_the_writer_writes_a_job_that_covers_every_row(
     assert set(_written(redis_server, prefix)) == {key}
 
 
-def test_a_hybrid_models_whole_chunks_are_written(redis_server, prefix: str) -> None:
-    """A hybrid slot has ``chunk_blocks`` rows per KV-cache group: the scheduler and the
-    worker count the same rows, so whole chunks still reach Redis."""
+def test_a_hybrid_models_whole_chunks_are_written_with_zeros_in_their_empty_rows(
+    redis_server, prefix: str,
+) -> None:
+    """A hybrid slot has ``chunk_blocks`` rows per KV-cache group; a sliding window keeps
+    only its last rows and the others are never copied into the slot. The scheduler and the
+    worker count the rows alike, so whole chunks reach Redis, and the rows the store left
+    empty go out as zeros, never as what the slot held before (another tenant's rows)."""
     layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=CHUNK_BLOCKS)
     harness = Harness(redis_server.url, prefix, layout)
+    kv = harness.kv
     try:
+        harness.host.buffer.fill_(0x5A)  # what earlier tenants left in every slot
         tokens = list(range(2 * CHUNK_TOKENS + 5))
         keys = LazyChunkKeys(FP, sha256_block_hashes(tokens, BLOCK), CHUNK_BLOCKS)
         n = len(tokens) // BLOCK + 1
-        harness.planner.set_block_ids("h", [list(range(1, 1 + n)), list(range(12, 12 + n))],
-                                      replace=True)
+        tables = [list(range(1, 1 + n)), list(range(12, 12 + n))]
+        harness.planner.set_block_ids("h", tables, replace=True)
         harness.planner.plan_stores("h", keys, len(tokens), computed_tokens=0)
         for _ in range(50):
             harness.step()
@@ -228,6 +234,25 @@ def test_a_hybrid_models_whole_chunks_are_written(redis_server, prefix: str) -> 
         assert harness.jobs.flush_writes(10.0)
         assert harness.planner.counters["remote_written_chunks"] == 2
         assert harness.jobs.take_stats().writes_failed == {}
-        assert set(_written(redis_server, prefix)) == {keys[0], keys[1]}
+        written = _written(redis_server, prefix)
+        assert set(written) == {keys[0], keys[1]}
+
+        for chunk in (0, 1):
+            decoded = decode(written[keys[chunk]], fingerprint=FINGERPRINT, key=keys[chunk],
+                             rank=0, expected_len=harness.host.payload_bytes)
+            assert isinstance(decoded, Verified), decoded
+            got = _value_rows(kv, decoded.payload, layout.rows)
+            want = []
+            for layer in range(kv.num_layers):
+                for g, table in enumerate(tables):
+                    for j in range(CHUNK_BLOCKS):
+                        if g == 0 and j < CHUNK_BLOCKS - 2:  # the window keeps rows 2 and 3
+                            want.append(bytes(kv.block_bytes[layer]))
+                        else:
+                            block = table[chunk * CHUNK_BLOCKS + j]
+                            want.append(bytes(kv.rows[layer][block].numpy().tobytes()))
+            stale = sum(row == b"\x5a" * len(row) for row in got)
+            assert not stale, f"{stale} rows of what the slot held before written to Redis"
+            assert got == want
     finally:
         harness.close()

@@ -69,9 +69,9 @@ def payload(i: int, rank: int = 0) -> bytes:
     return (seed * (PAYLOAD // 64 + 1))[:PAYLOAD]
 
 
-def whole(items: list[tuple[int, bytes, int]]) -> list[tuple[int, bytes, int, int]]:
-    """Writes of entries that hold every row of their slots."""
-    return [(job_id, key, slot, ROWS) for job_id, key, slot in items]
+def whole(items: list[tuple[int, bytes, int]]) -> list[tuple[int, bytes, int, int, tuple]]:
+    """Writes of entries that hold every row of their slots, none of them empty."""
+    return [(job_id, key, slot, ROWS, ()) for job_id, key, slot in items]
 
 
 def fill(host: HostPool, slot: int, data: bytes) -> None:
@@ -440,3 +440,44 @@ def test_close_answers_reads_that_were_never_sent(
     ]
     assert jobs.busy_slots() == frozenset() and jobs.reads_waiting() == 0
     assert all(untouched(host, slot) for slot in range(3))
+
+
+# -- every row of a value is the entry's own (issue #23, 4) -------------------------------------
+
+
+def test_a_write_that_does_not_cover_its_slot_or_cannot_blank_its_holes_is_refused(
+    redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, store = make_jobs(redis_server.url)
+    fill(host, 0, payload(70))
+    key = make_key(70)
+    results = jobs.write([
+        (1, key, 0, ROWS - 1, ()),  # a tail: the slot's last row is not the entry's
+        (2, key, 0, ROWS, (1,)),  # an empty row, but where rows lie is not known
+    ])
+    jobs.row_spans = ((0, PAYLOAD // ROWS),)
+    results += jobs.write([(3, key, 0, ROWS, (ROWS,))])  # a row the slot does not have
+    assert results == [JobResult.fail(i, FailureCause.WRONG_KEY) for i in (1, 2, 3)]
+    assert jobs.flush_writes(5)
+    assert store.batch_exists([remote_key(FINGERPRINT, 0, key, jobs.prefix)]).result(5).values == [False]
+    assert jobs.take_stats().writes_failed == {"wrong_key": 3}
+
+
+def test_an_entrys_empty_rows_are_written_as_zeros(
+    redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    jobs, _ = make_jobs(redis_server.url)
+    row = PAYLOAD // ROWS
+    jobs.row_spans = ((0, row),)  # one layer of ROWS rows (the 5000-byte payload's last bytes
+    fill(host, 0, payload(71))    # past 4 rows are outside every row and stay as they are)
+    key = make_key(71)
+    assert jobs.write([(1, key, 0, ROWS, (0, 2))]) == [JobResult.done(1)]
+    assert slot_bytes(host, 0)[:PAYLOAD] == payload(71)  # zeros in the value, not the slot
+    assert jobs.flush_writes(5)
+    host.buffer.fill_(SENTINEL)
+    jobs.start_reads([(2, key, 1)])
+    assert causes(settle(jobs, 1)) == {2: None}
+    want = bytearray(payload(71))
+    want[0:row] = bytes(row)
+    want[2 * row:3 * row] = bytes(row)
+    assert slot_bytes(host, 1)[:PAYLOAD] == bytes(want)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
+from tieredkv.kv_groups import FULL
 from tieredkv.protocol import FailureCause, JobKind, JobResult, RemoteWriteJob, SpillJob, StoreJob
 from tieredkv.scheduler.ledger import JobRecord
 from tieredkv.scheduler.lower_tier import LowerTier
@@ -203,6 +204,18 @@ class Placer:
         """Rows of a whole chunk's slot: ``chunk_blocks`` per KV-cache group."""
         return self.layout.rows if self.layout is not None else self.chunk_blocks
 
+    @property
+    def _hole_rows(self) -> tuple[int, ...]:
+        """Rows a whole chunk's store never fills (a sliding window's rows before the blocks
+        it keeps): they hold what the slot held before, so a remote value gets zeros there."""
+        layout, C = self.layout, self.chunk_blocks
+        if layout is None:
+            return ()
+        return tuple(
+            g * C + j for g, group in enumerate(layout.groups) if group.kind != FULL
+            for j in range(C - group.window_blocks)
+        )
+
     def plan_remote_writes(self) -> None:
         """Turn queued remote writes into jobs (in this step's plan); the host copy is pinned
         until every rank has copied it into its write queue."""
@@ -220,7 +233,8 @@ class Placer:
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(JobKind.REMOTE_WRITE, (key,), None)
             self._ledger.plan.remote_writes.append(
-                RemoteWriteJob(job_id, key, placement.slot, rows=self._slot_rows)
+                RemoteWriteJob(job_id, key, placement.slot, rows=self._slot_rows,
+                               holes=self._hole_rows)
             )
 
     def complete_remote_write(self, job: JobRecord, outcome: JobResult) -> None:

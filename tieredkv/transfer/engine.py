@@ -132,7 +132,7 @@ class TransferEngine:
                               io_threads=io_threads, spill_queue_depth=spill_queue_depth,
                               timeout_s=load_timeout_s, on_death=self._die)
         self._remote = RemoteDriver(remote, self._guard, self.stats, self._finish,
-                                    host.payload_bytes, chunk_rows=self.chunk_blocks)
+                                    host.payload_bytes, chunk_rows=self.chunk_blocks, kv=kv)
 
         # Threads, started with the event loop on the first submit.
         self._loop: asyncio.AbstractEventLoop | None = None

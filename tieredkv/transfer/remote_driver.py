@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tieredkv.protocol import Direction, FailureCause, JobResult, RemoteReadJob, RemoteWriteJob
-from tieredkv.transfer.remote_jobs import RemoteJobs
+from tieredkv.transfer.kv_views import KVViews
+from tieredkv.transfer.remote_jobs import RemoteJobs, WriteJob
 from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.transfer_stats import Finish, TransferStats
 
@@ -44,6 +45,7 @@ class RemoteDriver:
         payload_bytes: int,
         *,
         chunk_rows: int,
+        kv: KVViews | None = None,
     ) -> None:
         self.jobs = jobs
         self._guard = guard
@@ -56,6 +58,9 @@ class RemoteDriver:
         if jobs is not None:
             jobs.on_answer = self.pump
             jobs.slot_rows = chunk_rows  # a write must cover every row of its slot
+            if kv is not None:  # where each row lies, to blank an entry's empty rows
+                jobs.row_spans = tuple(zip(kv.layer_offsets(chunk_rows), kv.block_bytes,
+                                           strict=True))
 
     def take(self, entries: list[EngineEntry]) -> list[EngineEntry]:
         """Submit the remote jobs among the engine's ``entries``; return the others."""
@@ -72,7 +77,7 @@ class RemoteDriver:
                 self._finish(seq, JobResult.fail(job.job_id, FailureCause.UNAVAILABLE), t0)
             return
         reads: list[tuple[int, bytes, int]] = []
-        writes: list[tuple[int, bytes, int, int]] = []
+        writes: list[WriteJob] = []
         write_entries: dict[int, tuple[int, RemoteWriteJob, float]] = {}
         for seq, job, t0 in entries:
             if isinstance(job, RemoteReadJob):
@@ -87,14 +92,14 @@ class RemoteDriver:
                     self._finish(seq, JobResult.fail(job.job_id, FailureCause.COPY_ERROR), t0)
                     continue
                 write_entries[job.job_id] = (seq, job, t0)
-                writes.append((job.job_id, job.key, job.host_slot, job.rows))
+                writes.append((job.job_id, job.key, job.host_slot, job.rows, job.holes))
         if reads:
             self.jobs.start_reads(reads)  # answers arrive through pump (on_answer)
         if writes:
             try:
                 results = self.jobs.write(writes)
             finally:
-                for _, _, slot, _ in writes:
+                for _, _, slot, _, _ in writes:
                     self._guard.release(slot, write=False)
             for result in results:
                 seq, job, t0 = write_entries[result.job_id]

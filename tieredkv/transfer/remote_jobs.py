@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 # (job id, chunk key, host slot): one read into a host slot.
 SlotJob = tuple[int, bytes, int]
-# (job id, chunk key, host slot, rows of the slot the entry holds): one write from a slot.
-WriteJob = tuple[int, bytes, int, int]
+# (job id, chunk key, host slot, rows of the slot the entry holds, rows it leaves empty):
+# one write from a slot.
+WriteJob = tuple[int, bytes, int, int, tuple[int, ...]]
 # Bytes of values one rank's reads hold at once (in flight or arrived, not yet landed).
 READ_BATCH_BYTES = 128 << 20
 
@@ -106,6 +107,9 @@ class RemoteJobs:
         # Rows of a host slot (the engine's geometry; set by its driver): a write must cover
         # all of them. None: not known, every write is refused.
         self.slot_rows = slot_rows
+        # (offset of row 0, bytes per row) of each layer's region in a slot: where an entry's
+        # empty rows lie, to write zeros there (set by the driver; () refuses such writes).
+        self.row_spans: tuple[tuple[int, int], ...] = ()
         self.value_len = value_bytes(host.payload_bytes)  # the one length a read accepts
         self._budget = read_batch_bytes
         self._batch_keys = max(1, read_batch_bytes // self.value_len)
@@ -269,32 +273,38 @@ class RemoteJobs:
     # -- writes ------------------------------------------------------------------------------
 
     def write(self, writes: Sequence[WriteJob]) -> list[JobResult]:
-        """Queue each ``(job_id, key, slot, rows)``'s payload for the store; never blocks.
+        """Queue each ``(job_id, key, slot, rows, holes)``'s payload for the store; never
+        blocks.
 
         Accepted: ``done`` (queued, not yet stored); no room or store down/closing: ``dropped``.
-        A slot out of range or still being read into fails ``copy_error``. An entry that
-        holds fewer than all ``slot_rows`` rows (a prompt's tail) fails ``wrong_key``: a value
-        is the whole slot, and its other rows hold whatever the slot held before.
+        A slot out of range or still being read into fails ``copy_error``. Every row of a
+        value is the entry's own: an entry that holds fewer than all ``slot_rows`` rows (a
+        prompt's tail) fails ``wrong_key``, since its other rows hold whatever the slot held
+        before, and the rows it leaves empty (``holes``) are written as zeros.
         """
         size = self.host.payload_bytes
         out: list[JobResult] = []
         queued: list[tuple[int, bytes, bytes]] = []
         with self._lock:
-            for job_id, key, slot, rows in writes:
+            for job_id, key, slot, rows, holes in writes:
                 if not self._usable(slot):
                     self._writes_failed[FailureCause.COPY_ERROR.value] += 1
                     out.append(JobResult.fail(job_id, FailureCause.COPY_ERROR))
                     continue
-                if self.slot_rows is None or rows != self.slot_rows:
+                if (self.slot_rows is None or rows != self.slot_rows
+                        or (holes and not self._blankable(holes))):
                     logger.error(
                         "tieredkv remote write %d refused: its entry holds %d of the slot's %s "
-                        "rows; the others are not its own", job_id, rows, self.slot_rows,
+                        "rows (%d empty); the others are not its own", job_id, rows,
+                        self.slot_rows, len(holes),
                     )
                     self._writes_failed[FailureCause.WRONG_KEY.value] += 1
                     out.append(JobResult.fail(job_id, FailureCause.WRONG_KEY))
                     continue
                 try:
                     payload = self.host.slot_memoryview(slot)[:size]
+                    if holes:
+                        payload = self._blanked(payload, holes)
                     value = encode(payload, fingerprint=self.fingerprint, key=key, rank=self.rank)
                     queued.append((job_id, self._redis_name(key), value))
                 except ValueError as exc:
@@ -311,6 +321,20 @@ class RemoteJobs:
         # The queue keeps a prefix of each offer: the first ``accepted`` went in.
         out += [JobResult.done(j) for j, _, _ in queued[:accepted]]
         out += [JobResult.fail(j, FailureCause.DROPPED) for j, _, _ in queued[accepted:]]
+        return out
+
+    def _blankable(self, holes: tuple[int, ...]) -> bool:
+        """Whether the rows ``holes`` can be blanked: rows of this slot, spans known."""
+        rows = self.slot_rows or 0
+        return bool(self.row_spans) and all(0 <= row < rows for row in holes)
+
+    def _blanked(self, payload: memoryview, holes: tuple[int, ...]) -> bytearray:
+        """A copy of ``payload`` with every layer's bytes of rows ``holes`` zeroed."""
+        out = bytearray(payload)
+        for offset, row_bytes in self.row_spans:
+            for row in holes:
+                start = offset + row * row_bytes
+                out[start:start + row_bytes] = bytes(row_bytes)
         return out
 
     def flush_writes(self, timeout_s: float) -> bool:
