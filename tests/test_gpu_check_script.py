@@ -42,10 +42,12 @@ from gpucheck.runner import Runner  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float = 280,
+         env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ}
     for name in ("OUT", "GPU_CHECK_COMMIT", "GPU_CHECK_TIMELINE"):
         env.pop(name, None)
+    env.update(env_extra or {})
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -92,14 +94,19 @@ def test_cpu_rehearsal_writes_three_files_and_passes(tmp_path: Path) -> None:
 
 def test_a_tiny_budget_cuts_later_steps_short_and_still_writes_the_files(tmp_path: Path) -> None:
     out = tmp_path / "results"
+    # Every test the check runs stalls first (a pytest plugin the check's pytest steps load
+    # through the inherited PYTHONPATH and PYTEST_ADDOPTS), so the integration step needs more
+    # than the budget however fast this machine is: it and everything after it must be cut.
+    (tmp_path / "stall_every_test.py").write_text(
+        "import time\n\ndef pytest_runtest_setup(item):\n    time.sleep(120)\n")
     proc = _run("--device", "cpu", "--out", str(out), "--bench", "smoke", "--without-vllm",
-                "--budget-s", "20")
+                "--budget-s", "20",
+                env_extra={"PYTHONPATH": str(tmp_path), "PYTEST_ADDOPTS": "-p stall_every_test"})
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]  # nothing wrong found
     assert sorted(p.name for p in out.iterdir()) == sorted(RESULT_FILES)
     data = json.loads((out / "gpu_check.json").read_text())
     status = {s["name"]: s["status"] for s in data["steps"]}
     assert data["verdict"] == "incomplete" and "fail" not in status.values(), status
-    # The integration test alone needs more than the budget: it and everything after it is cut.
     for name in ("integration", "copy-check", "overlap", "bench"):
         assert status[name] == "timeout", status
     assert status["sanitizer"] == "skip"  # CPU: nothing to run
