@@ -180,6 +180,24 @@ def test_whole_chunks_under_keys_that_name_no_blocks_are_still_written(
     assert set(_written(redis_server, prefix)) == {keys[0]}
 
 
+def test_a_tail_the_planner_lets_through_is_refused_by_the_worker(
+    harness: Harness, redis_server, prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two guards, not one: with the planner's whole-chunk predicate broken (every entry
+    'whole'), a tail's write job still names only the rows its entry holds, and every rank
+    refuses it, so tenant B's rows in the tail's slot still never reach Redis."""
+    from tieredkv.scheduler.placement import Placer
+
+    monkeypatch.setattr(Placer, "_whole", lambda self, key: True)
+    harness.compute_and_store("b", B_TOKENS, B_BLOCKS, salt="tenant-b")
+    b_values = set(_written(redis_server, prefix))
+    harness.compute_and_store("a", A_TOKENS, A_BLOCKS, salt="tenant-a")
+    assert harness.planner.counters["stored_partial_chunks"] == 1
+    a_values = set(_written(redis_server, prefix)) - b_values
+    assert a_values == {keys_for(A_TOKENS, "tenant-a")[0]}  # the whole chunk, never the tail
+    assert harness.jobs.take_stats().writes_failed == {"wrong_key": 1}  # the tail, refused
+
+
 @pytest.mark.parametrize("rows", [1, CHUNK_BLOCKS - 1, 0, CHUNK_BLOCKS + 1])
 def test_the_writer_refuses_a_job_that_does_not_cover_every_row(
     harness: Harness, redis_server, prefix: str, rows: int,

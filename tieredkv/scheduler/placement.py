@@ -204,6 +204,15 @@ class Placer:
         """Rows of a whole chunk's slot: ``chunk_blocks`` per KV-cache group."""
         return self.layout.rows if self.layout is not None else self.chunk_blocks
 
+    def _entry_rows(self, blocks: int) -> int:
+        """Slot rows an entry holding ``blocks`` blocks of its chunk fills, as the worker checks
+        it against the slot's rows: with block-granular keys the entry's own count (a tail
+        gives fewer rows, so the worker refuses it even if ``_whole`` let it through); without,
+        no tail is ever stored and every entry fills its slot."""
+        if not self._granular:
+            return self._slot_rows
+        return self._slot_rows * blocks // self.chunk_blocks
+
     @property
     def _hole_rows(self) -> tuple[int, ...]:
         """Rows a whole chunk's store never fills (a sliding window's rows before the blocks
@@ -233,7 +242,7 @@ class Placer:
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(JobKind.REMOTE_WRITE, (key,), None)
             self._ledger.plan.remote_writes.append(
-                RemoteWriteJob(job_id, key, placement.slot, rows=self._slot_rows,
+                RemoteWriteJob(job_id, key, placement.slot, rows=self._entry_rows(placement.blocks),
                                holes=self._hole_rows)
             )
 
