@@ -229,7 +229,8 @@ def parse_remote_url(
     if url.password is not None and not url_password_ok:
         raise _error(
             "holds a password, and vLLM logs kv_connector_extra_config verbatim at start-up, "
-            f"so it would land in the server log: name an environment variable holding it in "
+            "so it has already reached this server's log: rotate it, and name an environment "
+            f"variable holding the new one in "
             f"{PASSWORD_ENV_SETTING} instead (or set {URL_PASSWORD_OK_SETTING}: true to accept that)"
         )
     if password_env is None or password_env == "":
