@@ -122,10 +122,39 @@ def test_index_buffers_are_reused_and_grow_geometrically() -> None:
         assert out.tolist() == values.tolist()
     assert uploader.allocations == 2 and uploader.capacities() == [16, 16]
     uploader.upload(np.arange(20, dtype=np.int64), torch.empty(20, dtype=torch.int64))
-    assert sorted(uploader.capacities()) == [16, 32]  # max(need, twice the old)
-    uploader.upload(np.arange(33, dtype=np.int64), torch.empty(33, dtype=torch.int64))
-    assert sorted(uploader.capacities()) == [32, 33]
-    assert uploader.allocations == 4
+    assert uploader.capacities() == [32, 32]  # max(need, twice the old), every buffer at once
+    uploader.upload(np.arange(70, dtype=np.int64), torch.empty(70, dtype=torch.int64))
+    assert uploader.capacities() == [70, 70]
+    assert uploader.allocations == 6
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_after_one_warm_up_call_no_call_of_that_size_allocates(count: int) -> None:
+    """Allocating pinned memory synchronises across streams, so a measured run must not: the
+    first call (or one that grows) sizes every buffer, not just the one whose turn it is."""
+    uploader = IndexUploader(pin=False, count=count, min_elems=16)
+    uploader.upload(np.arange(40, dtype=np.int64), torch.empty(40, dtype=torch.int64))
+    assert uploader.allocations == count
+    for n in (40, 7, 40, 40, 1):
+        uploader.upload(np.arange(n, dtype=np.int64), torch.empty(n, dtype=torch.int64))
+    assert uploader.allocations == count
+    uploader.upload(np.arange(41, dtype=np.int64), torch.empty(41, dtype=torch.int64))
+    assert uploader.allocations == 2 * count
+    for _ in range(count + 1):
+        uploader.upload(np.arange(80, dtype=np.int64), torch.empty(80, dtype=torch.int64))
+    assert uploader.allocations == 2 * count
+
+
+def test_growing_waits_for_a_copy_still_reading_a_buffer_before_dropping_it() -> None:
+    log: list[str] = []
+    names = iter("ab")
+    uploader = IndexUploader(
+        pin=False, count=2, min_elems=4, new_event=lambda device: _Event(log, next(names))
+    )
+    uploader.upload(np.arange(4, dtype=np.int64), torch.empty(4, dtype=torch.int64))  # 0: "a"
+    assert not log
+    uploader.upload(np.arange(9, dtype=np.int64), torch.empty(9, dtype=torch.int64))
+    assert log == ["wait a"]  # buffer 0 was replaced only after its copy finished
 
 
 def test_an_index_buffer_is_not_overwritten_while_its_copy_is_in_flight() -> None:

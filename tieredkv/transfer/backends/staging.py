@@ -2,8 +2,9 @@
 
 - :class:`IndexUploader`: pinned host buffers for the index tables a batch uploads. Page-locking
   per batch (``tensor.pin_memory()``) is an allocation plus a page-lock on the hot path; these
-  buffers are allocated once, grown geometrically, and a buffer is written again only after
-  the copy that read it has completed (its event, waited for on the host).
+  buffers are allocated once (all of them together), grown geometrically, and a buffer is
+  written again only after the copy that read it has completed (its event, waited for on the
+  host).
 - :class:`StagingBuffer`: one device buffer of bounded size that a copy moves through piece by
   piece, instead of a buffer as large as the whole batch that is never given back. Reuse from
   another stream waits (on the device) for the last use to finish.
@@ -80,6 +81,21 @@ class IndexUploader:
         event.synchronize()
         return i
 
+    def _grow_all(self, size: int) -> None:
+        """Give every buffer ``size`` elements at once, so that after one warm-up call no later
+        call of that size allocates pinned memory (an implicit cross-stream synchronisation):
+        growing one buffer at a time left the next call to allocate the other. A buffer a copy
+        may still read is waited for before it is dropped."""
+        for j, old in enumerate(self._buffers):
+            if old is not None and old.numel() >= size:
+                continue
+            event = self._events[j]
+            if event is not None:
+                event.synchronize()
+                self._events[j] = None
+            self._buffers[j] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+            self.allocations += 1
+
     def upload(self, values: np.ndarray, out: torch.Tensor) -> torch.Tensor:
         """Copy ``values`` (int64, ``out.numel()`` of them) into ``out``; asynchronous on CUDA."""
         n = int(values.size)
@@ -90,9 +106,9 @@ class IndexUploader:
             self._events[i] = None  # done: no copy reads it any more
             buffer = self._buffers[i]
             if buffer is None or buffer.numel() < n:
-                size = max(n, 2 * (0 if buffer is None else buffer.numel()), self._min)
-                buffer = self._buffers[i] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
-                self.allocations += 1
+                self._grow_all(max(n, 2 * max(self.capacities()), self._min))
+                buffer = self._buffers[i]
+                assert buffer is not None
             host = buffer[:n]
             host.numpy()[:] = values.reshape(-1)
             out.view(-1).copy_(host, non_blocking=True)
