@@ -134,11 +134,14 @@ class CupyCopyBackend(CopyBackend):
                 return False, "the host pool is not pinned"
             if host.buffer.numel():
                 ptr = host.buffer.data_ptr()
-                try:
-                    mapped = cupy.cuda.runtime.hostGetDevicePointer(ptr, 0)
+                runtime = cupy.cuda.runtime
+                try:  # CuPy has no hostGetDevicePointer; cudaPointerGetAttributes says it all
+                    attrs = runtime.pointerGetAttributes(ptr)
                 except Exception as exc:  # noqa: BLE001 - any CUDA error means "cannot map"
                     return False, f"the host pool is not mapped for the device ({exc})"
-                if mapped != ptr:
+                if attrs.type != runtime.memoryTypeHost:
+                    return False, "the host pool is not page-locked memory registered with CUDA"
+                if attrs.devicePointer != ptr:
                     return False, "the host pool's device address differs from its host address"
         return True, ""
 
