@@ -9,10 +9,12 @@ rebuilt from the live index, so a restart finds every live entry again (issue #2
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import errno
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from tests.disk.test_disk_journal_faults import (
     _fill,
     assert_replays,
 )
+from tests.helpers import HANG_S
 from tests.helpers import wide_key as k
 from tieredkv.disk import journal as journal_mod
 from tieredkv.disk import journal_backlog
@@ -109,16 +112,25 @@ def test_backoff_doubles_to_its_cap_and_resets_on_success() -> None:
         RetryBackoff(first_s=1.0, max_s=0.5)
 
 
-def test_a_full_disk_keeps_the_backlog_under_its_cap_and_counts_what_it_drops(tmp_path: Path) -> None:
-    path = journal_path(tmp_path)
+@contextmanager
+def _journal_fills_up_after(path: Path) -> Iterator[tuple[Journal, Slots, FaultyJournalFiles]]:
+    """A journal (one attempt per flush: no interval passes in a test) whose first 10 records
+    a flush reported durable; from then on every write fails with ENOSPC, until
+    ``files.clear()``."""
     files = FaultyJournalFiles()
     with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files, max_backlog=CAP) as journal:
         tier = Slots(journal, 40)
         for i in range(10):
             tier.spill(k(i), i)
         journal.flush()
-        written, writes = journal.records_written, files.calls["write"]
         files.fail("write", errno.ENOSPC, times=FOREVER)
+        yield journal, tier, files
+
+
+def test_a_full_disk_keeps_the_backlog_under_its_cap_and_counts_what_it_drops(tmp_path: Path) -> None:
+    path = journal_path(tmp_path)
+    with _journal_fills_up_after(path) as (journal, tier, files):
+        written, writes = journal.records_written, files.calls["write"]
         first = tier.records
         peak = 0
         for i in range(10, 10 + 50 * CAP):  # a server spilling and evicting on a full disk
@@ -148,42 +160,98 @@ def test_a_full_disk_keeps_the_backlog_under_its_cap_and_counts_what_it_drops(tm
     assert_replays(path, tier.entries)
 
 
-def _most_attempts(schedule: Callable[[int], float], elapsed: float) -> int:
-    """The most attempts that fit into ``elapsed`` seconds when the wait before attempt n+1
-    is ``schedule(n)``: the first attempt, then one per delay that fits."""
-    attempts, spent = 1, 0.0
-    while spent + schedule(attempts) <= elapsed:
-        spent += schedule(attempts)
-        attempts += 1
-    return attempts
+class ManualClockLoop(asyncio.SelectorEventLoop):
+    """The journal flusher's event loop on a clock that moves only when the test moves it, so
+    when each of the flusher's waits ends, and so which attempts happen by then, is decided by
+    the code and not by how busy the machine is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self._timers: list[asyncio.TimerHandle] = []  # every wait the flusher began, in order
+        self._armed = threading.Condition()
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: object,
+                context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        timer = super().call_at(when, callback, *args, context=context)
+        with self._armed:  # only the flusher's waits arm timers on this loop
+            self._timers.append(timer)
+            self._armed.notify_all()
+        return timer
+
+    def move_to(self, now: float) -> None:
+        """Set the clock, then make the loop look at its timers again (any thread)."""
+        self.now = now
+        self.call_soon_threadsafe(lambda: None)
+
+    def parked(self) -> asyncio.TimerHandle:
+        """The timer ending the flusher's current wait, once it waits on one not yet due (not
+        while it is awake: woken by a timer or a caller, writing). The bound only turns a
+        hang into a failure."""
+
+        def waiting() -> bool:
+            timer = self._timers[-1] if self._timers else None
+            return timer is not None and not timer.cancelled() and timer.when() > self.now
+
+        with self._armed:
+            assert self._armed.wait_for(waiting, HANG_S), "the journal flusher never waited again"
+            return self._timers[-1]
 
 
 def test_a_failing_disk_is_retried_on_the_backoff_schedule_not_every_interval(tmp_path: Path) -> None:
     # Without backoff the flusher retried at every interval (1 ms here): hundreds of attempts,
-    # each encoding the whole backlog again. The count of attempts is bounded by how many of
-    # the backoff's delays fit into the time the test took (a slower machine only makes fewer).
-    first, cap = 0.01, 0.08
-    backoff = RetryBackoff(first_s=first, max_s=cap)
+    # each encoding the whole backlog again. On a clock the test moves one flush interval at a
+    # time, a record arriving at each, the flusher retries exactly when the backoff's delay
+    # since its last failure has passed (doubling, then capped), never at an interval between.
+    interval = 0.001
+    delays = (0.01, 0.02, 0.04, 0.04)
     files = FaultyJournalFiles()
     path = journal_path(tmp_path)
-    with Journal(path, flush_interval_s=0.001, files=files, backoff=backoff, max_backlog=CAP) as journal:
+    loop = ManualClockLoop()
+    with Journal(
+        path, flush_interval_s=interval, files=files, max_backlog=CAP,
+        backoff=RetryBackoff(first_s=0.01, max_s=0.04), new_loop=lambda: loop,
+    ) as journal:
         tier = Slots(journal, 40)
-        tier.spill(k(0), 0)
+        arrived = iter(range(1, 10**6))
+
+        def arrive() -> None:
+            i = next(arrived)
+            tier.spill(k(i), i % 40)
+
+        arrive()
         journal.flush()
         writes = files.calls["write"]
         files.fail("write", errno.ENOSPC, times=FOREVER)
-        start = time.monotonic()
-        for i in range(1, 301):  # records keep arriving, about one a millisecond
-            tier.spill(k(i), i % 40)
-            time.sleep(0.001)
-        attempts = files.calls["write"] - writes  # each attempt (append or rebuild) is one write
-        elapsed = time.monotonic() - start
-        assert journal.records_dropped > 0 and journal.write_errors == attempts
+        for _ in range(2 * CAP):  # past the cap: the next write is a rebuild
+            arrive()
+        wait = loop.parked()
+        assert journal.write_errors == 0 and files.calls["write"] == writes  # not before its turn
+        loop.move_to(wait.when())  # the interval passes: the first attempt, which fails
+        for attempts, delay in enumerate(delays, start=1):
+            failed_at = loop.now
+            wait = loop.parked()
+            # Each attempt (a rebuild here) is one write, and each failed.
+            assert journal.write_errors == attempts == files.calls["write"] - writes
+            assert wait.when() == pytest.approx(failed_at + delay)
+            for step in range(1, round(delay / interval)):
+                arrive()
+                loop.move_to(failed_at + step * interval)
+                assert loop.parked() is wait  # still the same wait: no attempt at this interval
+            loop.move_to(wait.when())
+        loop.parked()
+        assert journal.write_errors == len(delays) + 1 == files.calls["write"] - writes
+        assert journal.records_dropped > 0
+        # A caller waiting on the journal does not wait out the backoff: flush wakes it at once
+        # (the clock is not moved again), and the rebuild covers every dropped record.
         files.clear()
         journal.flush(timeout=30)
+        assert journal.rebuilds == 1 and not journal.overflowing
         assert_replays(path, tier.entries)
-    most = _most_attempts(lambda n: max(0.001, min(cap, first * 2 ** (n - 1))), elapsed)
-    assert 2 <= attempts <= most, (attempts, most, elapsed)
+    assert_replays(path, tier.entries)
 
 
 @pytest.mark.parametrize("rebuild_fails", [False, True], ids=["rebuild succeeds", "rebuild fails"])
@@ -192,13 +260,7 @@ def test_records_made_while_the_rebuild_is_written_are_not_lost(
     tmp_path: Path, rebuild_fails: bool, arriving: int,
 ) -> None:
     path = journal_path(tmp_path)
-    files = FaultyJournalFiles()
-    with Journal(path, flush_interval_s=ONE_ATTEMPT_PER_FLUSH, files=files, max_backlog=CAP) as journal:
-        tier = Slots(journal, 40)
-        for i in range(10):
-            tier.spill(k(i), i)
-        journal.flush()
-        files.fail("write", errno.ENOSPC, times=FOREVER)
+    with _journal_fills_up_after(path) as (journal, tier, files):
         for i in range(10, 10 + 2 * CAP):
             tier.spill(k(i), i % 40)
         assert journal.overflowing
@@ -262,18 +324,28 @@ def assert_reads_back(catalog: DiskCatalog, fp: bytes, world: int, payload: Call
                 assert out == payload(key, rank, PAYLOAD)
 
 
+@contextmanager
+def _disk_fills_up_after(
+    disk: Path, fp: bytes, key: Callable[[int], bytes], payload: Callable, durable: int,
+) -> Iterator[tuple[DiskCatalog, SpillingTier, FaultyJournalFiles]]:
+    """A two-rank catalog whose first ``durable`` keys (slots 0 on) a flush reported durable;
+    from then on every journal write fails with ENOSPC, until ``files.clear()``."""
+    files = FaultyJournalFiles()
+    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2, journal_files=files) as catalog:
+        tier = SpillingTier(catalog, fp, 2, payload)
+        for i in range(durable):
+            tier.spill(key(i), i)
+        catalog.flush()
+        files.fail("write", errno.ENOSPC, times=FOREVER)
+        yield catalog, tier, files
+
+
 def test_after_the_disk_frees_up_a_restart_finds_every_live_entry(
     tmp_path: Path, fp: bytes, key, payload, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
     disk = tmp_path / "tier"
-    files = FaultyJournalFiles()
-    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2, journal_files=files) as catalog:
-        tier = SpillingTier(catalog, fp, 2, payload)
-        for i in range(6):
-            tier.spill(key(i), i)
-        catalog.flush()
-        files.fail("write", errno.ENOSPC, times=FOREVER)
+    with _disk_fills_up_after(disk, fp, key, payload, durable=6) as (catalog, tier, files):
         first_dropped = None
         for i in range(6, 60):  # slots reused round-robin: evictions and spills
             tier.spill(key(i), i % SLOTS)
@@ -312,15 +384,9 @@ def test_an_engine_that_dies_while_records_are_dropped_never_serves_a_reused_slo
     # entries made durable before (4-7), and for 0-3 a miss, never the new keys' bytes.
     monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
     disk = tmp_path / "tier"
-    files = FaultyJournalFiles()
-    with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 2, journal_files=files) as catalog:
-        tier = SpillingTier(catalog, fp, 2, payload)
-        for i in range(8):
-            tier.spill(key(i), i)
-        catalog.flush()  # reported durable
-        durable = dict(tier.entries)
+    with _disk_fills_up_after(disk, fp, key, payload, durable=8) as (catalog, tier, _):
+        durable = dict(tier.entries)  # reported durable
         before = journal_path(disk).read_bytes()
-        files.fail("write", errno.ENOSPC, times=FOREVER)
         for i in range(4):
             tier.spill(key(100 + i), i)  # evicts key(i): REMOVE + ADD, into the same slot
         for i in range(8, SLOTS):

@@ -89,6 +89,7 @@ class Journal:
         self, path: Path, flush_interval_s: float = 0.05, replay: JournalReplay | None = None,
         files: JournalFiles | None = None, max_backlog: int | None = None,
         backoff: RetryBackoff | None = None,
+        new_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
     ) -> None:
         """Open (or create, 0600) the journal for appending, cutting off a torn tail.
 
@@ -97,6 +98,8 @@ class Journal:
         ``max_backlog``: records queued at most while writes fail (default
         ``BACKLOG_MAX_RECORDS``, read at each call); ``backoff``: the waits
         between failed attempts (see :mod:`tieredkv.disk.journal_backlog`).
+        ``new_loop``: makes the flusher's event loop, whose clock times its waits (tests pass
+        one on a clock they move, to check the backoff without measuring time).
         Raises :class:`~tieredkv.disk.private_files.UntrustedPathError` when the journal's
         directory is not private or its path is a link or not our own regular file.
         """
@@ -128,6 +131,7 @@ class Journal:
         self.dropped_after_close = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._new_loop = new_loop
         started: cf.Future[None] = cf.Future()
         self._thread = threading.Thread(
             target=self._thread_main, args=(started,), name="tieredkv-journal", daemon=True
@@ -308,7 +312,7 @@ class Journal:
     # -- the flusher thread --------------------------------------------------------------
 
     def _thread_main(self, started: cf.Future[None]) -> None:
-        loop = asyncio.new_event_loop()
+        loop = self._new_loop()
         self._loop = loop
         try:
             loop.run_until_complete(self._main(started))
