@@ -6,14 +6,22 @@ from __future__ import annotations
 import errno
 import gc
 import mmap
+import os
+import types
 
 import pytest
 import torch
 
 import tieredkv.transfer.host_pool as host_tier
 from tieredkv.config import ConfigError
+from tieredkv.transfer import pinned_memory
 from tieredkv.transfer.host_pool import HostPool
-from tieredkv.transfer.pinned_memory import CUDA_ERROR_MEMORY_ALLOCATION, HostRegisterError
+from tieredkv.transfer.pinned_memory import (
+    CUDA_ERROR_MEMORY_ALLOCATION,
+    HostRegisterError,
+    PinnedMapping,
+    TorchCudart,
+)
 
 
 @pytest.mark.parametrize(
@@ -137,3 +145,88 @@ def test_a_normal_pool_still_allocates():
     pool.slot(2).fill_(7)
     assert int(pool.slot(2)[0]) == 7
     pool.close()
+
+
+# ---------------------------------------------------------------------- fork, CUDA error state
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address``, from /proc/self/smaps."""
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not hasattr(mmap, "MADV_DONTFORK") or not os.path.exists("/proc/self/smaps"),
+    reason="MADV_DONTFORK and /proc/self/smaps are Linux's",
+)
+def test_the_pinned_host_tier_is_not_copied_into_a_forked_child():
+    """Marked MADV_DONTFORK (smaps VmFlag "dc", do not copy on fork) before it is page-locked: a fork() would otherwise copy
+    the whole host tier into the child."""
+    flags_at_register: list[list[str]] = []
+
+    class Recording(_Registrar):
+        def register(self, ptr: int, size: int) -> None:
+            flags_at_register.append(_vm_flags(ptr))
+            super().register(ptr, size)
+
+    pool = HostPool(ODD_SLOTS, ODD_SLOT_BYTES, pin=True, registrar=Recording())
+    assert "dc" in flags_at_register[0]
+    assert "dc" in _vm_flags(pool.buffer.data_ptr() + pool.buffer.numel() - 1)
+    pool.close()
+
+
+class _Cudart:
+    """torch.cuda.cudart() as a CUDA build has it; cudaHostRegister refuses with ``code``."""
+
+    def __init__(self, code: int, with_get_last_error: bool, calls: list[str]) -> None:
+        self.code, self.calls = code, calls
+        if with_get_last_error:
+            self.cudaGetLastError = lambda: calls.append("cudaGetLastError") or self.code
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls.append("cudaHostRegister")
+        return self.code
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        return 0
+
+    def cudaError(self, code: int) -> int:
+        return code
+
+    def cudaGetErrorString(self, code: int) -> str:
+        return "out of memory"
+
+
+@pytest.mark.parametrize("binding_has_it", [True, False], ids=["cudart-binding", "libcudart"])
+def test_a_refused_registration_clears_the_cuda_error_it_left(monkeypatch, binding_has_it):
+    """The refusal stays the thread's last CUDA error, which torch's check after the next
+    kernel launch would raise: it is cleared before the refusal is reported."""
+    calls: list[str] = []
+    cudart = _Cudart(CUDA_ERROR_MEMORY_ALLOCATION, binding_has_it, calls)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    library = types.SimpleNamespace(cudaGetLastError=lambda: calls.append("libcudart") or 0)
+    monkeypatch.setattr(pinned_memory, "loaded_cudart", lambda: library)
+    with pytest.raises(HostRegisterError) as err:
+        PinnedMapping(4096, TorchCudart())
+    assert err.value.code == CUDA_ERROR_MEMORY_ALLOCATION
+    cleared = "cudaGetLastError" if binding_has_it else "libcudart"
+    assert calls == ["cudaHostRegister", cleared]
+
+
+def test_the_loaded_libcudart_is_found_in_the_process_maps():
+    maps = (
+        "7f00-7f10 r--p 00000000 fe:00 11   /usr/lib/libc.so.6\n"
+        "7f20-7f30 r-xp 00000000 00:00 0 \n"
+        "7f40-7f50 r-xp 00001000 fe:00 12   /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+    )
+    assert pinned_memory.cudart_path(maps) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert pinned_memory.cudart_path(maps.splitlines()[0]) is None

@@ -10,7 +10,9 @@ them back when the host tier closes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
+import os
 import weakref
 from typing import Any, Protocol
 
@@ -59,7 +61,21 @@ class TorchCudart:
     def register(self, ptr: int, size: int) -> None:
         code = int(self._rt.cudaHostRegister(ptr, size, HOST_REGISTER_FLAGS))
         if code:
+            self._clear_last_error()
             raise HostRegisterError(code, self._text(code))
+
+    def _clear_last_error(self) -> None:
+        """Reset the thread's last CUDA error that the refusal left set: torch checks
+        ``cudaGetLastError`` after every kernel launch, so the next one would raise it.
+        torch's cudart bindings have no ``cudaGetLastError`` (newer ones might): call it in the
+        libcudart this process loaded, if one is mapped (a static cudart cannot be reached)."""
+        get_last_error = getattr(self._rt, "cudaGetLastError", None)
+        if get_last_error is None:
+            lib = loaded_cudart()
+            get_last_error = None if lib is None else lib.cudaGetLastError
+        if get_last_error is not None:
+            with contextlib.suppress(Exception):  # best effort: the refusal is what to report
+                get_last_error()
 
     def unregister(self, ptr: int) -> None:
         code = int(self._rt.cudaHostUnregister(ptr))
@@ -101,6 +117,27 @@ def cuda_registrar() -> Registrar:
             ) from torch_exc
 
 
+def cudart_path(maps: str) -> str | None:
+    """The path of the shared libcudart in ``maps`` (``/proc/self/maps``'s text), if any."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if os.path.basename(path).startswith("libcudart.so"):
+            return path
+    return None
+
+
+def loaded_cudart() -> Any:
+    """The libcudart already mapped into this process (dlopen returns that same copy, whose
+    per-thread error state torch reads), or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            path = cudart_path(maps.read())
+        return None if path is None else ctypes.CDLL(path)
+    except OSError:
+        return None
+
+
 def _release(registrar: Registrar, ptr: int, mapping: mmap.mmap) -> None:
     """Unregister, then unmap (the unmap waits for any view still alive: BufferError)."""
     with contextlib.suppress(Exception):  # a dying CUDA context must not raise from close/gc
@@ -124,6 +161,12 @@ class PinnedMapping:
         registrar = registrar if registrar is not None else cuda_registrar()
         self.registrar_name = registrar.name
         mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        dont_fork = getattr(mmap, "MADV_DONTFORK", None)  # Linux only
+        if dont_fork is not None:
+            # A fork() (a worker, a subprocess without exec) would otherwise copy every page of
+            # the host tier into the child; pinned pages are no use there anyway.
+            with contextlib.suppress(OSError):
+                mapping.madvise(dont_fork)
         tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         ptr = tensor.data_ptr()
         try:
