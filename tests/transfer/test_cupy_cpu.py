@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from test_copy_backends import C, _views
 
 from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
 from tieredkv.transfer.host_pool import HostPool
@@ -101,3 +102,23 @@ def test_a_cuda_error_from_the_query_is_refused_with_its_reason(monkeypatch, pin
 
     usable, reason = _available(monkeypatch, pinned_pool, attrs)
     assert not usable and "not mapped" in reason and "invalid argument" in reason
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize(
+    "bad", ["device-block", "slot", "position"],
+)
+def test_an_out_of_range_pair_is_refused_before_any_address_is_computed(direction, bad):
+    """The kernel copies raw addresses: a bad id would corrupt memory, so a direct caller of
+    the backend (not only the transfer engine) gets a ValueError first."""
+    kv = _views("LBHNC")
+    host = HostPool(4, kv.slot_payload_bytes(C), pin=False)
+    pair = {
+        "device-block": (0, 0, (kv.num_blocks,)),
+        "slot": (host.num_slots, 0, (1,)),
+        "position": (0, C, (1,)),
+    }[bad]
+    backend = CupyCopyBackend.__new__(CupyCopyBackend)  # no cupy, no GPU: it must not get far
+    with pytest.raises(ValueError, match="out of range|do not fit"):
+        getattr(backend, direction)(kv, host, [pair])
+    host.close()

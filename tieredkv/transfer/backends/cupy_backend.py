@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tieredkv.protocol import BackendName
-from tieredkv.transfer.backends.base import CopyBackend, Pair
+from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
 from tieredkv.transfer.backends.staging import IndexUploader
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -154,6 +154,9 @@ class CupyCopyBackend(CopyBackend):
     def _launch(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair], d2h: bool) -> None:
         if not pairs:
             return
+        # A bad id here is memory corruption (raw pointers), not an index error: check it for
+        # direct callers too, not only behind the transfer engine's own check.
+        check_pairs(dev, host, dev.chunk_blocks_for(host.payload_bytes), pairs)
         table = segment_table(dev, host, pairs, d2h)
         nseg = table.shape[1]
         if nseg == 0:
