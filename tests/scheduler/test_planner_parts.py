@@ -1,4 +1,5 @@
-"""The planner's parts on their own: a resolved config, the job ledger, the lower-tier ABC."""
+"""The planner's parts on their own: a resolved config, the lower-tier ABC (the job ledger:
+test_ledger.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,9 @@ import pytest
 from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for, ok_all, store_prompt
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.protocol import JobKind, JobResult
 from tieredkv.scheduler.disk_tier import DiskTier
-from tieredkv.scheduler.ledger import JobLedger
 from tieredkv.scheduler.lower_tier import LowerTier
 from tieredkv.scheduler.planner import Planner
-from tieredkv.scheduler.requests import RequestTable
 
 
 def test_planner_refuses_a_config_that_is_not_resolved():
@@ -19,28 +17,6 @@ def test_planner_refuses_a_config_that_is_not_resolved():
         Planner(TieredKVConfig(), block_size=BLOCK, num_host_slots=4)
     planner = Planner(TieredKVConfig().resolved(BLOCK), block_size=BLOCK, num_host_slots=4)
     assert planner.chunk_blocks == 256 // BLOCK
-
-
-def test_ledger_needs_a_handler_for_every_job_kind():
-    ledger = JobLedger(1, RequestTable())
-    with pytest.raises(ValueError, match="load"):
-        ledger.set_handlers({kind: lambda job, outcome: None for kind in JobKind if kind != JobKind.LOAD})
-
-
-def test_ledger_completes_a_job_once_every_rank_reported_then_forgets_the_request():
-    requests = RequestTable()
-    ledger = JobLedger(2, requests)
-    done: list[tuple[int, JobResult]] = []
-    ledger.set_handlers({kind: lambda job, outcome: done.append((job.job_id, outcome)) for kind in JobKind})
-    state = requests.ensure("r")
-    job_id = ledger.issue(JobKind.STORE, (b"k",), "r", chunk_blocks=((1, 2),))
-    state.store_jobs.add(job_id)
-    state.finished = True
-    ledger.apply([JobResult(job_id, ok=1), JobResult(job_id + 100, ok=1)])  # unknown: ignored
-    assert not done and len(ledger) == 1
-    ledger.apply([JobResult.fail(job_id, "io_error")])
-    assert done == [(job_id, JobResult(job_id, ok=1, failed=1, failure="io_error"))]
-    assert len(ledger) == 0 and requests.get("r") is None
 
 
 class MemoryTier(DiskTier):
