@@ -158,3 +158,52 @@ def test_no_benchmark_module_outgrows_one_job() -> None:
     assert len(files) > 10, "the walk found too few benchmark modules"
     big = _over_the_limit(files)
     assert not big, f"split these (limit {MAX_MODULE_LINES} lines): {big}"
+
+
+# The worker process runs the worker half alone: it must not load the scheduler's decisions.
+WORKER_HALF = "tieredkv.vllm.worker_side"
+SCHEDULER_HALF = ("tieredkv.scheduler", "tieredkv.vllm.scheduler_side")
+
+
+def _package_modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in _modules()}
+
+
+def _reached(start: str, modules: dict[str, Path]) -> dict[str, str]:
+    """Every package module importing ``start`` loads (its imports, theirs, and the packages
+    above each), mapped to the module that first imports it."""
+    seen, todo = {start: start}, [start]
+    while todo:
+        source = todo.pop()
+        for target, _ in _imports(modules[source]):
+            parts = target.split(".")
+            for n in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+                name = ".".join(parts[:n])
+                if name in modules and name not in seen:
+                    seen[name] = source
+                    todo.append(name)
+    return seen
+
+
+def test_the_worker_half_never_imports_the_scheduler_half() -> None:
+    """What both halves need (slot counts, metadata, geometry) sits below both: a worker that
+    loaded the planner would be one refactor away from deciding placement itself."""
+    reached = _reached(WORKER_HALF, _package_modules())
+    wrong = sorted(
+        f"{name} (imported by {by})" for name, by in reached.items()
+        if any(name == s or name.startswith(s + ".") for s in SCHEDULER_HALF)
+    )
+    assert not wrong, f"{WORKER_HALF} reaches the scheduler half:\n" + "\n".join(wrong)
+
+
+def test_the_reach_follows_imports_through_other_modules(tmp_path: Path) -> None:
+    """The walk follows a chain (a -> b -> c) and the packages above an imported module."""
+    for name, text in {"a": "import tieredkv.b\n", "b": "def f():\n    from tieredkv.p.c import x\n",
+                       "p": "", "c": ""}.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    modules = {"tieredkv.a": tmp_path / "a.py", "tieredkv.b": tmp_path / "b.py",
+               "tieredkv.p": tmp_path / "p.py", "tieredkv.p.c": tmp_path / "c.py"}
+    assert _reached("tieredkv.a", modules) == {
+        "tieredkv.a": "tieredkv.a", "tieredkv.b": "tieredkv.a",
+        "tieredkv.p": "tieredkv.b", "tieredkv.p.c": "tieredkv.b",
+    }

@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotation only: this module stays import-free at run time
+    from tieredkv.config import TieredKVConfig
 
 PAGE_BYTES = 4096
 HEADER_BYTES = 4096  # one page: the payload that follows stays page-aligned
@@ -56,6 +60,16 @@ def slot_offset(slot: int, stride: int) -> int:
 def payload_offset(slot: int, stride: int) -> int:
     """Where slot ``slot``'s payload starts in a slab file of slots ``stride`` bytes apart."""
     return slot * stride + HEADER_BYTES
+
+
+def slot_counts(config: TieredKVConfig, payload_bytes: int, world_size: int) -> tuple[int, int]:
+    """Host and disk slots per rank. Both connector halves ask here (the scheduler half sizes
+    its index, each worker its host pool and slab file), so neither imports the other."""
+    host = config.host_bytes_per_rank(world_size) // align_up(payload_bytes)
+    disk = 0
+    if config.has_disk:
+        disk = config.disk_bytes_per_rank(world_size) // slot_stride(payload_bytes)
+    return host, disk
 
 
 # -- file names ------------------------------------------------------------------------------

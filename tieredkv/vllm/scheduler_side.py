@@ -11,22 +11,13 @@ import logging
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.layout import align_up, slot_stride
+from tieredkv.disk.layout import align_up, slot_counts
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.scheduler.planner import Planner
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
 from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
 
 logger = logging.getLogger("tieredkv")
-
-
-def slot_counts(config: TieredKVConfig, payload_bytes: int, world_size: int) -> tuple[int, int]:
-    """Host and disk slots per rank; the same formula runs in both halves."""
-    host = config.host_bytes_per_rank(world_size) // align_up(payload_bytes)
-    disk = 0
-    if config.has_disk:
-        disk = config.disk_bytes_per_rank(world_size) // slot_stride(payload_bytes)
-    return host, disk
 
 
 def _finished_normally(request: Any) -> bool:

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.disk.layout import slot_counts
 from tieredkv.protocol import JobResult, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm import sleep_hook
 from tieredkv.vllm.geometry import engine_geometry
 from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
-from tieredkv.vllm.scheduler_side import slot_counts
 
 logger = logging.getLogger("tieredkv")
 
