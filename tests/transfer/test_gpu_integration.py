@@ -335,17 +335,23 @@ def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
     for i in range(chunks):
         src = torch.randint(0, 256, (rig.host.payload_bytes,), dtype=torch.uint8, generator=gen)
         rig.host.slot(chunks + i).copy_(src)
-    # Warm-up: lanes, staging buffers and (cupy) the kernel's compilation, outside the timing.
-    rig.forward(down[0], step=0)
-    warm_store = rig.store(down[0], slot=0)
-    warm = LoadJob(rig.job_id(), "warm", (LoadChunk(b"w", 0, 0, up[0]),))
-    warm_reported = rig.step(StepPlan(loads=[warm]))
-    rig.results_until([warm_store, warm.job_id], after=warm_reported)
-    rig.replica_load(0, 0, up[0])
+    # Warm-up with the measured step's batch sizes (all chunks each way): lanes, (cupy) the
+    # kernel's compilation, and every staging and pinned index buffer at its final size, so
+    # nothing is allocated inside the measured window (a pinned allocation synchronises across
+    # streams; a 1-chunk warm-up left them to grow there). It stores `up` and loads into `down`
+    # (same shapes), which the forward below overwrites: the measured copies still move new bytes.
+    flat_down = [b for ids in down for b in ids]
+    rig.forward(flat_down, step=0)
+    warm_stores = [StoreJob(rig.job_id(), b"w%d" % i, i, ids, req_id="warm") for i, ids in enumerate(up)]
+    warm = LoadJob(rig.job_id(), "warm",
+                   tuple(LoadChunk(b"v%d" % i, chunks + i, 0, ids) for i, ids in enumerate(down)))
+    warm_reported = rig.step(StepPlan(stores=warm_stores, loads=[warm]))
+    rig.results_until([*(s.job_id for s in warm_stores), warm.job_id], after=warm_reported)
+    for i, ids in enumerate(down):
+        rig.replica_load(chunks + i, 0, ids)
     timeline.spans.clear()
     # Forward N writes the blocks to store; its stores and the loads for step N+1 are submitted
     # while it is queued; forward N+1 follows. Both copies wait for N, then run beside N+1.
-    flat_down = [b for ids in down for b in ids]
     rig.forward(flat_down, step=1, delay_ms=FORWARD_DELAY_MS if cuda else 0.0)
     ref = None
     if cuda:
