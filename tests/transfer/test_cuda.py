@@ -194,7 +194,9 @@ def test_a_busy_d2h_lane_does_not_hold_back_h2d(cuda_warm: float) -> None:
     host.slot(1).fill(9)
     try:
         # Both copies once with nothing held, so no first launch (lazy kernel loading can
-        # synchronise the context) makes the h2d wait for the held lane.
+        # synchronise the context) makes the h2d wait for the held lane; with the measured
+        # calls' batch shapes, so each lane's staging and pinned index buffers already have
+        # their final size (allocating pinned memory is an implicit synchronisation too).
         d2h.call(d2h.run, lambda: backend.d2h(kv, host, [(2, 0, (5, 6, 7, 8))])).result(timeout=60)
         h2d.call(h2d.run, lambda: backend.h2d(kv, host, [(3, 0, (44, 45, 46, 47))])).result(timeout=60)
         torch.cuda.synchronize()
