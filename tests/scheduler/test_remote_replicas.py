@@ -21,7 +21,7 @@ import torch
 
 from tests.remote.remote_helpers import FAST
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
-from tests.transfer.transfer_helpers import layout_caches
+from tests.transfer.transfer_helpers import drain, layout_caches
 from tieredkv.config import TieredKVConfig
 from tieredkv.remote.codec import HEADER_BYTES, remote_key
 from tieredkv.remote_url import parse_remote_url
@@ -55,7 +55,7 @@ class Replica:
                 *plan.remote_writes]
         if jobs:
             self.engine.submit(jobs)
-        assert self.engine.drain(10.0), "a job never reported"
+        assert drain(self.engine, 10.0), "a job never reported"
         self.planner.apply(self.engine.poll())
 
     def settle(self) -> None:
@@ -295,7 +295,7 @@ def test_a_probe_sent_on_arrival_saves_the_first_ask_again(make_replica, redis_s
     plan = b.planner.take_plan()
     assert len(plan.remote_reads) == 5
     b.engine.submit(plan.remote_reads)
-    assert b.engine.drain(10.0)
+    assert drain(b.engine, 10.0)
     b.planner.apply(b.engine.poll())
     assert b.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) == 5 * CHUNK_TOKENS
     b.planner.take_counter_deltas()

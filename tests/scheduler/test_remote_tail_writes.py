@@ -17,7 +17,7 @@ import pytest
 
 from tests.remote.remote_helpers import FAST
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, keys_for
-from tests.transfer.transfer_helpers import layout_caches
+from tests.transfer.transfer_helpers import drain, layout_caches
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
@@ -72,7 +72,7 @@ class Harness:
                 *plan.remote_writes]
         if jobs:
             self.engine.submit(jobs)
-        assert self.engine.drain(10.0), "a job never reported"
+        assert drain(self.engine, 10.0), "a job never reported"
         self.planner.apply(self.engine.poll())
 
     def compute_and_store(self, req: str, tokens: list[int], blocks: list[int], salt: str,
@@ -207,7 +207,7 @@ def test_the_writer_refuses_a_job_that_does_not_cover_every_row(
     harness.host.slot_memoryview(0)[:harness.host.payload_bytes] = b"\x5a" * harness.host.payload_bytes  # foreign rows
     job = RemoteWriteJob(7, keys_for(A_TOKENS, "tenant-a").block_key(0), 0, rows=rows)
     harness.engine.submit([job])
-    assert harness.engine.drain(10.0)
+    assert drain(harness.engine, 10.0)
     assert harness.engine.poll() == [JobResult.fail(7, FailureCause.WRONG_KEY)]
     assert harness.jobs.flush_writes(10.0)
     assert _written(redis_server, prefix) == {}
@@ -221,7 +221,7 @@ def test_the_writer_writes_a_job_that_covers_every_row(
     key = keys_for(A_TOKENS, "tenant-a")[0]
     harness.host.slot_memoryview(1)[:harness.host.payload_bytes] = b"\x33" * harness.host.payload_bytes
     harness.engine.submit([RemoteWriteJob(8, key, 1, rows=CHUNK_BLOCKS)])
-    assert harness.engine.drain(10.0)
+    assert drain(harness.engine, 10.0)
     assert harness.engine.poll() == [JobResult.done(8)]
     assert harness.jobs.flush_writes(10.0)
     assert set(_written(redis_server, prefix)) == {key}

@@ -19,6 +19,7 @@ from transfer_helpers import (
     CHUNK_BLOCKS,
     SlowBackend,
     device_snapshot,
+    drain,
     expected_slot,
     make_key,
     results_by_id,
@@ -83,7 +84,7 @@ def _assert_later_submits_fail_at_once(engine, kv, cause: BaseException) -> None
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # nothing ran
     assert isinstance(engine.error, EngineDeadError)
     assert engine.error.__cause__ is cause
-    assert engine.drain(0.0)
+    assert drain(engine, 0.0)
 
 
 # ---------------------------------------------------------------------------- start-up

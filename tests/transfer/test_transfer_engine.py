@@ -13,6 +13,7 @@ from transfer_helpers import (
     SlowBackend,
     assert_slot_holds,
     device_snapshot,
+    drain,
     expected_slot,
     make_key,
     results_by_id,
@@ -235,9 +236,9 @@ def test_shutdown_with_jobs_in_flight_is_bounded_and_reports_everything(kv, host
 
 def test_drain_and_poll_are_non_blocking(kv, host, make_engine) -> None:
     engine = make_engine()
-    assert engine.poll() == [] and engine.drain(0.1)
+    assert engine.poll() == [] and drain(engine, 0.1)
     engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
-    assert engine.drain(5)
+    assert drain(engine, 5)
     assert [r.job_id for r in engine.poll()] == [1]
 
 
@@ -266,7 +267,7 @@ def test_slow_disk_drops_spills_and_never_delays_stores(kv, host, fio, make_engi
         time.sleep(0.002)
     assert all(r.ok for r in stores.values()) and len(stores) == 4  # all done, disk still hung
     fio.release_all()
-    assert engine.drain(HANG_S)
+    assert drain(engine, HANG_S)
     stats = engine.take_stats()
     # the burst arrives at once: two fit the queue, the other six are dropped
     assert stats["spills_dropped"] == 6 and stats["ops"]["spill"] == 2

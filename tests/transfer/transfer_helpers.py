@@ -137,6 +137,15 @@ def recording_io():
 CHUNK_BLOCKS = 4
 
 
+def drain(engine: TransferEngine, timeout_s: float | None = None) -> bool:
+    """Wait until every job submitted to ``engine`` has its result (left there to poll);
+    False on timeout. For tests only: the worker never waits for an empty engine, it polls.
+    Every result is recorded under the engine's lock with ``_result_ready`` notified, so the
+    wait wakes when the last job ends."""
+    with engine._result_ready:
+        return engine._result_ready.wait_for(lambda: not engine._pending, timeout_s)
+
+
 def results_by_id(engine: TransferEngine, count: int, timeout_s: float = 10.0) -> dict:
     """Poll until ``count`` results arrived; {job_id: JobResult}."""
     got: dict = {}

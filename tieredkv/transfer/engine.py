@@ -112,7 +112,6 @@ class TransferEngine:
 
         # Shared with the caller's threads, under _lock.
         self._lock = threading.Lock()
-        self._drained = threading.Condition(self._lock)
         self._result_ready = threading.Condition(self._lock)
         self._start_lock = threading.Lock()
         self._seq = itertools.count(1)
@@ -261,11 +260,6 @@ class TransferEngine:
         with self._lock:
             self._device_paused = False
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted job has a result; False on timeout."""
-        with self._drained:
-            return self._drained.wait_for(lambda: not self._pending, timeout_s)
-
     @property
     def error(self) -> EngineDeadError | None:
         """Why the engine is dead (``__cause__``: what killed its thread); None while it works."""
@@ -330,8 +324,6 @@ class TransferEngine:
             self._results.append(result)
             self._result_ready.notify_all()
             self._stores.settle_locked(seq)
-            if not self._pending:
-                self._drained.notify_all()
         seconds = None if t0 is None else time.monotonic() - t0
         self.stats.finished(job_kind(job), result, seconds)
 

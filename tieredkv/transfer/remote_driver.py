@@ -5,7 +5,7 @@ guard) from submit until its answer was polled and verified, so no load or spill
 half-landed slot; a write copies its slot into the store's bounded queue during submit and
 reports at once (``done``: queued; ``dropped``: no room or store down). A read's answer is
 verified and reported as soon as it arrives (:meth:`RemoteDriver.pump`, on the store's thread),
-so the engine's poll, drain and idle wait see it like any other job's.
+so the engine's poll and idle wait see it like any other job's.
 
 Without a remote tier on this worker (no ``remote_url``, or the store failed to build), every
 remote job fails ``unavailable``: the scheduler counts it and recomputes.
