@@ -19,7 +19,7 @@ What it does, in order:
 5. Meanwhile, every ``fault_every_s`` seconds, flips random bytes in the payloads of random
    journaled disk slots *while the server runs* (slot ``s`` of ``rank0.slab`` starts at
    ``s * slot_stride``, from ``manifest.json``; the first 4096 bytes are the header; journaled
-   slots from ``Journal.recover(<disk_path>/journal.bin)``; names and offsets from
+   slots from ``Journal.replay(<disk_path>/journal.bin).entries``; names and offsets from
    ``tieredkv.disk.layout``). tieredkv must detect every one it
    reads (payload checksum) and recompute: a wrong byte served shows up as a wrong output.
 6. Every ``sample_every_s`` seconds samples the server (its process and all children): RSS,

@@ -59,7 +59,7 @@ def disk_usage(path: Path) -> int:
 def journaled_slots(disk_path: Path) -> dict[bytes, int]:
     from tieredkv.disk.journal import Journal
 
-    return Journal.recover(journal_path(disk_path))
+    return Journal.replay(journal_path(disk_path)).entries
 
 
 def read_manifest(disk_path: Path) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def test_manifest_mismatch_starts_empty(
             assert reason in (catalog.reset_reason or "")
     lines = [r for r in caplog.records if "starting empty" in r.getMessage()]
     assert len(lines) == 1 and reason in lines[0].getMessage()
-    assert Journal.recover(disk / JOURNAL_NAME) == {}
+    assert Journal.replay(disk / JOURNAL_NAME).entries == {}
     if change.get("world_size") == 1:
         assert not slab_path(disk, 1).exists()  # a rank that no longer exists
     # Going back to the original engine finds nothing either: the reset was recorded.
@@ -177,7 +177,7 @@ def test_recovery_drops_bad_slots_by_kind(tmp_path: Path, fp: bytes, other_fp: b
             FailureCause.WRONG_NAMESPACE: 1, FailureCause.SHORT_READ: 2,
         }
     # The compacted journal no longer mentions the dropped entries.
-    assert Journal.recover(disk / JOURNAL_NAME) == {key(i): i for i in (4, 5)}
+    assert Journal.replay(disk / JOURNAL_NAME).entries == {key(i): i for i in (4, 5)}
     assert len(written) == 8
 
 

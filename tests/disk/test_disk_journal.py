@@ -33,7 +33,7 @@ def test_records_replay_in_order(tmp_path: Path) -> None:
         journal.record_remove(k(1))
         journal.record_add(k(3), 12)
         journal.flush()
-        assert Journal.recover(path) == {k(2): 11, k(3): 12}
+        assert Journal.replay(path).entries == {k(2): 11, k(3): 12}
         journal.record_clear()
         journal.record_add(k(4), 3)
     replay = Journal.replay(path)
@@ -51,7 +51,7 @@ def test_latest_add_to_a_slot_wins(tmp_path: Path) -> None:
         journal.record_add(k(2), 5)  # the REMOVE of k(1) was lost: slot 5 holds k(2) now
         journal.record_add(k(3), 6)
         journal.record_add(k(3), 7)  # moved
-    assert Journal.recover(path) == {k(2): 5, k(3): 7}
+    assert Journal.replay(path).entries == {k(2): 5, k(3): 7}
 
 
 class GatedFiles(JournalFiles):
@@ -84,15 +84,15 @@ def test_appends_are_batched_not_blocking(tmp_path: Path) -> None:
         assert journal.records_written == 0
         files.gate.set()
         journal.flush()
-        assert len(Journal.recover(path)) == 2000
+        assert len(Journal.replay(path).entries) == 2000
         assert journal.records_written == 2000
         # Without flush(), the background flusher still makes records durable (every ~50 ms).
         journal.record_add(k(5000), 1)
         deadline = time.monotonic() + 30  # only so a flusher that never runs fails, not hangs
-        while k(5000) not in Journal.recover(path):
+        while k(5000) not in Journal.replay(path).entries:
             assert time.monotonic() < deadline, "the background flusher never wrote the record"
             time.sleep(0.01)
-        assert Journal.recover(path)[k(5000)] == 1
+        assert Journal.replay(path).entries[k(5000)] == 1
 
 
 def test_concurrent_recorders(tmp_path: Path) -> None:
@@ -107,7 +107,7 @@ def test_concurrent_recorders(tmp_path: Path) -> None:
             t.start()
         for t in threads:
             t.join()
-    assert len(Journal.recover(path)) == 1000
+    assert len(Journal.replay(path).entries) == 1000
 
 
 def test_torn_tail_is_ignored_counted_and_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -149,7 +149,7 @@ def test_replayed_sequence_must_increase(tmp_path: Path) -> None:
     data = path.read_bytes()
     # A stale but internally valid record (sequence going back) is not trusted.
     path.write_bytes(data + encode_record(Op.ADD, k(3), 3, 1))
-    assert Journal.recover(path) == {k(1): 1, k(2): 2}
+    assert Journal.replay(path).entries == {k(1): 1, k(2): 2}
 
 
 def test_bad_file_header_starts_over(tmp_path: Path) -> None:
@@ -159,13 +159,13 @@ def test_bad_file_header_starts_over(tmp_path: Path) -> None:
     assert not replay.header_ok and replay.entries == {}
     with Journal(path) as journal:
         journal.record_add(k(1), 1)
-    assert Journal.recover(path) == {k(1): 1}
+    assert Journal.replay(path).entries == {k(1): 1}
 
 
 def test_missing_or_empty_journal(tmp_path: Path) -> None:
-    assert Journal.recover(tmp_path / "absent.bin") == {}
+    assert Journal.replay(tmp_path / "absent.bin").entries == {}
     (tmp_path / "empty.bin").write_bytes(b"")
-    assert Journal.recover(tmp_path / "empty.bin") == {}
+    assert Journal.replay(tmp_path / "empty.bin").entries == {}
 
 
 def test_compaction_rewrites_atomically(tmp_path: Path) -> None:
@@ -193,10 +193,10 @@ def test_leftover_tmp_from_crashed_compaction_is_harmless(tmp_path: Path) -> Non
     with Journal(path) as journal:
         journal.record_add(k(1), 1)
     (tmp_path / (JOURNAL_NAME + ".tmp")).write_bytes(b"half a compaction")
-    assert Journal.recover(path) == {k(1): 1}
+    assert Journal.replay(path).entries == {k(1): 1}
     with Journal(path) as journal:
         journal.compact({k(2): 2})
-    assert Journal.recover(path) == {k(2): 2}
+    assert Journal.replay(path).entries == {k(2): 2}
 
 
 def test_failed_fsync_is_reported_then_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ ROPE_5000 = {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}}
 def _journaled_chunks(disk: Path) -> int:
     from tieredkv.disk.journal import Journal
 
-    return len(Journal.recover(journal_path(disk)))
+    return len(Journal.replay(journal_path(disk)).entries)
 
 
 def _fill(model: str, disk: Path, **options) -> dict[str, list[int]]:

@@ -129,7 +129,7 @@ def _journal_slots(disk: Path) -> list[int]:
     """Disk slots the journal says hold chunks (what a restarted engine will find)."""
     from tieredkv.disk.journal import Journal
 
-    return sorted(Journal.recover(journal_path(disk)).values())
+    return sorted(Journal.replay(journal_path(disk)).entries.values())
 
 
 def _flip_payload_bytes(disk: Path, slots: list[int]) -> None:

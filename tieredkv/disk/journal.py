@@ -146,11 +146,6 @@ class Journal:
         """Replay a journal file into ``key -> slot`` (see :func:`replay_journal`)."""
         return replay_journal(path)
 
-    @staticmethod
-    def recover(path: Path) -> dict[bytes, int]:
-        """``key -> slot`` as the journal at ``path`` describes it (empty if absent)."""
-        return Journal.replay(path).entries
-
     # -- recording (any thread, never blocks on disk) ------------------------------------
 
     @property
