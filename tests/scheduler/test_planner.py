@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.scheduler.index_checks import check_invariants
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys, chunk_keys
 from tieredkv.protocol import JobResult
@@ -73,7 +74,7 @@ def test_store_then_hit_loads_exact_blocks_and_unpins():
     assert planner.hit_tokens("b") == {"host": hit, "disk": 0}
     ok_all(planner, plan)
     assert planner.host.pinned_count == 0
-    planner.host.check_invariants()
+    check_invariants(planner.host)
 
 
 def test_hit_never_covers_the_last_prompt_token():
@@ -270,8 +271,8 @@ def test_reset_with_jobs_in_flight_frees_everything_once_jobs_report():
     ok_all(planner, spills)
     ok_all(planner, loads)
     assert planner.host.free_slots == 4 and planner.disk.free_slots == 4
-    planner.host.check_invariants()
-    planner.disk.check_invariants()
+    check_invariants(planner.host)
+    check_invariants(planner.disk)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -313,7 +314,7 @@ def test_two_requests_sharing_a_disk_only_prefix_wait_for_one_promotion():
     ok_all(planner, plan)
     assert planner.lookup("c", keys_for(a), 0, len(a)) == CHUNK_TOKENS
     assert planner.lookup("d", keys_for(a), 0, len(a)) == CHUNK_TOKENS
-    planner.host.check_invariants()
+    check_invariants(planner.host)
 
 
 def test_a_chunk_being_written_to_host_ends_the_run_instead_of_being_promoted():
@@ -382,7 +383,7 @@ def test_prompt_tail_is_stored_and_a_repeat_hits_up_to_its_last_block():
     assert planner.counters["partial_hits"] == 1
     ok_all(planner, plan)
     assert planner.host.pinned_count == 0
-    planner.host.check_invariants()
+    check_invariants(planner.host)
 
 
 def test_tail_is_stored_only_when_asked_and_only_once():
@@ -452,7 +453,7 @@ def test_block_granular_hits_match_vllm_prefix_cache_on_random_prompts():
         store_prompt(planner, req, tokens)
         planner.finished(req)
         stored.append(tokens)
-        planner.host.check_invariants()
+        check_invariants(planner.host)
     assert planner.counters["partial_hits"] > 0
 
 
@@ -487,7 +488,7 @@ def test_a_tail_that_grows_leaves_one_copy():
     assert len(planner.host) == 3  # chunks 0, 1, 2: one copy of every block
     # Turn 1's prompt still hits its blocks, now through turn 2's chunk 1.
     assert planner.lookup("again", keys_for(turn1), 0, len(turn1)) == CHUNK_TOKENS + 2 * BLOCK
-    planner.host.check_invariants()
+    check_invariants(planner.host)
 
 
 def test_a_superseded_tail_being_loaded_keeps_its_slot_until_the_load_ends():
@@ -513,7 +514,7 @@ def test_a_superseded_tail_being_loaded_keeps_its_slot_until_the_load_ends():
     planner.host.abort(b"z" * 32)
     ok_all(planner, loading)
     assert not planner.host.is_doomed(tail) and planner.host.used_slots == 2
-    planner.host.check_invariants()
+    check_invariants(planner.host)
 
 
 def test_a_tail_that_grows_leaves_one_copy_on_disk_too():
@@ -531,7 +532,7 @@ def test_a_tail_that_grows_leaves_one_copy_on_disk_too():
     ok_all(planner, plan)
     assert tail not in planner.disk and planner.counters["superseded_disk"] == 1
     assert len(planner.disk) == 2
-    planner.disk.check_invariants()
+    check_invariants(planner.disk)
 
 
 def test_plain_key_lists_keep_whole_chunk_hits():
@@ -583,7 +584,7 @@ def test_disk_tail_and_mid_chunk_hits_survive_a_restart(tmp_path):
     with DiskCatalog.open(disk, FP, payload, slots, 1) as catalog:
         assert len(catalog.recovered) == 4
         planner = make(host_slots=8, disk_slots=slots, catalog=catalog)
-        planner.disk.check_invariants()
+        check_invariants(planner.disk)
         # A prompt sharing a's first 1 chunk + 2 blocks + 7 tokens: promoted, then served.
         b = a[: CHUNK_TOKENS + 2 * BLOCK + 7] + [77_777] * 50
         assert planner.lookup("b", keys_for(b), 0, len(b)) is None

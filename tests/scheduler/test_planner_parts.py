@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for, ok_all, store_prompt
 
+from tests.scheduler.index_checks import check_invariants
 from tieredkv.config import TieredKVConfig
 from tieredkv.scheduler.disk_tier import DiskTier
 from tieredkv.scheduler.lower_tier import LowerTier
@@ -54,7 +55,7 @@ def test_the_planner_runs_on_any_lower_tier():
     assert planner.counters["evictions_host"] >= 1
     gauges = planner.gauges()
     assert gauges["remote_slots_capacity"] == 8 and gauges["jobs_in_flight"] == 0
-    planner.host.check_invariants()
+    check_invariants(planner.host)
     with pytest.raises(ValueError, match="one tier below host"):
         Planner(cfg, block_size=BLOCK, num_host_slots=2, num_disk_slots=4,
                 lower_tier=MemoryTier(8, policy="lru", admission=1, seen_limit=64))

@@ -16,6 +16,7 @@ from hypothesis.stateful import (
 )
 
 from tests.helpers import short_key as k
+from tests.scheduler.index_checks import check_invariants
 from tieredkv.scheduler.policies import ARCPolicy, LRUPolicy
 from tieredkv.scheduler.tier_index import Placement, SlotState, TierIndex
 
@@ -26,7 +27,7 @@ def filled(num_slots: int, policy: str = "lru") -> TierIndex:
     for i in range(num_slots):
         index.allocate(k(i))
         index.mark_ready(k(i))
-    index.check_invariants()
+    check_invariants(index)
     return index
 
 
@@ -40,7 +41,7 @@ def test_new_index_is_empty() -> None:
     assert (index.num_slots, index.free_slots, index.used_slots) == (3, 3, 0)
     assert (len(index), index.ready_count, index.pinned_count, index.evictions) == (0, 0, 0, 0)
     assert index.keys() == []
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_bad_arguments_are_rejected() -> None:
@@ -66,7 +67,7 @@ def test_allocate_uses_free_slots_then_evicts_lru() -> None:
     assert index.get(k(1)) is None
     assert index.get(k(2)) == Placement(1, SlotState.WRITING, pins=1)
     assert sorted(index.keys()) == [k(0), k(2)]
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_allocate_of_present_key_raises() -> None:
@@ -77,7 +78,7 @@ def test_allocate_of_present_key_raises() -> None:
     index.mark_ready(k(0))
     with pytest.raises(KeyError):
         index.allocate(k(0))
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_allocate_never_evicts_pinned_or_writing_entries() -> None:
@@ -89,7 +90,7 @@ def test_allocate_never_evicts_pinned_or_writing_entries() -> None:
     slot, evicted = index.allocate(k(9))  # type: ignore[misc]
     assert evicted == [(k(2), 2)] and slot == 2
     assert index.get(k(0)) == Placement(0, SlotState.READY, pins=1)
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_allocate_when_full_and_all_pinned_returns_none() -> None:
@@ -102,13 +103,13 @@ def test_allocate_when_full_and_all_pinned_returns_none() -> None:
     assert index.allocate(k(9)) is None
     assert (index.keys(), index.free_slots, index.evictions) == before
     assert index.get(k(9)) is None and k(9) not in index.policy
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_allocate_on_zero_slots_is_a_clean_miss() -> None:
     index = TierIndex("disk", 0)
     assert index.allocate(k(0)) is None
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_allocate_with_arc_evicts_one_time_keys_before_hot_ones() -> None:
@@ -120,7 +121,7 @@ def test_allocate_with_arc_evicts_one_time_keys_before_hot_ones() -> None:
     _, evicted = index.allocate(k(6))  # type: ignore[misc]
     assert evicted == [(k(2), 2)]
     assert index.is_ready(k(0))
-    index.check_invariants()
+    check_invariants(index)
 
 
 # ---------------------------------------------------------------------------- write lifecycle
@@ -139,7 +140,7 @@ def test_mark_ready_drops_the_write_pin() -> None:
         index.mark_ready(k(0))
     with pytest.raises(KeyError):
         index.mark_ready(k(1))
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_abort_frees_the_slot() -> None:
@@ -154,7 +155,7 @@ def test_abort_frees_the_slot() -> None:
         index.abort(k(1))  # not being written: use remove
     with pytest.raises(KeyError):
         index.abort(k(7))
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_get_returns_a_snapshot() -> None:
@@ -180,7 +181,7 @@ def test_pin_and_unpin_count_in_flight_reads() -> None:
     with pytest.raises(ValueError, match="below zero"):
         index.unpin(k(0))
     assert index.get(k(0)).pins == 0  # type: ignore[union-attr]
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_pin_errors() -> None:
@@ -194,7 +195,7 @@ def test_pin_errors() -> None:
         index.pin(k(0))  # nothing may read bytes still being written
     with pytest.raises(ValueError):
         index.unpin(k(0))  # the write pin goes with mark_ready / abort
-    index.check_invariants()
+    check_invariants(index)
 
 
 # ---------------------------------------------------------------------------- remove / doomed
@@ -206,7 +207,7 @@ def test_remove_unpinned_frees_slot_at_once() -> None:
     assert index.get(k(1)) is None and index.free_slots == 1
     assert index.remove(k(1)) is None
     assert index.remove(k(9)) is None
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_removed_pinned_entry_holds_its_slot_until_last_unpin() -> None:
@@ -217,7 +218,7 @@ def test_removed_pinned_entry_holds_its_slot_until_last_unpin() -> None:
     assert index.get(k(0)) is None and not index.is_ready(k(0)) and index.is_doomed(k(0))
     assert k(0) not in index and len(index) == 1
     assert index.used_slots == 2 and index.free_slots == 0 and index.doomed_count == 1
-    index.check_invariants()
+    check_invariants(index)
     # The doomed slot 0 is not free; the only way to room is evicting k(1) from slot 1.
     assert index.allocate(k(5)) == (1, [(k(1), 1)])
     index.mark_ready(k(5))
@@ -230,7 +231,7 @@ def test_removed_pinned_entry_holds_its_slot_until_last_unpin() -> None:
     with pytest.raises(KeyError):
         index.unpin(k(0))
     assert index.allocate(k(6)) == (0, [])
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_key_cannot_be_stored_again_while_its_doomed_copy_is_read() -> None:
@@ -242,7 +243,7 @@ def test_key_cannot_be_stored_again_while_its_doomed_copy_is_read() -> None:
         index.restore(k(0), 2)
     index.unpin(k(0))
     assert index.allocate(k(0)) == (0, [])
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_remove_while_writing_frees_slot_when_write_ends() -> None:
@@ -256,7 +257,7 @@ def test_remove_while_writing_frees_slot_when_write_ends() -> None:
     assert index.get(k(0)) is None and index.free_slots == 1
     index.abort(k(1))
     assert index.free_slots == 2 and index.doomed_count == 0 and index.pinned_count == 0
-    index.check_invariants()
+    check_invariants(index)
 
 
 # ---------------------------------------------------------------------------- restore
@@ -278,7 +279,7 @@ def test_restore_places_ready_entries() -> None:
         index.restore(k(0), 2)
     slots = {index.allocate(k(i))[0] for i in (5, 6)}  # type: ignore[index]
     assert slots == {0, 2}
-    index.check_invariants()
+    check_invariants(index)
 
 
 # ---------------------------------------------------------------------------- touch / clear
@@ -288,7 +289,7 @@ def test_touch_of_unknown_key_is_a_noop() -> None:
     index = filled(2)
     index.touch(k(9))
     assert k(9) not in index.policy
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_clear_drops_unpinned_and_dooms_pinned() -> None:
@@ -300,11 +301,11 @@ def test_clear_drops_unpinned_and_dooms_pinned() -> None:
     assert sorted(dropped) == [(k(0), 0), (k(2), 2)]
     assert len(index) == 0 and index.keys() == [] and len(index.policy) == 0
     assert index.used_slots == 2 and index.doomed_count == 2
-    index.check_invariants()
+    check_invariants(index)
     index.unpin(k(1))
     assert index.mark_ready(k(3)) is False
     assert index.free_slots == 4
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_entries_are_found_by_any_block_they_hold() -> None:
@@ -326,10 +327,10 @@ def test_entries_are_found_by_any_block_they_hold() -> None:
     assert index.holders(k(10)) == [k(11)] and index.ready_holder(k(11)) == k(11)
     assert not index.holds(k(1)) and index.covering(k(11)) == []
     index.unpin(k(1))
-    index.check_invariants()
+    check_invariants(index)
     index.clear()
     assert not index.holds(k(10))
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_evicted_entries_leave_the_alias_index() -> None:
@@ -342,14 +343,14 @@ def test_evicted_entries_leave_the_alias_index() -> None:
     assert not index.holds(k(20))
     index.restore(k(3), 0, (k(30),))
     assert index.ready_holder(k(30)) == k(3)
-    index.check_invariants()
+    check_invariants(index)
 
 
 def test_check_invariants_catches_corruption() -> None:
     index = filled(2)
     index._entries[k(1)].slot = 0  # two keys on one slot
     with pytest.raises(AssertionError):
-        index.check_invariants()
+        check_invariants(index)
 
 
 # ---------------------------------------------------------------------------- stateful model
@@ -637,7 +638,7 @@ class TierIndexMachine(RuleBasedStateMachine):
         if not hasattr(self, "index"):
             return
         index, m = self.index, self.model
-        index.check_invariants()
+        check_invariants(index)
         for key in KEYS:
             entry = m.live.get(key)
             expected = None if entry is None else Placement(

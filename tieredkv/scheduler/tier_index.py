@@ -52,12 +52,6 @@ class Placement:
         return len(self.aliases) + 1
 
 
-def _require(condition: bool, message: str) -> None:
-    # Raised explicitly so the checks still run under ``python -O``.
-    if not condition:
-        raise AssertionError(message)
-
-
 class TierIndex:
     """``num_slots`` slots of one tier, a key -> :class:`Placement` map and an eviction policy."""
 
@@ -396,65 +390,3 @@ class TierIndex:
         if self._doomed.get(key) is entry:
             del self._doomed[key]
             self._free[entry.slot] = None
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
-        _require(
-            not (self._entries.keys() & self._doomed.keys()),
-            f"{self.name}: a key is both live and doomed",
-        )
-        holders: dict[int, bytes] = {}
-        ready = pinned = 0
-        for doomed, table in ((False, self._entries), (True, self._doomed)):
-            for key, entry in table.items():
-                _require(
-                    0 <= entry.slot < self.num_slots,
-                    f"{self.name}: {key.hex()} holds out-of-range slot {entry.slot}",
-                )
-                _require(
-                    entry.slot not in holders,
-                    f"{self.name}: slot {entry.slot} held by {key.hex()} and "
-                    f"{holders.get(entry.slot, b'').hex()}",
-                )
-                _require(
-                    entry.slot not in self._free, f"{self.name}: held slot {entry.slot} is free"
-                )
-                holders[entry.slot] = key
-                _require(entry.pins >= 0, f"{self.name}: {key.hex()} has {entry.pins} pins")
-                if entry.state is SlotState.WRITING:
-                    _require(
-                        entry.pins == 1, f"{self.name}: writing {key.hex()} has {entry.pins} pins"
-                    )
-                if doomed:
-                    _require(entry.pins > 0, f"{self.name}: doomed {key.hex()} has no pins")
-                elif entry.state is SlotState.READY:
-                    ready += 1
-                pinned += entry.pins > 0
-        _require(
-            all(0 <= slot < self.num_slots for slot in self._free),
-            f"{self.name}: an out-of-range slot is free",
-        )
-        _require(
-            len(self._free) + len(holders) == self.num_slots,
-            f"{self.name}: {len(self._free)} free + {len(holders)} held != {self.num_slots} slots",
-        )
-        _require(ready == self._ready, f"{self.name}: ready count {self._ready}, actual {ready}")
-        _require(
-            pinned == self._pinned, f"{self.name}: pinned count {self._pinned}, actual {pinned}"
-        )
-        _require(
-            len(self.policy) == len(self._entries) and all(k in self.policy for k in self._entries),
-            f"{self.name}: policy keys differ from live keys",
-        )
-        expected: dict[bytes, list[bytes]] = {}
-        for key, entry in self._entries.items():
-            for alias in entry.aliases:
-                expected.setdefault(alias, []).append(key)
-        actual = {
-            alias: sorted(held if isinstance(held, list) else [held])
-            for alias, held in self._alias.items()
-        }
-        _require(
-            actual == {alias: sorted(keys) for alias, keys in expected.items()},
-            f"{self.name}: alias index differs from the live entries' aliases",
-        )
