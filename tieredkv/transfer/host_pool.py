@@ -109,11 +109,6 @@ class HostPool:
             "pinned" if self.pinned else "pageable", self.allocation_path,
         )
 
-    @classmethod
-    def for_capacity(cls, capacity_bytes: int, slot_bytes: int, pin: bool | None = None) -> HostPool:
-        """As many whole slots as fit in ``capacity_bytes``."""
-        return cls(capacity_bytes // align_up(slot_bytes), slot_bytes, pin=pin)
-
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"host slot {slot} out of range 0..{self.num_slots - 1}")
