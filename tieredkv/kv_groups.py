@@ -42,10 +42,6 @@ class GroupLayout:
     groups: tuple[KVGroup, ...]
     chunk_blocks: int
 
-    @classmethod
-    def single(cls, chunk_blocks: int) -> GroupLayout:
-        return cls((KVGroup(FULL),), chunk_blocks)
-
     @property
     def hybrid(self) -> bool:
         """More than one group, or a sliding window: hits end on chunk boundaries only."""

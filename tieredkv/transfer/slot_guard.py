@@ -52,10 +52,6 @@ class SlotGuard:
             else:
                 self._readers.pop(slot, None)
 
-    def busy(self, slot: int) -> bool:
-        with self._lock:
-            return slot in self._writers or bool(self._readers.get(slot))
-
     @property
     def in_flight(self) -> int:
         with self._lock:
