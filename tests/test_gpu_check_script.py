@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -65,7 +66,7 @@ def test_cpu_rehearsal_writes_three_files_and_passes(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == sorted(RESULT_FILES)
     data = json.loads((out / "gpu_check.json").read_text())
     assert (data["verdict"], data["device"]) == ("pass", "cpu")
-    assert data["seconds"] <= data["budget_s"] == 480
+    assert data["seconds"] <= data["budget_s"] == 360  # the default: a normal run fits 6 minutes
     assert [(s["name"], s["kind"]) for s in data["steps"]] == [
         ("environment", "setup"), ("wheels", "setup"), ("build", "setup"),
         ("cuda-tests", "correctness"), ("integration", "correctness"), ("copy-check", "correctness"),
@@ -229,8 +230,12 @@ def test_missing_wheels_are_a_warning_that_says_how_to_fill_the_folder(tmp_path:
         runner.close()
     step = runner.steps[-1]
     assert step["name"] == "wheels" and step["status"] == "warn"
-    assert WHEEL_FILL in step["detail"] and "pytest-asyncio" in step["detail"]
+    assert WHEEL_FILL in step["detail"] and "pytest-timeout" in step["detail"]
     assert report.exit_status(runner.steps) == 0
+    # Only pytest-timeout, pinned: no test the check runs is async, and an unpinned
+    # pytest-asyncio loaded into every pytest step could clash with the machine's pytest.
+    assert "asyncio" not in step["detail"]
+    assert re.search(r"(?:^| )pytest-timeout==\d+\.\d+\.\d+$", WHEEL_FILL), WHEEL_FILL
 
 
 FAKE_SANITIZER = """#!/usr/bin/env bash
@@ -270,3 +275,38 @@ def test_sanitizer_step_judges_memcheck_on_tieredkv_kernels_only(
     args = seen.read_text()
     assert "--tool memcheck --kernel-name kns=tieredkv_ --report-api-errors no" in args
     assert args.rstrip().endswith("--copy-check --device cuda PYTORCH_NO_CUDA_MEMORY_CACHING=1")
+
+
+@pytest.mark.parametrize(("body", "budget", "status"), [
+    ('echo "copy-check: 6 layouts x torch, cupy: 312 blocks right"; exec sleep 60', None, "warn"),
+    ('echo "========= Invalid __global__ read of size 16 bytes"; '
+     'echo "========= ERROR SUMMARY: 1 error"; exec sleep 60', None, "fail"),
+    ("exit 0", "0.5", "warn"),
+], ids=["cut-short", "errors-then-cut-short", "not-started"])
+def test_a_sanitizer_the_budget_stops_is_a_warning_not_an_incomplete_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, budget: str | None, status: str
+) -> None:
+    """memcheck is a supplementary check (the copy-check step proved the bytes): cut short or
+    never started, it must not turn a run whose bytes and ordering tests passed INCOMPLETE;
+    errors it reported before the cut still fail correctness."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER.format(args=tmp_path / "args.txt", body=body))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setitem(steps.CAPS_S, "sanitizer", 2.0)
+    runner = Runner(parse_args(["--device", "cuda", "--out", str(tmp_path / "out"),
+                                *(["--budget-s", budget] if budget else [])]))
+    proven = [_step(n, "correctness", "pass") for n in ("cuda-tests", "integration", "copy-check")]
+    try:
+        steps.sanitizer(runner)
+    finally:
+        runner.close()
+    step = runner.steps[-1]
+    assert (step["name"], step["status"]) == ("sanitizer", status), step
+    verdict = report.verdicts([*proven, step])["correctness"]
+    assert verdict == ("fail" if status == "fail" else "pass"), step
+    if status == "warn":
+        assert "supplementary" in step["detail"]
+        assert ("not started" if budget else "cut short") in step["detail"]

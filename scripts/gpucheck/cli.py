@@ -20,7 +20,7 @@ from gpucheck.common import (
 )
 from gpucheck.runner import Runner
 
-DEFAULT_BUDGET_S = 480.0
+DEFAULT_BUDGET_S = 360.0  # the target: a normal run fits in 6 minutes
 
 
 def one_line(commit: str | None) -> str:
@@ -42,8 +42,9 @@ setuptools; no vLLM, no network), from the repository root, one line{dirty}:
     {one_line(commit)}
 
 and bring the wheel folder {WHEEL_FOLDER}/ along: it is git-ignored, so name it in the run's
-carry list (carry: ["{WHEEL_FOLDER}"]) or it stays behind. It holds what the machine lacks
-(pytest-timeout, pytest-asyncio); fill it here, on a machine with network:
+carry list (carry: ["{WHEEL_FOLDER}"]) or it stays behind. It holds what the machine
+lacks: pytest-timeout, pinned (nothing the check runs needs pytest-asyncio). Fill it here,
+on a machine with network:
 
     {WHEEL_FILL}
 
@@ -54,7 +55,7 @@ last):
 
   environment  GPU, driver, torch/CUDA, CuPy, numpy, plugins; commit (GPU_CHECK_COMMIT when
                there is no .git) and the source digest
-  wheels       pytest-timeout/pytest-asyncio from {WHEEL_FOLDER}/ if missing
+  wheels       pytest-timeout from {WHEEL_FOLDER}/ if missing
   build        CPU only: the optional C extension, built in place if missing
   cuda-tests   every test marked cuda (-m cuda), {PER_TEST_TIMEOUT_S} s per test
   integration  the worker half and transfer engine on the KV-cache layouts vLLM serves
@@ -65,7 +66,8 @@ last):
   bench        (speed) transfer_bench, every backend judged against the targets
   sanitizer    CUDA: the copy check under compute-sanitizer memcheck when it is installed (at
                most {SANITIZER_CAP_S:.0f} s, only {OWN_KERNELS}* kernels,
-               PYTORCH_NO_CUDA_MEMORY_CACHING=1, API-error reports off)
+               PYTORCH_NO_CUDA_MEMORY_CACHING=1, API-error reports off); supplementary:
+               cut short or not started by the budget, it is a warning, not `timeout`
 
 Every step's time limit is clipped to what is left of --budget-s (default
 {DEFAULT_BUDGET_S:.0f} s; the steps are sized for an H100 run of under 6 minutes, not yet

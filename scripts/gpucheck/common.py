@@ -16,12 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 INTEGRATION = "tests/transfer/test_gpu_integration.py"
 OVERLAP = "overlap"  # -k expression: the integration test that is a speed check, not correctness
 RESULT_FILES = ("gpu_check.json", "gpu_check.md", "gpu_check.tar.gz")
-EXTRA_WHEELS = {"pytest_timeout": "pytest-timeout", "pytest_asyncio": "pytest-asyncio"}
+# Only pytest-timeout: no test the check runs is async, and a pytest-asyncio plugin loaded into
+# every pytest step could clash with the machine's own pytest. Pinned to what CI runs with.
+EXTRA_WHEELS = {"pytest_timeout": "pytest-timeout"}
 WHEEL_FOLDER = ".whl"  # git-ignored: name it in the device run's carry so it travels
 WHEEL_FILL = (
     "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
     "--implementation cp --platform manylinux2014_x86_64 --platform any -d .whl "
-    "pytest-asyncio pytest-timeout"
+    "pytest-timeout==2.4.0"
 )
 SANITIZER_PATHS = ("/usr/local/cuda/bin/compute-sanitizer", "/opt/cuda/bin/compute-sanitizer")
 OWN_KERNELS = "tieredkv_"  # every CUDA kernel tieredkv defines is named tieredkv_* (cupy_backend)
