@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Verify tieredkv on a bare GPU machine: tests marked cuda, the GPU integration test on the
 # layouts vLLM serves tieredkv, a compute-sanitizer copy run and the transfer benchmark, inside
-# a time budget (--budget-s, default 480 s), into three files (gpu_check.json, gpu_check.md,
+# a time budget (--budget-s, default 360 s), into three files (gpu_check.json, gpu_check.md,
 # gpu_check.tar.gz). `bash scripts/gpu_check.sh --help` says what it needs and does, and the
 # one line to give a machine that gets the tree without .git; `--device cpu` runs the CPU half
 # (CI does, in tests/test_gpu_check_script.py). Same as `python3 scripts/gpu_check.py`.

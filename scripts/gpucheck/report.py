@@ -5,7 +5,8 @@ the sanitizer) and speed (the overlap timeline, the transfer benchmark's targets
 apart: a missed speed target never turns a correct run into a failure, and only a
 correctness failure makes the exit status non-zero. A run the budget cut short, or a machine
 that could not run the checks, is ``incomplete``: nothing wrong was found, not everything was
-proven.
+proven. The sanitizer is supplementary (the copy check it repeats proved the bytes): cut short,
+it is recorded as ``warn``, which leaves the verdict to the other steps.
 """
 
 from __future__ import annotations
