@@ -34,6 +34,7 @@ def test_value_sizes_are_real_shards_with_the_header() -> None:
     assert report.verdict(float("inf")) == report.verdict(0.0) == "n/a"
 
 
+@pytest.mark.redis  # the benchmark starts its own redis-server
 def test_smoke_profile_writes_sane_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--profile", "smoke", "--out-dir", str(tmp_path), "--quiet"]) == 0
     profile = workload.PROFILES["smoke"]

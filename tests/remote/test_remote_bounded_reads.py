@@ -27,9 +27,10 @@ PLANTED = 32 << 20  # far more than any value asked for here
 SIZE = 4096
 
 
-@pytest.fixture(params=["single", "cluster"])
-def servers(request: pytest.FixtureRequest) -> RedisServer | RedisClusterProcs:
-    return request.getfixturevalue("redis_server" if request.param == "single" else "redis_cluster")
+@pytest.fixture
+def servers(redis_deployment: RedisServer | RedisClusterProcs) -> RedisServer | RedisClusterProcs:
+    """The shared single node or the shared 3-master Cluster (tests/redis_fixtures.py)."""
+    return redis_deployment
 
 
 async def test_a_planted_big_value_costs_at_most_the_asked_length(
