@@ -209,7 +209,6 @@ class CopyLane:
         self._thread = LaneThread(f"tieredkv-{name}", init, on_death)
         self._pending: list[tuple[CopyRequest, asyncio.Future[object]]] = []
         self._draining = False
-        self.batches = 0
 
     def _init_cuda(self) -> None:
         torch.cuda.set_device(self.device)
@@ -303,7 +302,6 @@ class CopyLane:
                 except Exception as exc:  # noqa: BLE001 - the lane thread itself broke
                     for request in requests:
                         request.outcome = exc
-                self.batches += 1
                 for request, future in batch:
                     if not future.done():
                         future.set_result(request.outcome)

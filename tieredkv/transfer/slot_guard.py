@@ -21,7 +21,6 @@ class SlotGuard:
         self._lock = threading.Lock()
         self._readers: dict[int, int] = {}
         self._writers: set[int] = set()
-        self.conflicts = 0
 
     def try_read(self, slot: int) -> bool:
         with self._lock:
@@ -58,8 +57,6 @@ class SlotGuard:
             return len(self._writers) + len(self._readers)
 
     def _refuse(self, slot: int, what: str, why: str) -> bool:
-        with self._lock:
-            self.conflicts += 1
         logger.error(
             "tieredkv: refused to %s host slot %d while %s (the slot would be corrupted); "
             "the job fails with copy_error", what, slot, why,
