@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,7 +31,11 @@ def test_workload_is_deterministic_and_shaped():
     assert all(len(c.user_texts) == 3 and all(len(t) == 16 for t in c.user_texts) for c in a)
     assert len({c.user_texts for c in a}) == 4  # users differ
     assert workload.make_conversations(spec, 2)[0] != a[0]  # levels get fresh conversations
-    assert workload.system_prompt(spec) == workload.system_prompt(spec)
+    random.seed(99)  # the global generator's state does not matter: the spec's seed does
+    assert workload.system_prompt(spec) == workload.system_prompt(
+        workload.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=7))
+    assert workload.system_prompt(spec) != workload.system_prompt(
+        workload.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=8))
     assert len(workload.system_prompt(spec)) == 64
     other = workload.ChatWorkload(system_tokens=64, user_tokens=16, reply_tokens=4, turns=3, seed=8)
     assert workload.make_conversations(other, 1) != workload.make_conversations(spec, 1)
@@ -263,8 +268,33 @@ def test_soak_results_name():
     assert soak_report.results_name(None, False) == "soak"
     assert soak_report.results_name(None, True) == "soak-full"
     assert soak_report.results_name("single-client", False) == "soak-single-client"
-    import inspect
 
-    body = inspect.getsource(soak.main)
-    assert "out_name = results_name(args.label, args.full)" in body
-    assert body.count("out_name =") == 1, "the output name is set once, before any loop"
+
+@pytest.mark.parametrize(("args", "name"), [
+    ([], "soak"), (["--full"], "soak-full"), (["--label", "single-client"], "soak-single-client"),
+    (["--full", "--label", "x"], "soak-x"),
+])
+def test_soak_writes_its_results_under_the_profiles_name(tmp_path, monkeypatch, args, name):
+    """The whole of soak.main after the servers' run, its leak table (series named like
+    ``spills_dropped``) printed before the files are named; no server starts."""
+    import tieredkv.tools.tiny_model as tiny_model
+
+    written: list[str] = []
+
+    def write_outputs(payload, out_dir, out_name):
+        written.append(out_name)
+        return out_dir / f"{out_name}.json", out_dir / f"{out_name}.md", None
+
+    run = SimpleNamespace(failures=[], manifest={}, samples=[], records=[], idle={}, faults=[])
+    judged = {"leaks": {"spills_dropped": {"verdict": "PASS"}, "rss": {"verdict": "PASS"}},
+              "counters": {}, "checks": [], "verdict": "PASS", "summary": {}, "mismatches": 0}
+    monkeypatch.setattr(soak, "apply_server_env", lambda: {})
+    monkeypatch.setattr(soak.common, "preload_tcmalloc", lambda: "tcmalloc")
+    monkeypatch.setattr(tiny_model, "make_tiny_llama", lambda path, **kw: path)
+    monkeypatch.setattr(soak, "Server", lambda *a, **kw: SimpleNamespace(log_path=tmp_path / "log"))
+    monkeypatch.setattr(soak, "run_soak", lambda *a, **kw: run)
+    monkeypatch.setattr(soak, "judge", lambda *a: judged)
+    monkeypatch.setattr(soak, "write_outputs", write_outputs)
+    argv = [*args, "--out", str(tmp_path), "--workdir", str(tmp_path / "w"), "--no-progress"]
+    assert soak.main(argv) == 0
+    assert written == [name]
