@@ -8,6 +8,7 @@ reporting, cross-rank aggregation into the planner — runs for real.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -121,6 +122,26 @@ def test_store_then_load_moves_exact_bytes_and_reports_each_job(worker):
     for x, y in zip(before, after, strict=True):
         assert torch.equal(x, y)
     assert w.take_load_errors() == set()
+
+
+def test_fault_injection_is_imported_only_under_its_environment_variable(monkeypatch):
+    """The shipped worker never loads the test-only fault backend unless TIEREDKV_FAULTS asks:
+    without it the module is not imported at all; with it, the worker's copies go through it."""
+    module = "tieredkv.testing.fault_backend"
+    monkeypatch.delenv("TIEREDKV_FAULTS", raising=False)
+    monkeypatch.delitem(sys.modules, module)  # as in a fresh worker process (restored after)
+    w, _ = make_worker()
+    try:
+        assert module not in sys.modules
+        assert not isinstance(w.engine.backend, FaultInjectingBackend)
+    finally:
+        w.shutdown()
+    monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"fail_loads": 1}))
+    w, _ = make_worker()
+    try:
+        assert isinstance(w.engine.backend, sys.modules[module].FaultInjectingBackend)
+    finally:
+        w.shutdown()
 
 
 def test_delayed_request_is_reported_sent_once_after_its_stores(monkeypatch):
