@@ -69,12 +69,12 @@ class TorchCudart:
         ``cudaGetLastError`` after every kernel launch, so the next one would raise it.
         torch's cudart bindings have no ``cudaGetLastError`` (newer ones might): call it in the
         libcudart this process loaded, if one is mapped (a static cudart cannot be reached)."""
-        get_last_error = getattr(self._rt, "cudaGetLastError", None)
-        if get_last_error is None:
-            lib = loaded_cudart()
-            get_last_error = None if lib is None else lib.cudaGetLastError
-        if get_last_error is not None:
-            with contextlib.suppress(Exception):  # best effort: the refusal is what to report
+        with contextlib.suppress(Exception):  # best effort: the refusal is what to report
+            get_last_error = getattr(self._rt, "cudaGetLastError", None)
+            if get_last_error is None:
+                lib = loaded_cudart()
+                get_last_error = None if lib is None else lib.cudaGetLastError
+            if get_last_error is not None:
                 get_last_error()
 
     def unregister(self, ptr: int) -> None:
