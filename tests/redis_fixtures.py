@@ -27,7 +27,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - an environment problem,
         raise
     RemoteStore = None  # type: ignore[assignment,misc]
 
-from tests.remote.remote_helpers import FAST
+from tests.remote.remote_helpers import FAST, await_up
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.testing.redis_procs import SETUP_HINT, RedisClusterProcs, RedisServer
 
@@ -88,7 +88,7 @@ async def open_store() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
         stores.append(store)
         await store.start()
         if wait:
-            assert await store.wait_up(10), f"store did not come up: {store.stats()}"
+            assert await await_up(store, 10), f"store did not come up: {store.stats()}"
         return store
 
     yield make

@@ -6,10 +6,14 @@ start them too); they are re-exported here for the tests that import them from t
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 
 from tests.helpers import make_key
 from tieredkv.remote.codec import encode, remote_key
+from tieredkv.remote.store import RemoteStore
+from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.testing.redis_procs import (  # noqa: F401 - re-exported for the tests
     SETUP_HINT,
     RedisClusterProcs,
@@ -59,3 +63,20 @@ def sent_bytes(servers: RedisServer | RedisClusterProcs) -> int:
             if line.startswith("total_net_output_bytes:"):
                 total += int(line.split(":", 1)[1])
     return total
+
+
+def wait_up(store: ThreadedRemoteStore, timeout_s: float) -> bool:
+    """Block until ``store`` is connected; False after ``timeout_s``. Tests only: the engine
+    never waits for Redis, it reads ``up`` at each step."""
+    deadline = time.monotonic() + timeout_s
+    while not store.up and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.up
+
+
+async def await_up(store: RemoteStore, timeout_s: float) -> bool:
+    """:func:`wait_up` for a store on the caller's own event loop."""
+    deadline = time.monotonic() + timeout_s
+    while not store.up and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return store.up

@@ -15,6 +15,7 @@ from tests.remote.remote_helpers import (
     FINGERPRINT,
     RedisClusterProcs,
     RedisServer,
+    await_up,
     chunk_items,
     free_port,
 )
@@ -56,7 +57,7 @@ async def test_down_at_start_then_recovers(
     assert attempts <= 30, attempts  # with backoff (capped at 0.2 s here), not a busy loop
     await until(lambda: store.stats().reconnect_attempts >= 3)  # and retrying
     server.start()
-    assert await store.wait_up(HANG_S)
+    assert await await_up(store, HANG_S)
     items = chunk_items(prefix, 10)
     assert (await store.batch_set([(n, v) for _, n, v in items])).ok
     assert all((await store.batch_exists([n for _, n, _ in items])).values)
@@ -100,7 +101,7 @@ async def test_sigkill_mid_use_then_restart(
     assert not store.up and store.stats().went_down >= 1
 
     server.start()  # same port, empty (no persistence)
-    assert await store.wait_up(HANG_S)
+    assert await await_up(store, HANG_S)
     got = await store.batch_get(names)
     assert got.ok and got.values == [None] * 200  # gone with the old process: misses
     assert {decode(v, fingerprint=FINGERPRINT, key=k, rank=0).cause  # type: ignore[union-attr]
@@ -129,7 +130,7 @@ async def test_client_pause_times_out_without_hanging(
     assert (await store.batch_exists(names)).cause is FailureCause.UNAVAILABLE
     assert store.stats().round_trips == round_trips  # known down: no second wait on the server
 
-    assert await store.wait_up(HANG_S)
+    assert await await_up(store, HANG_S)
     # A lower bound set by the server's pause (no load can make it fail): the store came back
     # because the pause ended, not before.
     assert time.monotonic() - paused_at >= PAUSE_MS / 1000 * 0.9
@@ -191,7 +192,7 @@ async def test_cluster_master_killed_then_restarted(
 
         victim.start()  # same port and nodes-P.conf: it rejoins as the same node
         cluster.wait_ok(10)
-        assert await store.wait_up(5)
+        assert await await_up(store, 5)
         got = await store.batch_get(names)
         assert got.ok
         survivors = sum(v is not None for v in got.values)

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from tests.helpers import HANG_S, finishes
-from tests.remote.remote_helpers import FINGERPRINT, RedisServer, chunk_items, free_port
+from tests.remote.remote_helpers import FINGERPRINT, RedisServer, chunk_items, free_port, wait_up
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
 from tieredkv.remote.threaded import ThreadedRemoteStore
@@ -16,7 +16,7 @@ def test_futures_round_trip(
     deployment: str, open_threaded: Callable[..., ThreadedRemoteStore], prefix: str
 ) -> None:
     store = open_threaded(deployment)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     items = chunk_items(prefix, 64)
     names = [n for _, n, _ in items]
     assert store.batch_set([(n, v) for _, n, v in items[:32]]).result(HANG_S).ok
@@ -49,7 +49,7 @@ def test_close_is_bounded_while_calls_hang_on_a_paused_server(
 ) -> None:
     server = fresh_server()
     store = open_threaded(server.url)
-    assert store.wait_up(5)
+    assert wait_up(store, 5)
     names = [n for _, n, _ in chunk_items(prefix, 20)]
     server.cli("CLIENT", "PAUSE", "5000", "ALL")
     # Deadlines far beyond close()'s: these are still in flight when it is called.

@@ -21,6 +21,7 @@ from tests.remote.remote_helpers import (
     RedisServer,
     chunk_items,
     free_port,
+    wait_up,
 )
 from tieredkv.protocol import FailureCause
 from tieredkv.scheduler.remote_probe import RemoteProbe
@@ -80,7 +81,7 @@ def test_a_500_chunk_prompt_is_one_call_and_a_missing_shard_ends_the_prefix(
     redis_deployment: RedisServer | RedisClusterProcs, open_threaded: OpenThreaded, prefix: str
 ) -> None:
     store = open_threaded(redis_deployment.url)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 500, skip={(317, 1)})  # rank 1 lacks chunk 317
     probe = make_probe(store, prefix, FakeClock())
     before = store.stats()
@@ -107,7 +108,7 @@ def test_a_stalled_server_gets_ask_again_then_nothing_at_the_deadline(
     server = fresh_server()
     # No health pings: they would close the connection under the stalled call.
     store = open_threaded(server.url, health_interval_s=600.0)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 20)
     clock = FakeClock()
     probe = make_probe(store, prefix, clock, store_timeout_s=60.0)
@@ -140,7 +141,7 @@ def test_a_killed_or_absent_server_answers_nothing_with_the_cause_counted(
 ) -> None:
     server = fresh_server()
     store = open_threaded(server.url, timeout_s=0.5)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 8)
     probe = make_probe(store, prefix, FakeClock())
     server.kill()
@@ -161,7 +162,7 @@ def test_known_present_chunks_are_not_probed_again_until_reset(
     redis_server: RedisServer, open_threaded: OpenThreaded, prefix: str
 ) -> None:
     store = open_threaded(redis_server.url)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 50)
     probe = make_probe(store, prefix, FakeClock())
 
@@ -186,7 +187,7 @@ def test_absence_is_never_remembered(
     redis_server: RedisServer, open_threaded: OpenThreaded, prefix: str
 ) -> None:
     store = open_threaded(redis_server.url)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 10, skip={(4, 0)})
     probe = make_probe(store, prefix, FakeClock())
     assert answer(probe, "a", keys) == 4
@@ -201,7 +202,7 @@ def test_a_growing_prompt_probes_only_what_is_new(
     redis_server: RedisServer, open_threaded: OpenThreaded, prefix: str
 ) -> None:
     store = open_threaded(redis_server.url)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 30)
     holed = write_chunks(store, prefix, 20, start=100, skip={(105, 1)})
     probe = make_probe(store, prefix, FakeClock(), known_capacity=0)  # no cache: per request
@@ -238,7 +239,7 @@ def test_another_namespace_is_never_counted_present(
 ) -> None:
     """cache_salt and model isolation are by key: the fingerprint is part of every name."""
     store = open_threaded(redis_deployment.url)
-    assert store.wait_up(10)
+    assert wait_up(store, 10)
     keys = write_chunks(store, prefix, 20, fingerprint=FINGERPRINT)
     other = make_probe(store, prefix, FakeClock(), fingerprint=OTHER_FINGERPRINT)
     assert answer(other, "r", keys) == 0

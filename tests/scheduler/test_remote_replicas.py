@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.remote.remote_helpers import FAST
+from tests.remote.remote_helpers import FAST, wait_up
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
 from tests.transfer.transfer_helpers import drain, layout_caches
 from tieredkv.config import TieredKVConfig
@@ -116,7 +116,7 @@ def make_replica(prefix: str) -> Iterator[Callable[..., Replica]]:
         replica = Replica(planner, engine, kv, [probe_store, worker_store])
         made.append(replica)
         for store in replica.stores:
-            store.wait_up(5.0)
+            wait_up(store, 5.0)
         return replica
 
     yield make

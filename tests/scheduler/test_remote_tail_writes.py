@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.remote.remote_helpers import FAST
+from tests.remote.remote_helpers import FAST, wait_up
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, keys_for
 from tests.transfer.transfer_helpers import drain, layout_caches
 from tieredkv.config import TieredKVConfig
@@ -64,7 +64,7 @@ class Harness:
         self.planner = Planner(config, block_size=BLOCK, num_host_slots=HOST_SLOTS, remote=tier,
                                layout=layout)
         for store in (self.probe_store, self.worker_store):
-            assert store.wait_up(5.0), store.stats()
+            assert wait_up(store, 5.0), store.stats()
 
     def step(self) -> None:
         plan = self.planner.take_plan()

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.helpers import HANG_S, finishes, make_key
-from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer, sent_bytes
+from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer, sent_bytes, wait_up
 from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key
 from tieredkv.remote.threaded import ThreadedRemoteStore
@@ -53,7 +53,7 @@ def make_jobs(host: HostPool) -> Iterator[MakeJobs]:
     def make(url: str, *, rank: int = 0, timeout_s: float = 2.0, jobs_options: dict | None = None,
              **store_options: object) -> tuple[RemoteJobs, ThreadedRemoteStore]:
         store = ThreadedRemoteStore(parse_remote_url(url), **{**FAST, **store_options})
-        assert store.wait_up(10), store.stats()
+        assert wait_up(store, 10), store.stats()
         jobs = RemoteJobs(store, host, fingerprint=FINGERPRINT, rank=rank, prefix=prefix,
                           ttl_s=60.0, timeout_s=timeout_s, slot_rows=ROWS, **(jobs_options or {}))
         made.append(jobs)

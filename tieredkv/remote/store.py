@@ -183,13 +183,6 @@ class RemoteStore:
         if len(self._queue):
             self._wake_writers.set()
 
-    async def wait_up(self, timeout_s: float) -> bool:
-        """Wait until up (for start-up checks and tests; the engine's hot path polls ``up``)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.up and not self._closing and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return self.up
-
     async def aclose(self, timeout_s: float = 2.0) -> None:
         """Stop tasks, drop queued writes (counted), close connections; ends within ~timeout_s."""
         if self._closing:

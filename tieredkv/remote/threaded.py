@@ -80,13 +80,6 @@ class ThreadedRemoteStore:
     def stats(self) -> RemoteStats:
         return self._store.stats()
 
-    def wait_up(self, timeout_s: float) -> bool:
-        """Block until up (start-up checks and tests only; the engine's steps poll ``up``)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._store.up and not self._closed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self._store.up
-
     def __repr__(self) -> str:
         return f"ThreadedRemoteStore({self._store.url.redacted()}, up={self._store.up})"
 
