@@ -1,4 +1,5 @@
-"""The bookkeeping a :class:`TierIndex` must keep consistent, checked from outside.
+"""The bookkeeping a :class:`TierIndex` must keep consistent, checked from outside, and the
+eviction policies' lists as the tests read them.
 
 A test helper, not production code: nothing in the scheduler calls it, and it reads the
 index's private tables on purpose (the point is to catch them disagreeing).
@@ -6,7 +7,18 @@ index's private tables on purpose (the point is to catch them disagreeing).
 
 from __future__ import annotations
 
+from tieredkv.scheduler.policies import ARCPolicy, EvictionPolicy
 from tieredkv.scheduler.tier_index import SlotState, TierIndex
+
+
+def lru_order(policy: EvictionPolicy) -> list[bytes]:
+    """An LRU policy's resident keys from coldest to hottest."""
+    return list(policy._order)  # type: ignore[attr-defined]
+
+
+def arc_lists(policy: ARCPolicy) -> dict[str, list[bytes]]:
+    """Each of ARC's lists (T1, T2 resident; B1, B2 ghosts) from coldest to hottest."""
+    return {"t1": list(policy._t1), "t2": list(policy._t2), "b1": list(policy._b1), "b2": list(policy._b2)}
 
 
 def _require(condition: bool, message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import short_key as k
+from tests.scheduler.index_checks import arc_lists, lru_order
 from tieredkv.scheduler.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
@@ -37,7 +38,7 @@ def test_lru_evicts_least_recently_used_first() -> None:
     for i in range(4):
         lru.insert(k(i))
     lru.touch(k(0))  # 0 becomes the hottest
-    assert lru.order() == [k(1), k(2), k(3), k(0)]
+    assert lru_order(lru) == [k(1), k(2), k(3), k(0)]
     assert lru.victim(always) == k(1)
     assert lru.victim(always) == k(1), "victim must not remove the key"
     lru.remove(k(1))
@@ -52,7 +53,7 @@ def test_lru_touch_and_remove_of_absent_keys_are_noops() -> None:
     lru.insert(k(1))
     lru.touch(k(9))
     lru.remove(k(9))
-    assert lru.order() == [k(1)]
+    assert lru_order(lru) == [k(1)]
     assert k(9) not in lru
 
 
@@ -92,9 +93,9 @@ def test_arc_new_keys_go_to_t1_and_hits_promote_to_t2() -> None:
     assert arc.where(k(1)) == "t2"
     arc.insert(k(2))  # re-insert of a resident key is a hit too
     assert arc.where(k(2)) == "t2"
-    assert arc.lists()["t2"] == [k(1), k(2)]
+    assert arc_lists(arc)["t2"] == [k(1), k(2)]
     arc.touch(k(1))
-    assert arc.lists()["t2"] == [k(2), k(1)]
+    assert arc_lists(arc)["t2"] == [k(2), k(1)]
     assert len(arc) == 2 and k(1) in arc and k(3) not in arc
 
 
@@ -132,7 +133,7 @@ def test_arc_victim_takes_t2_when_t1_is_within_target() -> None:
     arc.remove(k(1))  # evicted from T1: remembered in B1
     arc.insert(k(1))  # B1 ghost hit: p grows to 1, key 1 goes to T2
     assert arc.p == 1
-    assert arc.lists()["t1"] == [k(2)] and arc.lists()["t2"] == [k(1)]
+    assert arc_lists(arc)["t1"] == [k(2)] and arc_lists(arc)["t2"] == [k(1)]
     # |T1| == 1 is not > p == 1, so REPLACE takes T2's coldest key.
     assert arc.victim(always) == k(1)
 
@@ -150,7 +151,7 @@ def test_arc_b1_ghost_hit_goes_to_t2_and_grows_p() -> None:
     arc.insert(k(1))
     assert arc.where(k(1)) == "t2"
     assert arc.p == 1
-    assert arc.lists()["b1"] == []
+    assert arc_lists(arc)["b1"] == []
 
 
 def test_arc_b2_ghost_hit_goes_to_t2_and_shrinks_p() -> None:
@@ -187,7 +188,7 @@ def test_arc_ghost_lists_stay_bounded_by_capacity() -> None:
         accesses.append(k(i))
         accesses.append(k(i // 3))
     run_cache(arc, capacity, accesses)
-    lists = arc.lists()
+    lists = arc_lists(arc)
     assert len(lists["t1"]) + len(lists["b1"]) <= capacity
     assert sum(len(v) for v in lists.values()) <= 2 * capacity
     assert len(lists["b1"]) + len(lists["b2"]) > 0
@@ -224,7 +225,7 @@ def test_arc_clear_forgets_ghosts_and_target() -> None:
     assert arc.p == 1
     arc.clear()
     assert arc.p == 0 and len(arc) == 0
-    assert all(v == [] for v in arc.lists().values())
+    assert all(v == [] for v in arc_lists(arc).values())
 
 
 def test_arc_negative_capacity_is_rejected() -> None:

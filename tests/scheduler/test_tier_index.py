@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 )
 
 from tests.helpers import short_key as k
-from tests.scheduler.index_checks import check_invariants
+from tests.scheduler.index_checks import check_invariants, lru_order
 from tieredkv.scheduler.policies import ARCPolicy, LRUPolicy
 from tieredkv.scheduler.tier_index import Placement, SlotState, TierIndex
 
@@ -667,7 +667,7 @@ class TierIndexMachine(RuleBasedStateMachine):
             e.pins > 0 for e in (*m.live.values(), *m.doomed.values())
         )
         if self.policy_name == "lru":
-            assert index.policy.order() == m.recency  # type: ignore[attr-defined]
+            assert lru_order(index.policy) == m.recency
 
 
 class ARCTierIndexMachine(TierIndexMachine):

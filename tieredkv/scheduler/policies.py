@@ -93,10 +93,6 @@ class LRUPolicy(EvictionPolicy):
     def clear(self) -> None:
         self._order.clear()
 
-    def order(self) -> list[bytes]:
-        """Resident keys from coldest to hottest (for tests and debugging)."""
-        return list(self._order)
-
     def __len__(self) -> int:
         return len(self._order)
 
@@ -191,13 +187,6 @@ class ARCPolicy(EvictionPolicy):
             if key in lst:
                 return name
         return None
-
-    def lists(self) -> dict[str, list[bytes]]:
-        """Every list from coldest to hottest (for tests and debugging)."""
-        return {
-            "t1": list(self._t1), "t2": list(self._t2),
-            "b1": list(self._b1), "b2": list(self._b2),
-        }
 
     def _trim_ghosts(self) -> None:
         # Only ghosts are dropped here; resident keys leave when the tier index evicts them.
