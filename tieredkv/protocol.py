@@ -22,6 +22,16 @@ from enum import StrEnum
 NO_BLOCK = -1
 
 
+class Tier(StrEnum):
+    """Where a chunk's KV is kept: the workers' host pools, their slab files, the shared store.
+
+    The values are the ``tier`` label of the metrics and the tier names in the stats."""
+
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
 class JobKind(StrEnum):
     """What a job moves: device->host, host->disk, disk->host, host->device, and host<->remote."""
 

@@ -293,9 +293,9 @@ def child_main(spec_path: str) -> None:
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prompts: dict[str, list[int]] = spec["prompts"]
 
-    def counters() -> dict[str, int]:
+    def counters() -> dict[str, Any]:
         half = _scheduler_half(llm)
-        return dict(half.planner.counters) if half is not None else {}
+        return half.planner.counters.snapshot() if half is not None else {}
 
     def run(phase: dict[str, Any]) -> dict[str, Any] | None:
         kind = phase["kind"]

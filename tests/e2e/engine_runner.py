@@ -33,6 +33,12 @@ def find_scheduler_half(llm):
     return getattr(connector, "_scheduler", None)
 
 
+def flat_counters(counts) -> dict[str, int]:
+    """The planner's counts under one flat name each (``hit_tokens_host``,
+    ``load_failed_copy_error``): what the e2e tests assert on, JSON-safe."""
+    return {str(k) if not isinstance(k, tuple) else f"{k[0]}_{k[1]}": n for k, n in counts.items()}
+
+
 def engine_info(llm) -> dict:
     """What vLLM made of the engine: the hybrid KV-cache manager's switch, the KV-cache groups
     (spec class names), the device blocks, and the capacity vLLM logs at start-up ("KV cache
@@ -205,7 +211,7 @@ def main() -> None:
                 time.sleep(0.02)
         half = find_scheduler_half(llm)
         if half is not None:
-            record["counters"] = dict(half.planner.counters)
+            record["counters"] = flat_counters(half.planner.counters)
             record["host_ready"] = half.planner.host.ready_count
             record["disk_ready"] = half.planner.disk.ready_count if half.planner.disk else 0
             record["gauges"] = half.planner.gauges()

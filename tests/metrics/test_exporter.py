@@ -15,8 +15,8 @@ from tieredkv.protocol import FAILURE_CAUSES
 
 PAYLOAD = {
     "scheduler": {
-        "counters": {"lookups": 2, "hit_tokens_disk": 256, "evictions_disk": 1,
-                     "spill_failed_io_error": 1, "disk_read_failed_wrong_key": 1},
+        "counters": {"lookups": 2, "hit_tokens": {"disk": 256}, "evictions": {"disk": 1},
+                     "spill_failed": {"io_error": 1}, "disk_read_failed": {"wrong_key": 1}},
         "gauges": {"host_slots_capacity": 4, "host_slots_used": 4, "host_slots_pinned": 1,
                    "disk_slots_capacity": 10, "disk_slots_used": 3,
                    "requests_waiting_on_load": 2},
@@ -130,11 +130,12 @@ def test_start_exporter_serves_the_registry_on_loopback(parse_samples) -> None:
 
 REMOTE_PAYLOAD = {
     "scheduler": {
-        "counters": {"hit_tokens_remote": 384, "remote_probes": 3, "remote_read_chunks": 3,
-                     "remote_written_chunks": 5, "remote_probe_failed_timeout": 1,
-                     "remote_probe_failed_unavailable": 2, "remote_read_failed_checksum": 1,
+        "counters": {"hit_tokens": {"remote": 384}, "remote_probes": 3, "remote_read_chunks": 3,
+                     "remote_written_chunks": 5,
+                     "remote_probe_failed": {"timeout": 1, "unavailable": 2},
+                     "remote_read_failed": {"checksum": 1},
                      "remote_writes_dropped": 4, "remote_write_failed": 1,
-                     "remote_admission_rejected": 6, "evictions_remote": 9},
+                     "remote_admission_rejected": 6, "evictions": {"remote": 9}},
         "gauges": {"remote_up": 1, "remote_used_bytes": 5_000_000,
                    "remote_capacity_bytes": 64 << 20},
         "latency_s": {"remote_probe": [0.0004, 0.002, 0.3]},

@@ -123,10 +123,10 @@ def test_every_metric_exists_at_zero_with_vllm_labels(connector_prom, registry) 
 def test_observe_counts_sets_and_observes_exactly(connector_prom, registry) -> None:
     step1 = stats_payload(
         scheduler={"scheduler": {
-            "counters": {"lookups": 3, "hit_tokens_host": 256, "hit_tokens_disk": 128,
-                         "evictions_host": 2, "stored_chunks": 5, "spilled_chunks": 4,
-                         "disk_read_failed_checksum": 1, "load_failed_timeout": 2,
-                         "store_failed_copy_error": 1, "spill_failed_no_space": 3,
+            "counters": {"lookups": 3, "hit_tokens": {"host": 256, "disk": 128},
+                         "evictions": {"host": 2}, "stored_chunks": 5, "spilled_chunks": 4,
+                         "disk_read_failed": {"checksum": 1}, "load_failed": {"timeout": 2},
+                         "store_failed": {"copy_error": 1}, "spill_failed": {"no_space": 3},
                          "dropped_at_recovery": 7, "disk_admission_rejected": 1,
                          "store_skipped_host_full": 6, "resets": 1,
                          "a_counter_from_the_future": 9},
@@ -202,8 +202,9 @@ def test_observe_counts_sets_and_observes_exactly(connector_prom, registry) -> N
     # does not report keeps its last queue depth in the sum.
     step2 = stats_payload(
         scheduler={"scheduler": {
-            "counters": {"lookups": 2, "hit_tokens_host": 128, "disk_read_failed_checksum": 2,
-                         "load_failed_an_unlisted_cause": 1},
+            "counters": {"lookups": 2, "hit_tokens": {"host": 128},
+                         "disk_read_failed": {"checksum": 2},
+                         "load_failed": {"an_unlisted_cause": 1}},
             "gauges": {"host_slots_capacity": 8, "host_slots_used": 1, "host_slots_pinned": 0,
                        "disk_slots_capacity": 100, "disk_slots_used": 9,
                        "requests_waiting_on_load": 0},

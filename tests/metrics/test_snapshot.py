@@ -11,7 +11,7 @@ import copy
 from tieredkv.metrics import snapshot
 
 SCHED = {
-    "counters": {"lookups": 1, "hit_tokens_host": 128},
+    "counters": {"lookups": 1, "hit_tokens": {"host": 128}},
     "gauges": {"host_slots_used": 3},
     "chunk_bytes": 4096, "chunk_tokens": 64, "world_size": 2,
 }
@@ -24,14 +24,14 @@ WORKER = {
 
 def test_merge_adds_counters_and_keeps_the_latest_gauges() -> None:
     first = {"scheduler": SCHED, "workers": {"0": WORKER}}
-    later_sched = {**SCHED, "counters": {"lookups": 2}, "gauges": {"host_slots_used": 5}}
+    later_sched = {**SCHED, "counters": {"lookups": 2, "hit_tokens": {"host": 64, "disk": 32}}, "gauges": {"host_slots_used": 5}}
     later_worker = {"bytes": {"d2h": 1 << 20}, "latency_s": {"store": [0.02]},
                     "queue_depths": {"spill_queue": 0}}
     before = copy.deepcopy(first)
     merged = snapshot.merge(first, {"scheduler": later_sched, "workers": {"0": later_worker, "1": WORKER}})
     assert first == before, "merge must not modify its inputs"
     sched = merged["scheduler"]
-    assert sched["counters"] == {"lookups": 3, "hit_tokens_host": 128}
+    assert sched["counters"] == {"lookups": 3, "hit_tokens": {"host": 192, "disk": 32}}
     assert sched["gauges"] == {"host_slots_used": 5}
     rank0 = merged["workers"]["0"]
     assert rank0["bytes"] == {"d2h": 2 << 20, "spill": 1 << 19}

@@ -54,7 +54,7 @@ def test_a_load_that_would_leave_a_block_unwritten_fails_and_the_retry_ends_befo
     assert planner.counters["load_rows_unserved"] == 1
     # Every rank fails it (the worker copies nothing); vLLM recomputes the request.
     planner.apply([JobResult.fail(load.job_id, FailureCause.MISSING, load.block_ids)])
-    assert planner.counters["load_failed_missing"] == 1
+    assert planner.counters["load_failed", "missing"] == 1
     # The stored chunks are sound: both stay.
     assert planner.host.ready_count == 2
     # Asked again from its first token, the request's hit ends before chunk 1.

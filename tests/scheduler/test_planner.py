@@ -176,7 +176,7 @@ def test_failed_promotion_is_a_plain_miss_and_drops_the_disk_entry():
     planner.apply([JobResult(promote.job_id, failed=1, failure="checksum")])
     assert planner.lookup("c", keys_for(a), 0, len(a)) == 0
     assert keys_for(a)[0] not in planner.disk
-    assert planner.counters["disk_read_failed_checksum"] == 1
+    assert planner.counters["disk_read_failed", "checksum"] == 1
 
 
 def test_disk_admission_requires_n_sightings():
@@ -281,7 +281,7 @@ def test_eviction_policies_make_room_for_new_chunks(policy):
     for i in range(5):
         store_prompt(planner, f"r{i}", [i * 100_000 + t for t in range(CHUNK_TOKENS + 1)])
     assert planner.host.ready_count == 2
-    assert planner.counters["evictions_host"] == 3
+    assert planner.counters["evictions", "host"] == 3
 
 
 def test_promotion_never_evicts_resident_chunks_of_its_own_prefix():
@@ -484,7 +484,7 @@ def test_a_tail_that_grows_leaves_one_copy():
     plan = store_prompt(planner, "t2", turn2)
     assert [len(s.block_ids) for s in plan.stores] == [4, 4]  # chunks 1 and 2, no tail
     assert tail not in planner.host and not planner.host.is_doomed(tail)
-    assert planner.counters["superseded_host"] == 1
+    assert planner.counters["superseded", "host"] == 1
     assert len(planner.host) == 3  # chunks 0, 1, 2: one copy of every block
     # Turn 1's prompt still hits its blocks, now through turn 2's chunk 1.
     assert planner.lookup("again", keys_for(turn1), 0, len(turn1)) == CHUNK_TOKENS + 2 * BLOCK
@@ -530,7 +530,7 @@ def test_a_tail_that_grows_leaves_one_copy_on_disk_too():
     assert [s.key for s in plan.spills] == [keys_for(turn2)[1]]
     assert plan.spills[0].aliases == keys_for(turn2).block_keys(4, 7)
     ok_all(planner, plan)
-    assert tail not in planner.disk and planner.counters["superseded_disk"] == 1
+    assert tail not in planner.disk and planner.counters["superseded", "disk"] == 1
     assert len(planner.disk) == 2
     check_invariants(planner.disk)
 
@@ -629,7 +629,7 @@ def test_recovery_keeps_the_longer_of_two_entries_holding_the_same_blocks(tmp_pa
     with DiskCatalog.open(disk, FP, payload, slots, 1) as catalog:
         planner = make(host_slots=4, disk_slots=slots, catalog=catalog)
         assert short not in planner.disk and full in planner.disk
-        assert planner.counters["superseded_disk"] == 1
+        assert planner.counters["superseded", "disk"] == 1
         catalog.flush()
     with DiskCatalog.open(disk, FP, payload, slots, 1) as catalog:
         assert set(catalog.recovered) == {full}  # the removal was journaled

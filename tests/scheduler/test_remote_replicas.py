@@ -152,7 +152,7 @@ def test_a_prompt_stored_by_one_replica_is_loaded_by_another_bit_exact(make_repl
     before = _rows(b.kv, B_BLOCKS[: whole // BLOCK])
     b.load("b", hit, B_BLOCKS)
     assert b.planner.hit_tokens("b") == {"host": 0, "disk": 0, "remote": whole}
-    assert b.planner.counters["hit_tokens_remote"] == whole
+    assert b.planner.counters["hit_tokens", "remote"] == whole
     got = _rows(b.kv, B_BLOCKS[: whole // BLOCK])
     assert all(torch.equal(x, y) for x, y in zip(got, _rows(a.kv, a_blocks[: whole // BLOCK]), strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(got, before, strict=True))  # bytes really moved
@@ -170,13 +170,13 @@ def test_a_corrupted_or_foreign_value_is_a_miss_counted_by_cause(make_replica, r
     client.set(third, bytes(value))
     b = make_replica(url, seed=2)
     assert b.lookup("b", TOKENS) == 2 * CHUNK_TOKENS  # the prefix up to the corrupted chunk
-    assert b.planner.counters["remote_read_failed_checksum"] == 1
+    assert b.planner.counters["remote_read_failed", "checksum"] == 1
     # A value written for another chunk, copied under this chunk's name: wrong key.
     client.set(remote_key(FINGERPRINT, 0, chunk_keys[0], prefix),
                client.get(remote_key(FINGERPRINT, 0, chunk_keys[1], prefix)))
     c = make_replica(url, seed=3)
     assert c.lookup("c", TOKENS) == 0
-    assert c.planner.counters["remote_read_failed_wrong_key"] == 1
+    assert c.planner.counters["remote_read_failed", "wrong_key"] == 1
 
 
 def test_another_namespace_never_sees_the_entries(make_replica, redis_server):
@@ -238,11 +238,11 @@ def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fr
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     b.planner.take_counter_deltas()  # folds the probe's counters in
-    failed = {k: v for k, v in b.planner.counters.items() if k.startswith("remote_probe_failed_")}
+    failed = {k[1]: v for k, v in b.planner.counters.items()
+              if isinstance(k, tuple) and k[0] == "remote_probe_failed"}
     # The deadline passed, or the store's own timeout (or a reset connection) answered first.
     assert sum(failed.values()) == 1 and set(failed) <= {
-        "remote_probe_failed_timeout", "remote_probe_failed_io_error",
-        "remote_probe_failed_unavailable"}, failed  # unavailable: a ping found it down first
+        "timeout", "io_error", "unavailable"}, failed  # unavailable: a ping found it down first
     assert b.planner.counters["remote_read_chunks"] == 0
 
 
@@ -274,11 +274,11 @@ def test_keys_redis_evicts_are_misses_and_counted(make_replica, fresh_server, pr
     b = make_replica(server.url, seed=2)
     assert b.lookup("b", TOKENS) == 0
     deadline = time.monotonic() + 15.0
-    while a.planner.counters["evictions_remote"] == 0 and time.monotonic() < deadline:
+    while a.planner.counters["evictions", "remote"] == 0 and time.monotonic() < deadline:
         a.planner.remote._info_at = float("-inf")  # type: ignore[union-attr] # now, not in 5 s
         a.planner.gauges()
         time.sleep(0.05)
-    assert a.planner.counters["evictions_remote"] >= 5
+    assert a.planner.counters["evictions", "remote"] >= 5
 
 
 def test_a_probe_sent_on_arrival_saves_the_first_ask_again(make_replica, redis_server):

@@ -123,7 +123,7 @@ def test_two_failures_in_a_row_fail_the_promotion_and_drop_the_entry(host, slab,
     # a plain miss, and the disk entry is gone
     assert planner.lookup("c", keys_for(PROMPT), 0, len(PROMPT)) == 0
     assert keys_for(PROMPT)[0] not in planner.disk
-    assert planner.counters["disk_read_failed_io_error"] == 1
+    assert planner.counters["disk_read_failed", "io_error"] == 1
 
 
 @pytest.mark.parametrize("fault", ["checksum", "wrong_key"])
@@ -147,7 +147,7 @@ def test_a_wrong_byte_is_never_read_again(host, slab, fio, make_engine, fault) -
     assert stats["failures"] == {fault: 1}
     if fault == "checksum":
         assert keys_for(PROMPT)[0] not in planner.disk
-        assert planner.counters["disk_read_failed_checksum"] == 1
+        assert planner.counters["disk_read_failed", "checksum"] == 1
 
 
 def test_a_timed_out_read_is_read_again_once_its_stuck_call_returned(host, slab, fio, make_engine) -> None:

@@ -25,7 +25,7 @@ from tieredkv.metrics.specs import (
     MetricSpec,
     route_counter,
 )
-from tieredkv.protocol import FAILURE_CAUSES
+from tieredkv.protocol import FAILURE_CAUSES, Tier
 
 logger = logging.getLogger("tieredkv")
 
@@ -112,11 +112,12 @@ class TieredKVMetrics:
             logger.debug("tieredkv: negative delta %s for %s ignored", delta, key)
 
     def _observe_scheduler(self, sched: Mapping[str, Any], engine: Any) -> None:
-        for name, delta in (sched.get("counters") or {}).items():
-            route = route_counter(name)
-            if route is None:
-                continue
-            self._inc(engine, route[0], route[1], delta)
+        for name, counted in (sched.get("counters") or {}).items():
+            by_label = counted if isinstance(counted, Mapping) else {None: counted}
+            for label, delta in by_label.items():
+                route = route_counter(name, label)
+                if route is not None:
+                    self._inc(engine, route[0], route[1], delta)
         probe_latency = (sched.get("latency_s") or {}).get("remote_probe") or ()
         if probe_latency:
             histogram = self._child(engine, "remote_probe_latency", None)
@@ -136,7 +137,7 @@ class TieredKVMetrics:
         for tier_field, key in (("remote_capacity_bytes", "capacity_bytes"),
                                 ("remote_used_bytes", "used_bytes")):
             if tier_field in gauges:  # Redis's own figures (INFO memory), not slots
-                self._child(engine, key, "remote").set(gauges[tier_field])
+                self._child(engine, key, Tier.REMOTE.value).set(gauges[tier_field])
         if "remote_up" in gauges:
             self._child(engine, "remote_up", None).set(gauges["remote_up"])
         if "host_slots_pinned" in gauges:

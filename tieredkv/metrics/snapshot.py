@@ -2,7 +2,7 @@
 
 Data shape (msgpack-safe: dicts of str -> numbers / lists of numbers)::
 
-    {"scheduler": {"counters": {name: delta}, "gauges": {name: value},
+    {"scheduler": {"counters": {name: delta, name: {label: delta}}, "gauges": {name: value},
                    "latency_s": {"remote_probe": [s, ...]},
                    "chunk_bytes": int, "chunk_tokens": int, "world_size": int},
      "workers": {"<rank>": {"bytes": {dir: n}, "ops": {dir: n}, "spills_dropped": n,
@@ -10,9 +10,11 @@ Data shape (msgpack-safe: dicts of str -> numbers / lists of numbers)::
                              "reads_retried": {kind: n}, "reads_recovered": n,
                              "remote_writes_failed": n, "queue_depths": {name: n}}}}
 
-``reads_retried`` counts disk reads read a second time after a transient failure (by the
-first read's failure kind); ``reads_recovered`` those whose second read succeeded. A read
-that still fails is also counted in ``failures``, once, as its job's failure.
+The scheduler's counter names are :class:`tieredkv.metrics.specs.Count`'s; one counted by tier
+or cause carries ``{label: delta}``. ``reads_retried`` counts disk reads read a second time
+after a transient failure (by the first read's failure kind); ``reads_recovered`` those whose
+second read succeeded. A read that still fails is also counted in ``failures``, once, as its
+job's failure.
 
 Counters are per-step deltas; :func:`merge` adds them up, gauges keep the latest value.
 vLLM carries these snapshots in :class:`tieredkv.vllm.stats.TieredKVStats` (a thin
@@ -25,6 +27,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from typing import Any
+
+from tieredkv.protocol import Tier
 
 # Scheduler fields that hold the latest value rather than a delta.
 SCHEDULER_LATEST = ("gauges", "chunk_bytes", "chunk_tokens", "world_size")
@@ -91,7 +95,7 @@ def is_empty(data: Mapping[str, Any]) -> bool:
 def summary(data: Mapping[str, Any]) -> dict[str, int | float]:
     """A one-line summary for vLLM's periodic log: hits, MiB moved per direction, failures."""
     sched = data.get("scheduler", {})
-    counters = sched.get("counters", {})
+    hit_tokens = sched.get("counters", {}).get("hit_tokens", {})
     moved: dict[str, int] = {}
     failures = 0
     reads_retried = 0
@@ -101,9 +105,7 @@ def summary(data: Mapping[str, Any]) -> dict[str, int | float]:
         failures += sum(snap.get("failures", {}).values())
         reads_retried += sum(snap.get("reads_retried", {}).values())
     return {
-        "hit_tokens_host": counters.get("hit_tokens_host", 0),
-        "hit_tokens_disk": counters.get("hit_tokens_disk", 0),
-        "hit_tokens_remote": counters.get("hit_tokens_remote", 0),
+        **{f"hit_tokens_{tier}": hit_tokens.get(tier, 0) for tier in Tier},
         **{f"{d}_MiB": round(n / 2**20, 2) for d, n in sorted(moved.items())},
         "failures": failures,
         "reads_retried": reads_retried,

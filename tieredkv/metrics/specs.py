@@ -1,8 +1,9 @@
 """What tieredkv exports to Prometheus: one table of metric definitions and the counter routes.
 
 Every ``vllm:tieredkv_*`` metric is defined once, in :data:`METRIC_SPECS` (name, type, help
-text, label and every label value), and every scheduler counter is routed to one of them by
-:func:`route_counter`. Both ways the metrics reach Prometheus build from this table (vLLM's
+text, label and every label value), and every scheduler counter is declared once, as a
+:class:`Count` routed to one of them by :data:`COUNT_ROUTES`; :class:`Counts` refuses any
+other key, so nothing can be counted that is not exported. Both ways the metrics reach Prometheus build from this table (vLLM's
 stat logger through :class:`tieredkv.vllm.prometheus.TieredKVPromMetrics`, the standalone
 exporter through :mod:`tieredkv.metrics.exporter`), and the Grafana dashboard's tests check
 its queries against it. Plain data: imports neither vLLM nor prometheus_client.
@@ -10,14 +11,21 @@ its queries against it. Plain data: imports neither vLLM nor prometheus_client.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
 
-from tieredkv.protocol import FAILURE_CAUSES, FailureCause
+from tieredkv.protocol import FAILURE_CAUSES, FailureCause, Tier
 
 __all__ = [
     "CHUNK_OPS",
+    "Count",
+    "CountRoute",
+    "Counts",
     "COUNTER",
+    "COUNT_ROUTES",
     "DIRECTIONS",
     "GAUGE",
     "HISTOGRAM",
@@ -32,7 +40,7 @@ __all__ = [
     "route_counter",
 ]
 
-TIERS = ("host", "disk", "remote")
+TIERS = tuple(t.value for t in Tier)
 DIRECTIONS = ("d2h", "h2d", "spill", "restore", "remote_read", "remote_write")
 JOB_KINDS = ("store", "spill", "promote", "load", "remote_read", "remote_write")
 QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots_in_flight",
@@ -99,6 +107,9 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "load_latency_seconds", HISTOGRAM,
         "Time to load one request's hit from host slots into device blocks (h2d), per rank.",
         buckets=LATENCY_BUCKETS),
+    "partial_hits": _spec(
+        "partial_hits", COUNTER,
+        "Hits that ended inside a chunk: a prompt's tail (fewer blocks than a chunk) loaded."),
     "requests_waiting_on_load": _spec(
         "requests_waiting_on_load", GAUGE,
         "Requests waiting for tieredkv to promote (disk -> host) or load (host -> device) "
@@ -154,6 +165,10 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "promoted from disk; superseded: a prompt's tail (part of a chunk) dropped from a "
         "tier because a longer entry of the same prefix now holds its blocks there.",
         "op", CHUNK_OPS),
+    "partial_stores": _spec(
+        "partial_stores", COUNTER,
+        "Stores issued for a prompt's tail (its blocks past the last whole chunk); each that "
+        "completes on every rank also counts in chunks{op=\"stored\"}."),
     "preemptions": _spec(
         "preemptions", COUNTER, "Request preemptions the connector fenced."),
     "resets": _spec(
@@ -170,6 +185,14 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         FAILURE_CAUSES),
     "spill_failures": _spec(
         "spill_failures", COUNTER, "Failed host->disk spills by cause.", "cause", FAILURE_CAUSES),
+    "chunks_dropped_by_failed_loads": _spec(
+        "chunks_dropped_by_failed_loads", COUNTER,
+        "Host entries dropped because a load from them failed (vLLM recomputes their blocks; "
+        "later lookups miss them)."),
+    "load_blocks_unserved": _spec(
+        "load_blocks_unserved", COUNTER,
+        "Device blocks a hybrid model's load could not fill (vLLM kept more of a sliding "
+        "window than was stored): the load fails without a copy and vLLM recomputes."),
     "disk_reads_retried": _spec(
         "disk_reads_retried", COUNTER,
         "Disk reads read a second time after a transient failure (timeout, I/O error, short "
@@ -189,6 +212,13 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "chunks, every rank), as the store measured it.", buckets=LATENCY_BUCKETS),
     "remote_probes": _spec(
         "remote_probes", COUNTER, "Remote existence probes sent (one per prompt and lookup)."),
+    "remote_probed_chunks": _spec(
+        "remote_probed_chunks", COUNTER,
+        "Chunks remote probes asked about (one Redis key per chunk and rank)."),
+    "remote_known_chunks": _spec(
+        "remote_known_chunks", COUNTER,
+        "Chunks a remote probe did not ask about because an earlier probe or our own write "
+        "showed them present on every rank (a hint: reads still verify)."),
     "remote_probe_failures": _spec(
         "remote_probe_failures", COUNTER,
         "Remote probes that failed or passed their deadline (remote_timeout_s), by cause; the "
@@ -221,53 +251,156 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "(a full disk); the journal is rebuilt from the live index once writes succeed."),
 }
 
-# Scheduler counters (tieredkv/scheduler/planner.py Planner.counters) -> (spec id, label value).
-_COUNTER_ROUTES: dict[str, tuple[str, str | None]] = {
-    "lookups": ("lookups", None),
-    "lookup_tokens": ("lookup_tokens", None),
-    "hit_tokens_host": ("hit_tokens", "host"),
-    "hit_tokens_disk": ("hit_tokens", "disk"),
-    "evictions_host": ("evictions", "host"),
-    "evictions_disk": ("evictions", "disk"),
-    "disk_admission_rejected": ("disk_admission_rejected", None),
-    "store_skipped_host_full": ("skipped", "store_host_full"),
-    "spill_skipped_disk_full": ("skipped", "spill_disk_full"),
-    "promote_no_host_slot": ("skipped", "promote_no_host_slot"),
-    "stored_chunks": ("chunks", "stored"),
-    "spilled_chunks": ("chunks", "spilled"),
-    "promoted_chunks": ("chunks", "promoted"),
-    "superseded_host": ("chunks", "superseded"),
-    "superseded_disk": ("chunks", "superseded"),
-    "preemptions": ("preemptions", None),
-    "resets": ("resets", None),
-    "dropped_at_recovery": ("recovery_dropped", None),
-    "journal_records_dropped": ("journal_records_dropped", None),
-    "hit_tokens_remote": ("hit_tokens", "remote"),
-    "evictions_remote": ("evictions", "remote"),
-    "remote_written_chunks": ("chunks", "remote_written"),
-    "remote_read_chunks": ("chunks", "remote_read"),
-    "remote_probes": ("remote_probes", None),
-    "remote_writes_dropped": ("remote_writes_dropped", None),
-    "remote_admission_rejected": ("remote_admission_rejected", None),
-    "remote_write_failed": ("remote_write_failures", None),
+
+class Count(StrEnum):
+    """Every counter the scheduler keeps; the value is its name in the stats snapshot.
+
+    A counter named here ``by tier`` or ``by cause`` is keyed ``(count, label)`` (a
+    :class:`~tieredkv.protocol.Tier`, a :class:`~tieredkv.protocol.FailureCause`); every other
+    one by itself. :data:`COUNT_ROUTES` gives each the metric it feeds."""
+
+    LOOKUPS = "lookups"
+    LOOKUP_TOKENS = "lookup_tokens"
+    HIT_TOKENS = "hit_tokens"  # by tier
+    PARTIAL_HITS = "partial_hits"
+    EVICTIONS = "evictions"  # by tier
+    SUPERSEDED = "superseded"  # by tier
+    DISK_ADMISSION_REJECTED = "disk_admission_rejected"
+    REMOTE_ADMISSION_REJECTED = "remote_admission_rejected"
+    STORE_SKIPPED_HOST_FULL = "store_skipped_host_full"
+    SPILL_SKIPPED_DISK_FULL = "spill_skipped_disk_full"
+    PROMOTE_NO_HOST_SLOT = "promote_no_host_slot"
+    STORED_CHUNKS = "stored_chunks"
+    STORED_PARTIAL_CHUNKS = "stored_partial_chunks"
+    SPILLED_CHUNKS = "spilled_chunks"
+    PROMOTED_CHUNKS = "promoted_chunks"
+    REMOTE_WRITTEN_CHUNKS = "remote_written_chunks"
+    REMOTE_READ_CHUNKS = "remote_read_chunks"
+    PREEMPTIONS = "preemptions"
+    RESETS = "resets"
+    DROPPED_AT_RECOVERY = "dropped_at_recovery"
+    JOURNAL_RECORDS_DROPPED = "journal_records_dropped"
+    LOAD_FAILED = "load_failed"  # by cause
+    CHUNKS_DROPPED_BY_FAILED_LOADS = "chunks_dropped_by_failed_loads"
+    LOAD_ROWS_UNSERVED = "load_rows_unserved"
+    DISK_READ_FAILED = "disk_read_failed"  # by cause
+    STORE_FAILED = "store_failed"  # by cause
+    SPILL_FAILED = "spill_failed"  # by cause
+    REMOTE_READ_FAILED = "remote_read_failed"  # by cause
+    REMOTE_PROBES = "remote_probes"
+    REMOTE_PROBE_KEYS = "remote_probe_keys"
+    REMOTE_PROBE_KNOWN_HITS = "remote_probe_known_hits"
+    REMOTE_PROBE_FAILED = "remote_probe_failed"  # by cause
+    REMOTE_WRITES_DROPPED = "remote_writes_dropped"
+    REMOTE_WRITE_FAILED = "remote_write_failed"
+
+
+@dataclass(frozen=True)
+class CountRoute:
+    """Where a :class:`Count` goes: metric ``spec`` (a key of :data:`METRIC_SPECS`), with label
+    value ``value``. ``by``: the count is keyed ``(count, label)``; with ``value`` None the
+    label is the metric's label value, otherwise a breakdown summed into ``value``."""
+
+    spec: str
+    value: str | None = None
+    by: bool = False
+
+
+COUNT_ROUTES: dict[Count, CountRoute] = {
+    Count.LOOKUPS: CountRoute("lookups"),
+    Count.LOOKUP_TOKENS: CountRoute("lookup_tokens"),
+    Count.HIT_TOKENS: CountRoute("hit_tokens", by=True),
+    Count.PARTIAL_HITS: CountRoute("partial_hits"),
+    Count.EVICTIONS: CountRoute("evictions", by=True),
+    Count.SUPERSEDED: CountRoute("chunks", "superseded", by=True),
+    Count.DISK_ADMISSION_REJECTED: CountRoute("disk_admission_rejected"),
+    Count.REMOTE_ADMISSION_REJECTED: CountRoute("remote_admission_rejected"),
+    Count.STORE_SKIPPED_HOST_FULL: CountRoute("skipped", "store_host_full"),
+    Count.SPILL_SKIPPED_DISK_FULL: CountRoute("skipped", "spill_disk_full"),
+    Count.PROMOTE_NO_HOST_SLOT: CountRoute("skipped", "promote_no_host_slot"),
+    Count.STORED_CHUNKS: CountRoute("chunks", "stored"),
+    Count.STORED_PARTIAL_CHUNKS: CountRoute("partial_stores"),
+    Count.SPILLED_CHUNKS: CountRoute("chunks", "spilled"),
+    Count.PROMOTED_CHUNKS: CountRoute("chunks", "promoted"),
+    Count.REMOTE_WRITTEN_CHUNKS: CountRoute("chunks", "remote_written"),
+    Count.REMOTE_READ_CHUNKS: CountRoute("chunks", "remote_read"),
+    Count.PREEMPTIONS: CountRoute("preemptions"),
+    Count.RESETS: CountRoute("resets"),
+    Count.DROPPED_AT_RECOVERY: CountRoute("recovery_dropped"),
+    Count.JOURNAL_RECORDS_DROPPED: CountRoute("journal_records_dropped"),
+    Count.LOAD_FAILED: CountRoute("load_failures", by=True),
+    Count.CHUNKS_DROPPED_BY_FAILED_LOADS: CountRoute("chunks_dropped_by_failed_loads"),
+    Count.LOAD_ROWS_UNSERVED: CountRoute("load_blocks_unserved"),
+    Count.DISK_READ_FAILED: CountRoute("load_failures", by=True),
+    Count.STORE_FAILED: CountRoute("store_failures", by=True),
+    Count.SPILL_FAILED: CountRoute("spill_failures", by=True),
+    Count.REMOTE_READ_FAILED: CountRoute("remote_read_failures", by=True),
+    Count.REMOTE_PROBES: CountRoute("remote_probes"),
+    Count.REMOTE_PROBE_KEYS: CountRoute("remote_probed_chunks"),
+    Count.REMOTE_PROBE_KNOWN_HITS: CountRoute("remote_known_chunks"),
+    Count.REMOTE_PROBE_FAILED: CountRoute("remote_probe_failures", by=True),
+    Count.REMOTE_WRITES_DROPPED: CountRoute("remote_writes_dropped"),
+    Count.REMOTE_WRITE_FAILED: CountRoute("remote_write_failures"),
 }
-# Failure counters are named <prefix><cause>.
-_FAILURE_ROUTES: tuple[tuple[str, str], ...] = (
-    ("load_failed_", "load_failures"),
-    ("disk_read_failed_", "load_failures"),
-    ("store_failed_", "store_failures"),
-    ("spill_failed_", "spill_failures"),
-    ("remote_read_failed_", "remote_read_failures"),
-    ("remote_probe_failed_", "remote_probe_failures"),
-)
+# Checked once at import: a Count without a route, or a route to no metric, cannot ship.
+for _count in Count:
+    _route = COUNT_ROUTES[_count]
+    _spec_of = METRIC_SPECS[_route.spec]
+    if _spec_of.kind != COUNTER or (_spec_of.label is None) != (_route.value is None
+                                                                  and not _route.by):
+        raise AssertionError(f"tieredkv: counter {_count} routes to {_route.spec} wrongly")
+
+# Where code that serves any tier below host counts a tier's own counter.
+READ_FAILED: dict[Tier, Count] = {Tier.DISK: Count.DISK_READ_FAILED,
+                                  Tier.REMOTE: Count.REMOTE_READ_FAILED}
+ADMISSION_REJECTED: dict[Tier, Count] = {Tier.DISK: Count.DISK_ADMISSION_REJECTED,
+                                         Tier.REMOTE: Count.REMOTE_ADMISSION_REJECTED}
+
+CountKey = Count | tuple[Count, str]
 
 
-def route_counter(name: str) -> tuple[str, str | None] | None:
-    """The (spec id, label value) a scheduler counter feeds; None for one not exported."""
-    route = _COUNTER_ROUTES.get(name)
-    if route is not None:
-        return route
-    for prefix, key in _FAILURE_ROUTES:
-        if name.startswith(prefix):
-            return key, name[len(prefix):]
-    return None
+class Counts(Counter):
+    """The scheduler's counters: keyed by a :class:`Count`, or ``(count, label)`` for one
+    counted by tier or cause. Any other key raises, so every counter has a metric."""
+
+    def __setitem__(self, key: CountKey, value: int) -> None:
+        if isinstance(key, tuple):
+            count, label = key if len(key) == 2 else (None, None)
+            ok = isinstance(count, Count) and isinstance(label, str) and COUNT_ROUTES[count].by
+        else:
+            ok = isinstance(key, Count) and not COUNT_ROUTES[key].by
+        if not ok:
+            raise KeyError(f"tieredkv: {key!r} is not a declared counter (metrics/specs.py Count)")
+        super().__setitem__(key, value)
+
+    def update(self, other: Mapping[CountKey, int] | None = None, /,  # type: ignore[override]
+               **kwargs: int) -> None:
+        """Add counts (Counter's own skips ``__setitem__`` when empty: every key is checked)."""
+        for key, n in {**dict(other or {}), **kwargs}.items():
+            self[key] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counts as the stats snapshot carries them: ``{count: n}`` or
+        ``{count: {label: n}}`` (plain strs, msgpack-safe); zeros left out."""
+        out: dict[str, Any] = {}
+        for key, n in self.items():
+            if not n:
+                continue
+            if isinstance(key, tuple):
+                count, label = key
+                out.setdefault(count.value, {})[str(label)] = n
+            else:
+                out[key.value] = n
+        return out
+
+
+def route_counter(name: str, label: str | None = None) -> tuple[str, str | None] | None:
+    """The (spec id, label value) a scheduler counter of the snapshot feeds; None for a name no
+    :class:`Count` declares (a newer peer's) or a shape that does not match it."""
+    try:
+        route = COUNT_ROUTES[Count(name)]
+    except ValueError:
+        return None
+    if route.by != (label is not None):
+        return None
+    return route.spec, (label if route.value is None else route.value)

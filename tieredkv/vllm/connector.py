@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.protocol import Tier
 from tieredkv.vllm.metadata import TieredKVMetadata
 
 if TYPE_CHECKING:
@@ -31,9 +32,9 @@ logger = logging.getLogger("tieredkv")
 
 # The shared remote tier has no source of its own in vLLM: it is reported as external.
 _SOURCES = {
-    "host": CacheHitSource.HOST,
-    "disk": CacheHitSource.DISK,
-    "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+    Tier.HOST: CacheHitSource.HOST,
+    Tier.DISK: CacheHitSource.DISK,
+    Tier.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from tieredkv.config import TieredKVConfig
 from tieredkv.disk.layout import align_up, slot_counts
 from tieredkv.keys import LazyChunkKeys
+from tieredkv.metrics.specs import Count
 from tieredkv.scheduler.planner import Planner
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
 from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
@@ -284,9 +285,10 @@ class SchedulerHalf:
         return snapshot
 
     def _snapshot(self) -> dict:
+        if self.catalog is not None:  # the journal's counts (declared Counts, like every one)
+            for name, count in self.catalog.take_counter_deltas().items():
+                self.planner.counters[Count(name)] += count
         counters = self.planner.take_counter_deltas()
-        if self.catalog is not None:
-            counters.update(self.catalog.take_counter_deltas())
         latency = self.planner.take_latency()
         return {
             "scheduler": {
