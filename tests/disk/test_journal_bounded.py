@@ -46,6 +46,12 @@ PAYLOAD = 32 * 1024
 SLOTS = 16
 
 
+def _backlog(journal: Journal) -> int:
+    """Records queued or being written, neither durable nor dropped yet."""
+    with journal._cond:
+        return journal._backlog.records
+
+
 def test_journal_compacts_itself_and_keeps_the_index(tmp_path, monkeypatch):
     monkeypatch.setattr(journal_mod, "COMPACT_MIN_RECORDS", 64)
     path = tmp_path / "journal"
@@ -135,14 +141,14 @@ def test_a_full_disk_keeps_the_backlog_under_its_cap_and_counts_what_it_drops(tm
         peak = 0
         for i in range(10, 10 + 50 * CAP):  # a server spilling and evicting on a full disk
             tier.spill(k(i), i % 40)
-            peak = max(peak, journal.backlog_records)
+            peak = max(peak, _backlog(journal))
         records = tier.records - first
         assert peak == CAP  # filled up to the cap, never past it
         # Nothing was written (no attempt even: the flusher waits for its interval), and every
         # record is either still queued or dropped and counted, the backlog dropped with them.
         assert journal.records_written == written and files.calls["write"] == writes
         assert journal.overflowing
-        assert journal.backlog_records == 0 and journal.records_dropped == records
+        assert _backlog(journal) == 0 and journal.records_dropped == records
         # A flush does not report the dropped records durable while the disk is full.
         with pytest.raises(SlabError) as err:
             journal.flush(timeout=30)
@@ -351,7 +357,7 @@ def test_after_the_disk_frees_up_a_restart_finds_every_live_entry(
             tier.spill(key(i), i % SLOTS)
             if first_dropped is None and catalog.journal.records_dropped:
                 first_dropped = i
-            assert catalog.journal.backlog_records <= 8
+            assert _backlog(catalog.journal) <= 8
         journal = catalog.journal
         assert journal.overflowing and first_dropped is not None
         dropped = journal.records_dropped
@@ -425,7 +431,7 @@ def test_real_enospc_on_a_full_tmpfs_is_survived_by_a_rebuild(
         with pytest.raises(SlabError) as err:
             catalog.flush()
         assert err.value.kind is FailureCause.NO_SPACE
-        assert catalog.journal.overflowing and catalog.journal.backlog_records == 0
+        assert catalog.journal.overflowing and _backlog(catalog.journal) == 0
         filler.unlink()
         catalog.flush()
         assert catalog.journal.rebuilds == 1

@@ -95,7 +95,7 @@ def test_a_500_chunk_prompt_is_one_call_and_a_missing_shard_ends_the_prefix(
     assert (stats.probes, stats.keys_probed, stats.answered, stats.timeouts) == (1, 500, 1, 0)
     assert not stats.failures and len(stats.latency_s) == 1
     # Every chunk held by both ranks is remembered, the hole is not.
-    assert probe.known_count == 499
+    assert len(probe._known) == 499
     # The answer stands: no second probe for the same request.
     assert probe.poll("r", keys) == 317
     assert store.stats().calls["exists"] == after.calls["exists"]
@@ -177,7 +177,7 @@ def test_known_present_chunks_are_not_probed_again_until_reset(
     assert probe.take_stats().probes == 0
 
     probe.reset()
-    assert probe.known_count == 0
+    assert len(probe._known) == 0
     assert probe.poll("d", keys) is None
     assert answer(probe, "d", keys) == 50
     assert probe.take_stats().keys_probed == 50
@@ -243,7 +243,7 @@ def test_another_namespace_is_never_counted_present(
     keys = write_chunks(store, prefix, 20, fingerprint=FINGERPRINT)
     other = make_probe(store, prefix, FakeClock(), fingerprint=OTHER_FINGERPRINT)
     assert answer(other, "r", keys) == 0
-    assert other.known_count == 0
+    assert len(other._known) == 0
     owner = make_probe(store, prefix, FakeClock())
     assert answer(owner, "r", keys) == 20
 

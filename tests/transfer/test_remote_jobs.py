@@ -64,6 +64,18 @@ def make_jobs(host: HostPool) -> Iterator[MakeJobs]:
         jobs.close(1.0)
 
 
+def busy_slots(jobs: RemoteJobs) -> frozenset[int]:
+    """Slots a read still owns (until its answer was polled): not to be reused yet."""
+    with jobs._lock:
+        return frozenset(jobs._busy)
+
+
+def reads_waiting(jobs: RemoteJobs) -> int:
+    """Reads not sent yet: behind batches still out (``read_batch_bytes``)."""
+    with jobs._lock:
+        return sum(len(batch.jobs) for batch in jobs._unsent)
+
+
 def payload(i: int, rank: int = 0) -> bytes:
     seed = hashlib.blake2b(f"{i}/{rank}".encode(), digest_size=64).digest()
     return (seed * (PAYLOAD // 64 + 1))[:PAYLOAD]
@@ -132,14 +144,14 @@ def test_round_trip_from_one_slot_into_another(
 
     calls = store.stats().calls.get("get", 0)
     jobs.start_reads([(20 + i, k, 4 + i) for i, k in enumerate(keys)])
-    assert jobs.busy_slots() == {4, 5, 6, 7}
+    assert busy_slots(jobs) == {4, 5, 6, 7}
     results = settle(jobs, 4)
     assert store.stats().calls.get("get", 0) == calls + 1  # one batch_get for the batch
     assert results == {20 + i: JobResult.done(20 + i) for i in range(4)}
     for i in range(4):
         assert slot_bytes(host, 4 + i)[:PAYLOAD] == payload(i)
         assert slot_bytes(host, 4 + i)[PAYLOAD:] == bytes([SENTINEL]) * (host.slot_bytes - PAYLOAD)
-    assert jobs.busy_slots() == frozenset()
+    assert busy_slots(jobs) == frozenset()
     stats = jobs.take_stats()
     assert (stats.reads_ok, stats.reads_failed, stats.bytes_read) == (4, {}, 4 * PAYLOAD)
     assert (stats.writes_ok, stats.writes_dropped, stats.bytes_written) == (4, 0, 4 * PAYLOAD)
@@ -242,13 +254,13 @@ def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
     assert jobs.flush_writes(5)
     stall(own_server)
     jobs.start_reads([(10 + i, k, 4 + i) for i, k in enumerate(keys)])
-    assert jobs.busy_slots() == {4, 5, 6}
+    assert busy_slots(jobs) == {4, 5, 6}
     assert finishes(jobs.poll) == []  # in flight on a stalled server: a poll does not wait
     own_server.kill()  # SIGKILL ends a stopped process too: the reads lose their connection
     results = settle(jobs, 3)
     assert all(r.failure in NEVER for r in results.values()), results
     assert all(untouched(host, slot) for slot in (4, 5, 6, 7))
-    assert jobs.busy_slots() == frozenset()
+    assert busy_slots(jobs) == frozenset()
     assert sum(jobs.take_stats().reads_failed.values()) == 3
 
     # The store knows it is down now: writes are dropped at once, and reads answer at once.
@@ -275,18 +287,18 @@ def test_a_stalled_server_times_reads_out_and_their_slots_stay_busy_until_then(
     assert jobs.flush_writes(5)
     stall(own_server)
     jobs.start_reads([(2, key, 3), (3, make_key(2), 4)])
-    assert jobs.busy_slots() == {3, 4}
+    assert busy_slots(jobs) == {3, 4}
     # A busy slot is refused to a second read and to a write; the first read is unaffected.
     jobs.start_reads([(4, key, 3), (5, key, 5), (6, key, 5), (7, key, 99)])
     assert jobs.write(whole([(8, key, 4), (9, key, 99)])) == [
         JobResult.fail(8, FailureCause.COPY_ERROR), JobResult.fail(9, FailureCause.COPY_ERROR)
     ]
     assert causes(settle(jobs, 3)) == dict.fromkeys((4, 6, 7), FailureCause.COPY_ERROR)
-    assert jobs.busy_slots() == {3, 4, 5}
-    assert finishes(jobs.poll) == [] and jobs.busy_slots() == {3, 4, 5}  # a poll does not wait
+    assert busy_slots(jobs) == {3, 4, 5}
+    assert finishes(jobs.poll) == [] and busy_slots(jobs) == {3, 4, 5}  # a poll does not wait
     results = settle(jobs, 3)
     assert causes(results) == dict.fromkeys((2, 3, 5), FailureCause.TIMEOUT)
-    assert jobs.busy_slots() == frozenset()
+    assert busy_slots(jobs) == frozenset()
     assert all(untouched(host, slot) for slot in range(1, host.num_slots))
     stats = jobs.take_stats()
     assert stats.reads_failed == {"timeout": 3, "copy_error": 3}
@@ -299,11 +311,11 @@ def test_close_cancels_reads_in_flight_without_touching_their_slots(
     jobs, store = make_jobs(own_server.url, timeout_s=30.0)
     stall(own_server)
     jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1)])
-    assert jobs.busy_slots() == {0, 1}
+    assert busy_slots(jobs) == {0, 1}
     results = finishes(lambda: jobs.close(1.0))  # not the reads' 30 s deadline: cancelled
     assert results == [JobResult.fail(1, FailureCause.CANCELLED),
                        JobResult.fail(2, FailureCause.CANCELLED)]
-    assert jobs.busy_slots() == frozenset() and jobs.poll() == []
+    assert busy_slots(jobs) == frozenset() and jobs.poll() == []
     assert untouched(host, 0) and untouched(host, 1)
     # After close: reads are cancelled at once and writes dropped.
     jobs.start_reads([(3, make_key(1), 0)])
@@ -411,10 +423,10 @@ def test_reads_past_the_batch_budget_wait_until_earlier_ones_landed(
 
     stall(own_server)
     jobs.start_reads([(10 + i, k, i) for i, k in enumerate(keys)])
-    assert jobs.busy_slots() == {0, 1, 2, 3, 4}
+    assert busy_slots(jobs) == {0, 1, 2, 3, 4}
     # One batch of two values is out; the other three reads wait for it to land.
-    assert jobs.reads_waiting() == 3
-    assert finishes(jobs.poll) == [] and jobs.reads_waiting() == 3
+    assert reads_waiting(jobs) == 3
+    assert finishes(jobs.poll) == [] and reads_waiting(jobs) == 3
     assert own_server.proc is not None
     os.kill(own_server.proc.pid, signal.SIGCONT)
 
@@ -423,7 +435,7 @@ def test_reads_past_the_batch_budget_wait_until_earlier_ones_landed(
     assert store.stats().calls["get"] == calls + 3  # batches of 2, 2 and 1
     for slot in range(5):
         assert slot_bytes(host, slot)[:PAYLOAD] == payload(60 + slot)
-    assert jobs.reads_waiting() == 0 and jobs.busy_slots() == frozenset()
+    assert reads_waiting(jobs) == 0 and busy_slots(jobs) == frozenset()
 
 
 def test_close_answers_reads_that_were_never_sent(
@@ -433,12 +445,12 @@ def test_close_answers_reads_that_were_never_sent(
                         jobs_options={"read_batch_bytes": HEADER_BYTES + PAYLOAD})
     stall(own_server)
     jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1), (3, make_key(3), 2)])
-    assert jobs.reads_waiting() == 2
+    assert reads_waiting(jobs) == 2
     results = finishes(lambda: jobs.close(1.0))
     assert sorted(results, key=lambda r: r.job_id) == [
         JobResult.fail(i, FailureCause.CANCELLED) for i in (1, 2, 3)
     ]
-    assert jobs.busy_slots() == frozenset() and jobs.reads_waiting() == 0
+    assert busy_slots(jobs) == frozenset() and reads_waiting(jobs) == 0
     assert all(untouched(host, slot) for slot in range(3))
 
 

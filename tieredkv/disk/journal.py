@@ -159,12 +159,6 @@ class Journal:
         return self._backlog.dropped
 
     @property
-    def backlog_records(self) -> int:
-        """Records queued or being written, neither durable nor dropped yet."""
-        with self._cond:
-            return self._backlog.records
-
-    @property
     def overflowing(self) -> bool:
         """True from an overflow until its rebuild is durable."""
         with self._cond:

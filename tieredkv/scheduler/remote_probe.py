@@ -221,10 +221,6 @@ class RemoteProbe:
         """A read of ``key`` failed: stop believing it is there."""
         self._known.pop(key, None)
 
-    @property
-    def known_count(self) -> int:
-        return len(self._known)
-
     def take_stats(self) -> ProbeStats:
         """The counters since the last call, then zero them."""
         c = self._counts

@@ -140,11 +140,6 @@ class RemoteJobs:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def busy_slots(self) -> frozenset[int]:
-        """Slots a read still owns (until its answer was polled): not to be reused yet."""
-        with self._lock:
-            return frozenset(self._busy)
-
     def start_reads(self, reads: Sequence[SlotJob]) -> None:
         """Ask for every ``(job_id, key, slot)`` in bounded batches; never blocks.
 
@@ -202,11 +197,6 @@ class RemoteJobs:
         for future in sent:
             future.add_done_callback(lambda _answered: callback())
         return False
-
-    def reads_waiting(self) -> int:
-        """Reads not sent yet: behind batches still out (``read_batch_bytes``)."""
-        with self._lock:
-            return sum(len(batch.jobs) for batch in self._unsent)
 
     def poll(self) -> list[JobResult]:
         """Results of reads answered since the last poll; verified values land in their slots.
