@@ -10,7 +10,7 @@ from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.format import SlotHeader
+from tieredkv.disk.format import SlotHeader, aliases_kept
 from tieredkv.disk.layout import HEADER_BYTES, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 
@@ -22,6 +22,7 @@ __all__ = [
     "SlabExecutor",
     "SlabFile",
     "SlotHeader",
+    "aliases_kept",
     "slab_path",
     "slot_stride",
 ]

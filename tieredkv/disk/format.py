@@ -68,6 +68,13 @@ class SlotHeader:
     aliases: tuple[bytes, ...] = ()  # full alias keys (rebuilt with the fingerprint)
 
 
+def aliases_kept(aliases: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """The aliases a slot written for an entry with ``aliases`` lists in its header: all of
+    them when they fit one header page, else none (a restart then finds only the entry's own
+    key). The scheduler asks this before it plans a spill, so it never sees the format."""
+    return aliases if len(aliases) <= MAX_HEADER_ALIASES else ()
+
+
 def payload_checksum(data: memoryview | bytes) -> int:
     """xxh3_64 of the payload: about 30 GB/s, cheap next to the I/O it protects."""
     return xxhash.xxh3_64_intdigest(data)

@@ -1,4 +1,5 @@
-"""The job ledger: every job in flight, the request it serves, and the step plan being built.
+"""The job ledger: every job in flight, the request it serves, and the step plan being built;
+and :class:`PlannerParts`, what the planner's parts share (the ledger among them).
 
 A job is issued once (an id, the keys it names, the request it serves, one report expected
 from every rank) and appended to this step's :class:`StepPlan`. :meth:`JobLedger.apply` folds
@@ -16,8 +17,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from tieredkv.config import TieredKVConfig
+from tieredkv.kv_groups import GroupLayout
+from tieredkv.metrics.specs import Counts
 from tieredkv.protocol import JobKind, JobResult, StepPlan
-from tieredkv.scheduler.requests import RequestState, RequestTable
+from tieredkv.scheduler.lower_tier import DiskTier
+from tieredkv.scheduler.remote_tier import RemoteTier
+from tieredkv.scheduler.requests import HitEpoch, RequestState, RequestTable
+from tieredkv.scheduler.tier_index import TierIndex
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +133,21 @@ class JobLedger:
         if state.load_job == job.job_id:
             state.load_job = None
         self._requests.maybe_forget(state)
+
+
+@dataclass(frozen=True)
+class PlannerParts:
+    """The state :class:`~tieredkv.scheduler.lookup.Lookup`, the
+    :class:`~tieredkv.scheduler.fill.Fill` and :class:`~tieredkv.scheduler.placement.Placer`
+    all read and update (one scheduler thread): one object instead of ten arguments."""
+
+    config: TieredKVConfig
+    block_size: int
+    host: TierIndex
+    lower: DiskTier | None  # the indexed tier below host
+    requests: RequestTable
+    ledger: JobLedger
+    epoch: HitEpoch
+    counters: Counts
+    remote: RemoteTier | None = None
+    layout: GroupLayout | None = None  # None: one full-attention group

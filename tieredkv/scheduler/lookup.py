@@ -3,8 +3,11 @@
 * Only ``READY`` host chunks are promised. Chunks of the lower tier are first promoted into
   host slots (verified by checksum on the worker) while the lookup answers ``None``.
 * Past host and disk, the shared remote tier is probed without waiting (``None`` meanwhile,
-  up to ``remote_timeout_s``); the whole chunks every rank holds there are read into host
-  slots and verified on the workers, like promotions, before they are promised.
+  up to ``remote_timeout_s``; the probe is sent when the request arrives,
+  :meth:`Lookup.prefetch_remote`, so its answer usually waits for the first lookup); the
+  whole chunks every rank holds there are read into host slots and verified on the workers,
+  like promotions, before they are promised. Promotions and remote reads are one fill path
+  (:mod:`~tieredkv.scheduler.fill`).
 * A hit ends at the last block held, not at a chunk boundary: an entry holds the first ``n``
   blocks of one chunk and is found by the key of any block it holds (see ``TierIndex``).
 * The promised chunks stay pinned until vLLM allocates device blocks (:meth:`Lookup.on_alloc`
@@ -18,29 +21,31 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from tieredkv.protocol import NO_BLOCK, JobKind, JobResult, LoadChunk, LoadJob, PromoteJob
-from tieredkv.scheduler.ledger import JobRecord
-from tieredkv.scheduler.parts import PlannerParts
-from tieredkv.scheduler.placement import Placer, count_evictions
-from tieredkv.scheduler.remote_reads import RemoteReads
+from tieredkv.metrics.specs import Count
+from tieredkv.protocol import NO_BLOCK, FailureCause, JobKind, JobResult, LoadChunk, LoadJob, Tier
+from tieredkv.scheduler.fill import Fill
+from tieredkv.scheduler.ledger import JobRecord, PlannerParts
+from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.requests import PendingHit, RequestState
 
 logger = logging.getLogger(__name__)
 
 MAX_PROMOTE_ROUNDS = 3
 # Where a block of a hit comes from (see Lookup._block_source).
-HOST, PENDING, LOWER = "host", "pending", "lower"
+HOST, PENDING, LOWER = Tier.HOST, "pending", "lower"
 # The hit source reported (always 0 tokens) without a lower tier: the sources stay the same.
-NO_LOWER_TIER = "disk"
+NO_LOWER_TIER = Tier.DISK
 
 
 class Lookup:
-    """Answers lookups, promotes lower-tier chunks into host, turns hits into load jobs."""
+    """Answers lookups (lower-tier chunks of a hit filled into host first, by the fill path)
+    and turns hits into load jobs."""
 
-    def __init__(self, parts: PlannerParts, placer: Placer) -> None:
+    def __init__(self, parts: PlannerParts, placer: Placer, fill: Fill) -> None:
         config = parts.config
         self.block_size = parts.block_size
         self.chunk_blocks = config.chunk_blocks
@@ -56,11 +61,21 @@ class Lookup:
         self._placer = placer
         self.remote = parts.remote
         self.layout = parts.layout  # None: one full-attention group
-        # key -> promote or remote-read job in flight (any request)
-        self._promotions: dict[bytes, int] = {}
-        self.remote_reads = (
-            RemoteReads(parts, placer, self._promotions) if parts.remote is not None else None
-        )
+        # A hit never covers the last token; hybrid models' hits end on a chunk boundary (the
+        # windows a sliding group stores are those that end there).
+        self.unit = self.chunk_tokens if parts.layout is not None else parts.block_size
+        self._fill = fill
+        self._in_flight = fill.in_flight  # read only: the fill path owns it
+
+    def prefetch_remote(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> None:
+        """A request arrived: send its remote probe now (the keys its lookups will ask about)."""
+        if self.remote is None:
+            return
+        limit = (num_tokens - 1) // self.unit * self.unit
+        last = min(len(keys), -(-limit // self.chunk_tokens))
+        if last > 0:
+            materialize = getattr(keys, "materialize", None)
+            self.remote.poll(req_id, (materialize(last) if materialize is not None else keys)[:last])
 
     # ------------------------------------------------------------------ lookups
 
@@ -87,9 +102,7 @@ class Lookup:
             self.release_hit(state)
         if state.load_job is not None:
             return 0
-        # A hit never covers the last token; hybrid models' hits end on a chunk boundary (the
-        # windows a sliding group stores are those that end there).
-        unit = self.chunk_tokens if self.layout is not None else self.block_size
+        unit = self.unit
         limit = (num_tokens - 1) // unit * unit
         first = num_computed_tokens // self.chunk_tokens
         host_ready = self.host.is_ready
@@ -111,12 +124,12 @@ class Lookup:
         else:
             run = []
         i = first + len(run)
-        promotions = self._promotions
+        in_flight = self._in_flight
         while i < last:
             key = keys[i]
             if host_ready(key):
                 run.append(key)
-            elif key in promotions:
+            elif key in in_flight:
                 # Being promoted, for this request or another one sharing the prefix: wait.
                 pending = True
                 run.append(key)
@@ -131,12 +144,12 @@ class Lookup:
         # Past host and disk: the whole chunks the remote tier holds for every rank.
         remote_chunks: list[bytes] = []
         remote_pos = len(run)
-        if self.remote_reads is not None and i < last and not state.remote_done:
+        if self.remote is not None and i < last and not state.remote_done:
             if materialize is not None:
                 keys = materialize(last)
-            # The probe asks from chunk 0 (as ``RemoteReads.prefetch`` did, when the request
+            # The probe asks from chunk 0 (as ``prefetch_remote`` did, when the request
             # arrived): its answer is the remote tier's leading run; past i it extends ours.
-            found_remote = self.remote_reads.probe(req_id, keys[:last])
+            found_remote = self.remote.poll(req_id, keys[:last])
             if found_remote is None:
                 if not state.promote_deadline:
                     state.promote_deadline = time.monotonic() + self.load_timeout_s
@@ -144,7 +157,7 @@ class Lookup:
             remote_chunks = list(keys[i:found_remote])
             run.extend(remote_chunks)
             state.remote_done = True
-            self.remote_reads.forget(req_id)
+            self.remote.forget(req_id)
         # The run of whole chunks ends at chunk i: the hit may go on into chunk i, up to the
         # last of its blocks some entry holds (this prompt's tail, or a chunk of another
         # prompt sharing these blocks).
@@ -169,17 +182,17 @@ class Lookup:
                                req_id)
                 state.promote_rounds = MAX_PROMOTE_ROUNDS
             if (lower_chunks or remote_chunks) and state.promote_rounds < MAX_PROMOTE_ROUNDS:
-                run = self._promote(state, run, lower_chunks, remote_chunks, remote_pos, first,
-                                    request_keys)
-            if not timed_out and any(key in promotions for key in run):
+                run = self._fill.fill_run(state, run, lower_chunks, remote_chunks, remote_pos,
+                                          first, request_keys)
+            if not timed_out and any(key in in_flight for key in run):
                 if not state.promote_deadline:
                     state.promote_deadline = now + self.load_timeout_s
                 return None
         if not state.looked_up:
             # Counted once per request, when it gets its answer (not each "ask me later").
             state.looked_up = True
-            self.counters["lookups"] += 1
-            self.counters["lookup_tokens"] += max(0, limit - num_computed_tokens)
+            self.counters[Count.LOOKUPS] += 1
+            self.counters[Count.LOOKUP_TOKENS] += max(0, limit - num_computed_tokens)
         if lower_chunks or pending or remote_chunks:
             # Only the leading READY host chunks can be promised.
             ready: list[bytes] = []
@@ -199,11 +212,10 @@ class Lookup:
         if hit == 0:
             return 0
         self.host.pin_all(ready)
-        promoted, from_remote = state.promoted_keys, state.remote_keys
+        filled = state.filled
         state.pending_hit = PendingHit(
             num_computed_tokens, end, first, ready,
-            lower_keys=promoted.intersection(ready) if promoted else set(),
-            remote_keys=from_remote.intersection(ready) if from_remote else set(),
+            sources={key: filled[key] for key in ready if key in filled} if filled else {},
             num_tokens=num_tokens, epoch=self._epoch.value, partial=partial,
         )
         return hit
@@ -263,10 +275,10 @@ class Lookup:
             holder = host.ready_holder(key)
             if holder is not None:
                 return holder, HOST
-        promotions = self._promotions
-        if promotions:
+        in_flight = self._in_flight
+        if in_flight:
             for holder in host.holders(key):
-                if holder in promotions:
+                if holder in in_flight:
                     return holder, PENDING
         lower = self.lower
         if lower is not None and lower.holds(key):
@@ -274,83 +286,6 @@ class Lookup:
                 if lower.is_ready(holder) and holder not in host and not host.is_doomed(holder):
                     return holder, LOWER
         return None
-
-    # ------------------------------------------------------------------ promotions
-
-    def _promote(
-        self, state: RequestState, run: list[bytes], lower_chunks: list[bytes],
-        remote_chunks: list[bytes], remote_pos: int, first: int, request_keys: Sequence[bytes],
-    ) -> list[bytes]:
-        """Queue lower -> host promotions and remote -> host reads for the chunks of a run;
-        trims the run where a chunk cannot get a host slot.
-
-        The run's host-resident chunks are pinned meanwhile, so making room for chunk i never
-        evicts chunk j < i of the same prefix.
-        """
-        resident = [key for key in run if self.host.is_ready(key)]
-        for key in resident:
-            self.host.pin(key)
-        try:
-            if lower_chunks:
-                run = self._promote_run(state, run, lower_chunks)
-            if remote_chunks and len(run) == remote_pos + len(remote_chunks):
-                assert self.remote_reads is not None
-                run = self.remote_reads.issue(state, run, remote_pos, first, request_keys)
-            elif remote_chunks:
-                run = run[: min(len(run), remote_pos)]  # a hole before them: they cannot serve
-            return run
-        finally:
-            for key in resident:
-                self.host.unpin(key)
-
-    def _promote_run(self, state: RequestState, run: list[bytes], lower_chunks: list[bytes]) -> list[bytes]:
-        lower = self.lower
-        assert lower is not None
-        issued = False
-        for pos, key in enumerate(run):
-            if key not in lower_chunks:
-                continue
-            if key in self.host or self.host.is_doomed(key) or key in self._promotions:
-                return run[:pos]  # never allocate a key twice; someone else holds it now
-            entry = lower.get(key)
-            assert entry is not None
-            allocation = self.host.allocate(key, entry.aliases)
-            if allocation is None:
-                self.counters["promote_no_host_slot"] += 1
-                if issued:
-                    state.promote_rounds += 1
-                    state.promote_deadline = time.monotonic() + self.load_timeout_s
-                return run[:pos]
-            host_slot, evicted = allocation
-            count_evictions(self.counters, "host", evicted)
-            lower.pin(key)
-            job_id = self._ledger.issue(JobKind.PROMOTE, (key,), state.req_id)
-            self._ledger.plan.promotes.append(
-                PromoteJob(job_id, key, entry.slot, host_slot, req_id=state.req_id)
-            )
-            self._promotions[key] = job_id
-            state.promote_jobs.add(job_id)
-            state.promoted_keys.add(key)
-            issued = True
-        if issued:
-            state.promote_rounds += 1
-            state.promote_deadline = time.monotonic() + self.load_timeout_s
-        return run
-
-    def complete_promote(self, job: JobRecord, outcome: JobResult) -> None:
-        (key,) = job.keys
-        if self._promotions.get(key) == job.job_id:
-            del self._promotions[key]
-        lower = self.lower
-        assert lower is not None
-        lower.unpin(key)
-        if outcome.failed:
-            self.host.abort(key)
-            lower.remove(key)  # nothing that failed is ever promised again
-            self.counters[f"{lower.name}_read_failed_{outcome.failure or 'unknown'}"] += 1
-        elif self.host.mark_ready(key):
-            self.counters["promoted_chunks"] += 1
-            self._placer.settle(self.host, key)
 
     # ------------------------------------------------------------------ hits -> loads
 
@@ -401,7 +336,7 @@ class Lookup:
         if not chunks:
             return
         if hit.partial and keep[-1] == hit.keys[-1]:
-            self.counters["partial_hits"] += 1  # a hit that ended inside a chunk
+            self.counters[Count.PARTIAL_HITS] += 1  # a hit that ended inside a chunk
         chunk_blocks = tuple(tuple(b for b in c.block_ids if b != NO_BLOCK) for c in chunks)
         if unserved_chunk is not None:
             # vLLM kept more of a window than a hit needs (no vLLM 0.32 path is known to):
@@ -411,7 +346,7 @@ class Lookup:
             # theirs is named to the ledger.
             logger.error("tieredkv: load for %s would leave blocks %s unwritten (a sliding "
                          "window wider than stored): failed, to be recomputed", req_id, unserved)
-            self.counters["load_rows_unserved"] += len(unserved)
+            self.counters[Count.LOAD_ROWS_UNSERVED] += len(unserved)
             state.hit_chunk_limit = unserved_chunk
             chunk_blocks = tuple(() for _ in chunks)
         job_id = self._ledger.issue(JobKind.LOAD, tuple(keep), req_id, chunk_blocks=chunk_blocks)
@@ -420,16 +355,20 @@ class Lookup:
         )
         state.load_job = job_id
         tokens = end_block * self.block_size - hit.start_token
-        spans_of = dict(zip(keep, spans, strict=True))
-        lower_tokens = sum(spans_of[k] for k in keep if k in hit.lower_keys) * self.block_size
-        remote_tokens = sum(spans_of[k] for k in keep if k in hit.remote_keys) * self.block_size
+        filled: Counter[str] = Counter()  # blocks of the hit by the tier they were filled from
+        if hit.sources:
+            for key, span in zip(keep, spans, strict=True):
+                if key in hit.sources:
+                    filled[hit.sources[key]] += span
+        lower_tokens = filled[self._lower_name] * self.block_size
+        remote_tokens = filled[Tier.REMOTE] * self.block_size if self.remote is not None else 0
         host_tokens = tokens - lower_tokens - remote_tokens
-        state.hit_tokens = {self._lower_name: lower_tokens, "host": host_tokens}
+        state.hit_tokens = {self._lower_name: lower_tokens, Tier.HOST: host_tokens}
         if self.remote is not None:
-            state.hit_tokens["remote"] = remote_tokens
-            self.counters["hit_tokens_remote"] += remote_tokens
-        self.counters["hit_tokens_host"] += host_tokens
-        self.counters[f"hit_tokens_{self._lower_name}"] += lower_tokens
+            state.hit_tokens[Tier.REMOTE] = remote_tokens
+            self.counters[Count.HIT_TOKENS, Tier.REMOTE] += remote_tokens
+        self.counters[Count.HIT_TOKENS, Tier.HOST] += host_tokens
+        self.counters[Count.HIT_TOKENS, self._lower_name] += lower_tokens
         for key in keep:
             self.host.touch(key)
             self._placer.note_seen(key)
@@ -451,10 +390,10 @@ class Lookup:
     def complete_load(self, job: JobRecord, outcome: JobResult) -> None:
         failed_blocks = set(outcome.failed_block_ids)
         if outcome.failed:
-            self.counters[f"load_failed_{outcome.failure or 'unknown'}"] += 1  # per load
+            self.counters[Count.LOAD_FAILED, outcome.failure or FailureCause.UNKNOWN] += 1  # per load
         for key, blocks in zip(job.keys, job.chunk_blocks, strict=True):
             self.host.unpin(key)
             if outcome.failed and failed_blocks.intersection(blocks):
                 self.host.remove(key)
                 self._epoch.bump()
-                self.counters["chunks_dropped_by_failed_loads"] += 1
+                self.counters[Count.CHUNKS_DROPPED_BY_FAILED_LOADS] += 1

@@ -18,21 +18,28 @@
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tieredkv.kv_groups import FULL
-from tieredkv.protocol import FailureCause, JobKind, JobResult, RemoteWriteJob, SpillJob, StoreJob
-from tieredkv.scheduler.ledger import JobRecord
-from tieredkv.scheduler.lower_tier import LowerTier
-from tieredkv.scheduler.parts import PlannerParts
+from tieredkv.metrics.specs import ADMISSION_REJECTED, Count, Counts
+from tieredkv.protocol import (
+    FailureCause,
+    JobKind,
+    JobResult,
+    RemoteWriteJob,
+    SpillJob,
+    StoreJob,
+    Tier,
+)
+from tieredkv.scheduler.ledger import JobRecord, PlannerParts
 from tieredkv.scheduler.requests import RequestState
-from tieredkv.scheduler.tier_index import TierIndex
+from tieredkv.scheduler.tier_index import Placement, TierIndex
 
 
-def count_evictions(counters: Counter[str], tier: str, evicted: Iterable[tuple[bytes, int]]) -> None:
+def count_evictions(counters: Counts, tier: str, evicted: Iterable[tuple[bytes, int]]) -> None:
     for _ in evicted:
-        counters[f"evictions_{tier}"] += 1
+        counters[Count.EVICTIONS, tier] += 1
 
 
 class Placer:
@@ -134,16 +141,16 @@ class Placer:
                 return
         self._store(state, key, keys.block_keys(base, base + count - 1),
                     state.block_ids[base : base + count])
-        self.counters["stored_partial_chunks"] += 1
+        self.counters[Count.STORED_PARTIAL_CHUNKS] += 1
 
     def _store(self, state: RequestState, key: bytes, aliases: tuple[bytes, ...],
                blocks: Sequence[int], sliding: tuple[int, ...] = ()) -> None:
         allocation = self.host.allocate(key, aliases)
         if allocation is None:
-            self.counters["store_skipped_host_full"] += 1
+            self.counters[Count.STORE_SKIPPED_HOST_FULL] += 1
             return
         slot, evicted = allocation
-        count_evictions(self.counters, "host", evicted)
+        count_evictions(self.counters, Tier.HOST, evicted)
         blocks = tuple(blocks)
         job_id = self._ledger.issue(JobKind.STORE, (key,), state.req_id, chunk_blocks=(blocks,),
                                     sliding=sliding)
@@ -155,9 +162,9 @@ class Placer:
         (key,) = job.keys
         if outcome.failed:
             self.host.abort(key)
-            self.counters[f"store_failed_{outcome.failure or 'unknown'}"] += 1
+            self.counters[Count.STORE_FAILED, outcome.failure or FailureCause.UNKNOWN] += 1
         elif self.host.mark_ready(key):
-            self.counters["stored_chunks"] += 1
+            self.counters[Count.STORED_CHUNKS] += 1
             lower = self.lower
             if not self.settle(self.host, key):
                 return
@@ -165,11 +172,11 @@ class Placer:
                 if lower.admits(key):
                     self._spill_queue[key] = None
                 else:
-                    self.counters[f"{lower.name}_admission_rejected"] += 1
+                    self.counters[ADMISSION_REJECTED[lower.name]] += 1
             remote = self.remote
             if remote is not None and remote.writes and self._whole(key):
                 if not remote.admits(key):
-                    self.counters["remote_admission_rejected"] += 1
+                    self.counters[Count.REMOTE_ADMISSION_REJECTED] += 1
                 elif not remote.holds_hint(key):
                     self._remote_queue[key] = None
 
@@ -232,12 +239,8 @@ class Placer:
         if remote is None:
             self._remote_queue.clear()
             return
-        while self._remote_queue:
-            key, _ = self._remote_queue.popitem(last=False)
-            if not host.is_ready(key) or remote.holds_hint(key) or not self._whole(key):
-                continue
-            placement = host.get(key)
-            assert placement is not None
+        for key, placement in self._take_queued(
+                self._remote_queue, lambda k: remote.holds_hint(k) or not self._whole(k)):
             host.pin(key)
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(JobKind.REMOTE_WRITE, (key,), None)
@@ -252,13 +255,13 @@ class Placer:
         remote = self.remote
         assert remote is not None
         if not outcome.failed:
-            self.counters["remote_written_chunks"] += 1
+            self.counters[Count.REMOTE_WRITTEN_CHUNKS] += 1
             return
         remote.forget_key(key)  # not (all) there: a later sighting may write it again
         if outcome.failure == FailureCause.DROPPED:
-            self.counters["remote_writes_dropped"] += 1
+            self.counters[Count.REMOTE_WRITES_DROPPED] += 1
         else:
-            self.counters["remote_write_failed"] += 1
+            self.counters[Count.REMOTE_WRITE_FAILED] += 1
 
     def plan_spills(self) -> None:
         """Give the queued spills their lower-tier slots (in this step's plan)."""
@@ -266,15 +269,12 @@ class Placer:
         if lower is None:
             self._spill_queue.clear()
             return
-        while self._spill_queue:
-            key, _ = self._spill_queue.popitem(last=False)
-            if not host.is_ready(key) or lower.holds(key) or lower.is_doomed(key):
-                continue  # there already (or a longer entry there holds its blocks)
-            placement = host.get(key)
-            assert placement is not None
+        # Not when there already (or a longer entry there holds its blocks).
+        for key, placement in self._take_queued(
+                self._spill_queue, lambda k: lower.holds(k) or lower.is_doomed(k)):
             allocation = lower.allocate(key, placement.aliases)
             if allocation is None:
-                self.counters[f"spill_skipped_{lower.name}_full"] += 1
+                self.counters[Count.SPILL_SKIPPED_DISK_FULL] += 1  # the tier spilled into
                 continue
             lower_slot, evicted = allocation
             count_evictions(self.counters, lower.name, evicted)
@@ -282,10 +282,22 @@ class Placer:
             job_id = self._ledger.issue(JobKind.SPILL, (key,), None)
             # The written copy lists the entry's block keys, so a restart finds them again
             # (beyond what the tier keeps, only the entry's own key survives it).
-            aliases = placement.aliases if len(placement.aliases) <= lower.max_aliases else ()
-            self._ledger.plan.spills.append(
-                SpillJob(job_id, key, placement.slot, lower_slot, aliases=aliases)
-            )
+            self._ledger.plan.spills.append(SpillJob(
+                job_id, key, placement.slot, lower_slot,
+                aliases=lower.kept_aliases(placement.aliases)))
+
+    def _take_queued(
+        self, queue: OrderedDict[bytes, None], skip: Callable[[bytes], bool]
+    ) -> Iterator[tuple[bytes, Placement]]:
+        """Empty ``queue``, oldest first: each key still READY in host that ``skip`` lets
+        through, with its host entry (a queued key may have gone, or got there, meanwhile)."""
+        host = self.host
+        while queue:
+            key, _ = queue.popitem(last=False)
+            if host.is_ready(key) and not skip(key):
+                placement = host.get(key)
+                assert placement is not None
+                yield key, placement
 
     def complete_spill(self, job: JobRecord, outcome: JobResult) -> None:
         (key,) = job.keys
@@ -294,14 +306,14 @@ class Placer:
         assert lower is not None
         if outcome.failed:
             lower.abort(key)
-            self.counters[f"spill_failed_{outcome.failure or 'unknown'}"] += 1
+            self.counters[Count.SPILL_FAILED, outcome.failure or FailureCause.UNKNOWN] += 1
             return
         if lower.mark_ready(key):
-            self.counters["spilled_chunks"] += 1
+            self.counters[Count.SPILLED_CHUNKS] += 1
             if lower.covering(key):
                 # A longer entry got there first: this one is redundant there.
                 lower.remove(key, recorded=False)
-                self.counters[f"superseded_{lower.name}"] += 1
+                self.counters[Count.SUPERSEDED, lower.name] += 1
                 return
             lower.record_written(key)
             self.settle(lower, key)
@@ -316,7 +328,7 @@ class Placer:
 
     # ------------------------------------------------------------------ one copy per tier
 
-    def settle(self, tier: TierIndex | LowerTier, key: bytes) -> bool:
+    def settle(self, tier: TierIndex, key: bytes) -> bool:
         """``key`` just became READY in ``tier``: keep one copy of its blocks in this tier.
 
         A longer READY entry holding all of its blocks makes it redundant (dropped, False);
@@ -334,7 +346,7 @@ class Placer:
                     self._drop_superseded(tier, alias)
         return True
 
-    def _drop_superseded(self, tier: TierIndex | LowerTier, key: bytes) -> None:
+    def _drop_superseded(self, tier: TierIndex, key: bytes) -> None:
         placement = tier.get(key)
         if placement is None:
             return
@@ -342,6 +354,6 @@ class Placer:
         if tier is self.host:
             if placement.pins:
                 self._epoch.bump()  # a cached pending hit may name it: recompute that hit
-            self.counters["superseded_host"] += 1
+            self.counters[Count.SUPERSEDED, Tier.HOST] += 1
         else:
-            self.counters[f"superseded_{tier.name}"] += 1
+            self.counters[Count.SUPERSEDED, tier.name] += 1

@@ -7,13 +7,15 @@ imports vLLM: the connector feeds it plain data (request ids, chunk keys, device
 token counts).
 
 This class is the facade; the work is done by its parts, which share small explicit objects
-(the host :class:`TierIndex`, the :class:`LowerTier`, the :class:`RequestTable`, the
-:class:`HitEpoch` and the counters):
+(:class:`~tieredkv.scheduler.ledger.PlannerParts`: the host :class:`TierIndex`, the
+:class:`DiskTier`, the :class:`RequestTable`, the :class:`HitEpoch` and the counters):
 
-* :mod:`~tieredkv.scheduler.lookup` -- lookups, promotions, hits -> load jobs;
+* :mod:`~tieredkv.scheduler.lookup` -- lookups, hits -> load jobs;
+* :mod:`~tieredkv.scheduler.fill` -- chunks of a lower tier (disk or remote) into host slots;
 * :mod:`~tieredkv.scheduler.placement` -- stores, tails, spills, one copy per tier;
 * :mod:`~tieredkv.scheduler.ledger` -- jobs in flight, the step plan, results -> completions;
-* :mod:`~tieredkv.scheduler.disk_tier` -- the disk tier (index, catalog, admission);
+* :mod:`~tieredkv.scheduler.lower_tier` -- the tiers below host (the disk tier: index,
+  catalog, admission);
 * :mod:`~tieredkv.scheduler.remote_tier` -- the shared remote tier (probes, write admission).
 
 Rules it keeps:
@@ -38,12 +40,12 @@ from typing import Any
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.kv_groups import GroupLayout
-from tieredkv.protocol import JobKind, JobResult, StepPlan
-from tieredkv.scheduler.disk_tier import EMPTY_DISK_GAUGES, DiskTier
-from tieredkv.scheduler.ledger import JobLedger
+from tieredkv.metrics.specs import Count, CountKey, Counts
+from tieredkv.protocol import JobKind, JobResult, StepPlan, Tier
+from tieredkv.scheduler.fill import Fill
+from tieredkv.scheduler.ledger import JobLedger, PlannerParts
 from tieredkv.scheduler.lookup import Lookup
-from tieredkv.scheduler.lower_tier import LowerTier
-from tieredkv.scheduler.parts import PlannerParts
+from tieredkv.scheduler.lower_tier import DiskTier
 from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.remote_tier import RemoteTier
 from tieredkv.scheduler.requests import HitEpoch, RequestTable
@@ -51,14 +53,16 @@ from tieredkv.scheduler.tier_index import TierIndex
 
 logger = logging.getLogger(__name__)
 
+EMPTY_DISK_GAUGES = {"disk_slots_capacity": 0, "disk_slots_used": 0, "disk_entries": 0}
+
 
 class Planner:
     """Scheduler-side index owner and job planner (one per engine).
 
     ``config`` must be resolved for the engine's block size (:meth:`TieredKVConfig.resolved`,
-    done once by :func:`tieredkv.vllm.geometry.engine_geometry`). The tier below host is the
-    disk tier (``num_disk_slots``, journaled by ``catalog``), or any other ``lower_tier``.
-    Below both, optionally, the shared ``remote`` tier.
+    done once by :func:`tieredkv.vllm.geometry.engine_geometry`). The indexed tier below host
+    is the disk tier (``num_disk_slots``, journaled by ``catalog``), or another ``lower_tier``
+    of its class. Beside it, optionally, the shared ``remote`` tier (not indexed).
     """
 
     def __init__(
@@ -70,7 +74,7 @@ class Planner:
         num_disk_slots: int = 0,
         world_size: int = 1,
         catalog=None,
-        lower_tier: LowerTier | None = None,
+        lower_tier: DiskTier | None = None,
         remote: RemoteTier | None = None,
         layout: GroupLayout | None = None,
     ) -> None:
@@ -84,14 +88,16 @@ class Planner:
         self.chunk_blocks = config.chunk_blocks
         self.chunk_tokens = block_size * config.chunk_blocks
         self.world_size = world_size
-        self.counters: Counter[str] = Counter()
-        self._reported: Counter[str] = Counter()
+        self.counters = Counts()
+        self._reported: Counter[CountKey] = Counter()
         self._probe_latency: list[float] = []
-        self.host = TierIndex("host", num_host_slots, config.eviction)
+        self.host = TierIndex(Tier.HOST, num_host_slots, config.eviction)
         self.catalog = catalog
-        self.lower: LowerTier | None = lower_tier
+        self.lower: DiskTier | None = lower_tier
         if lower_tier is not None and (num_disk_slots or catalog is not None):
-            raise ValueError("tieredkv: a Planner has one tier below host: disk slots or lower_tier")
+            raise ValueError(
+                "tieredkv: a Planner has one tier below host that it indexes: disk slots or "
+                "lower_tier")
         if num_disk_slots:
             disk = DiskTier(
                 num_disk_slots,
@@ -113,26 +119,22 @@ class Planner:
             remote=remote, layout=self.layout,
         )
         self._placer = Placer(parts)
-        self._lookup = Lookup(parts, placer=self._placer)
+        fill = Fill(parts, placer=self._placer)
+        self._lookup = Lookup(parts, placer=self._placer, fill=fill)
         self._epoch = epoch
         self._ledger.set_handlers({
             JobKind.STORE: self._placer.complete_store,
             JobKind.SPILL: self._placer.complete_spill,
-            JobKind.PROMOTE: self._lookup.complete_promote,
+            JobKind.PROMOTE: fill.complete,
             JobKind.LOAD: self._lookup.complete_load,
-            JobKind.REMOTE_READ: self._complete_remote_read,
+            JobKind.REMOTE_READ: fill.complete,
             JobKind.REMOTE_WRITE: self._placer.complete_remote_write,
         })
 
-    def _complete_remote_read(self, job, outcome: JobResult) -> None:
-        assert self._lookup.remote_reads is not None
-        self._lookup.remote_reads.complete(job, outcome)
-
     @property
-    def disk(self) -> TierIndex | None:
-        """The disk tier's index, or None without a disk tier."""
-        lower = self.lower
-        return lower.index if isinstance(lower, DiskTier) else None
+    def disk(self) -> DiskTier | None:
+        """The disk tier (its index), or None without a disk tier."""
+        return self.lower
 
     # ------------------------------------------------------------------ requests
 
@@ -170,8 +172,7 @@ class Planner:
 
     def prefetch_remote(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> None:
         """A request arrived: probe the remote tier for its prompt now (never waits)."""
-        if self._lookup.remote_reads is not None:
-            self._lookup.remote_reads.prefetch(req_id, keys, num_tokens)
+        self._lookup.prefetch_remote(req_id, keys, num_tokens)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
         """vLLM allocated device blocks (a list; hybrid models: one per group): turn the
@@ -204,7 +205,7 @@ class Planner:
         request computes its chunks again once resumed: a chunk whose store the fence cancelled
         is stored then (one already held is only touched)."""
         state = self._requests.get(req_id)
-        self.counters["preemptions"] += 1
+        self.counters[Count.PREEMPTIONS] += 1
         if state is None:
             return
         self._ledger.fence_stores(state)
@@ -246,7 +247,7 @@ class Planner:
         self._placer.clear_spill_queue()
         if self.remote is not None:
             self.remote.reset()
-        self.counters["resets"] += 1
+        self.counters[Count.RESETS] += 1
         logger.info("tieredkv: cache reset: both tiers emptied")
 
     # ------------------------------------------------------------------ steps
@@ -263,13 +264,14 @@ class Planner:
 
     # ------------------------------------------------------------------ metrics
 
-    def take_counter_deltas(self) -> dict[str, int]:
-        """Counter increments since the last call (vLLM's stats path carries deltas)."""
+    def take_counter_deltas(self) -> dict[str, Any]:
+        """Counter increments since the last call (vLLM's stats path carries deltas), in the
+        stats snapshot's shape (see :meth:`~tieredkv.metrics.specs.Counts.snapshot`)."""
         if self.remote is not None:
             self._probe_latency += self.remote.take_stats(self.counters)
-        deltas = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
+        deltas = Counts({k: v - self._reported.get(k, 0) for k, v in self.counters.items()})
         self._reported = Counter(self.counters)
-        return {k: v for k, v in deltas.items() if v}
+        return deltas.snapshot()
 
     def take_latency(self) -> dict[str, list[float]]:
         """Latency samples since the last call: the remote probes' round trips."""

@@ -1,14 +1,15 @@
 """The shared remote tier (Redis/Valkey) as the planner sees it: probe, admit, remember.
 
-The remote tier is not a :class:`~tieredkv.scheduler.lower_tier.LowerTier`: the scheduler
-does not own it (other replicas write and Redis evicts at any moment), so it keeps no index of
-it, only hints:
+The remote tier is a :class:`~tieredkv.scheduler.lower_tier.LowerTier` (host slots are
+filled from it like from disk) but not an indexed one: the scheduler does not own it (other
+replicas write and Redis evicts at any moment), so it keeps no index of it, only hints:
 
 * **Reads.** A lookup whose prefix continues past what host and disk hold asks
   :meth:`RemoteTier.poll` how many more chunks every rank's shard exists for. The answer comes
   from a non-blocking :class:`~tieredkv.scheduler.remote_probe.RemoteProbe` (``None``: ask
-  again). Present chunks are read into host slots by the workers and verified there before
-  anything is promised; a chunk that turns out gone or bad is a miss, counted by cause.
+  again). Present chunks are read into host slots by the workers (the fill path's
+  ``RemoteReadJob``) and verified there before anything is promised; a chunk that turns out
+  gone or bad is a miss, counted by cause, and forgotten.
 * **Writes.** A chunk stored in host memory (a whole chunk: the probe asks for chunk keys) is
   queued for the remote tier once admitted (``remote_admission`` sightings), unless it is
   known to be there already (read from it, written before, or seen by a probe).
@@ -19,12 +20,14 @@ it, only hints:
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from tieredkv.metrics.specs import Count, Counts
+from tieredkv.protocol import FailureCause, JobKind, RemoteReadJob, StepPlan, Tier
+from tieredkv.scheduler.lower_tier import LowerTier, Sightings
 from tieredkv.scheduler.remote_probe import RemoteProbe
-from tieredkv.scheduler.sightings import Sightings
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
 INFO_INTERVAL_S = 5.0  # how often the server's memory and evictions are asked for (metrics)
@@ -33,10 +36,12 @@ INFO_INTERVAL_S = 5.0  # how often the server's memory and evictions are asked f
 ServerInfo = Callable[[], "Future[dict[str, int] | None]"]
 
 
-class RemoteTier:
-    """Probes and write admission for the shared tier (the scheduler's thread only)."""
+class RemoteTier(LowerTier):
+    """Probes, fills and write admission for the shared tier (the scheduler's thread only)."""
 
-    name = "remote"
+    name = Tier.REMOTE
+    fill_kind = JobKind.REMOTE_READ
+    fill_counter = Count.REMOTE_READ_CHUNKS
 
     def __init__(
         self,
@@ -82,6 +87,19 @@ class RemoteTier:
     def forget(self, req_id: str) -> None:
         self.probe.forget(req_id)
 
+    def fill_aliases(self, key: bytes) -> None:
+        return None  # a value holds a whole chunk: the host entry takes the request's keys
+
+    def plan_fill(self, plan: StepPlan, job_id: int, key: bytes, host_slot: int,
+                  req_id: str) -> None:
+        plan.remote_reads.append(RemoteReadJob(job_id, key, host_slot, req_id=req_id))
+
+    def fill_done(self, key: bytes, ok: bool) -> None:
+        if ok:
+            self.remember(key)  # there: no need to write it back
+        else:
+            self.forget_key(key)
+
     # ------------------------------------------------------------------ writes
 
     def note_seen(self, key: bytes) -> bool:
@@ -116,22 +134,22 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ metrics
 
-    def take_stats(self, counters: Counter[str]) -> list[float]:
+    def take_stats(self, counters: Counts) -> list[float]:
         """Add the probe's counters since the last call to ``counters``; its latencies."""
         stats = self.probe.take_stats()
-        counters["remote_probes"] += stats.probes
-        counters["remote_probe_keys"] += stats.keys_probed
-        counters["remote_probe_known_hits"] += stats.known_hits
+        counters[Count.REMOTE_PROBES] += stats.probes
+        counters[Count.REMOTE_PROBE_KEYS] += stats.keys_probed
+        counters[Count.REMOTE_PROBE_KNOWN_HITS] += stats.known_hits
         if stats.timeouts:
-            counters["remote_probe_failed_timeout"] += stats.timeouts
+            counters[Count.REMOTE_PROBE_FAILED, FailureCause.TIMEOUT] += stats.timeouts
         for cause, count in stats.failures.items():
-            counters[f"remote_probe_failed_{cause}"] += count
+            counters[Count.REMOTE_PROBE_FAILED, cause] += count
         if self._skipped_down:
-            counters["remote_probe_failed_unavailable"] += self._skipped_down
+            counters[Count.REMOTE_PROBE_FAILED, FailureCause.UNAVAILABLE] += self._skipped_down
             self._skipped_down = 0
         return list(stats.latency_s)
 
-    def server_gauges(self, counters: Counter[str]) -> dict[str, int]:
+    def server_gauges(self, counters: Counts) -> dict[str, int]:
         """The server's memory use and limit (``remote_used_bytes``, ``remote_capacity_bytes``;
         0: no ``maxmemory``), refreshed in the background every ``INFO_INTERVAL_S``; the
         keys Redis evicted since the last reading go to ``evictions_remote``. Never waits."""
@@ -143,7 +161,7 @@ class RemoteTier:
                 self._info = info
                 evicted = info.get("evicted_keys", 0)
                 if self._evicted_seen is not None and evicted > self._evicted_seen:
-                    counters["evictions_remote"] += evicted - self._evicted_seen
+                    counters[Count.EVICTIONS, Tier.REMOTE] += evicted - self._evicted_seen
                 self._evicted_seen = evicted
         now = self._clock()
         if self._server_info is not None and self._info_future is None and (

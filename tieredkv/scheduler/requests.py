@@ -14,8 +14,8 @@ class PendingHit:
     end_token: int
     first_chunk: int
     keys: list[bytes]  # pinned host keys, chunk first_chunk + i
-    lower_keys: set[bytes]  # those promoted from the lower tier for this request
-    remote_keys: set[bytes] = field(default_factory=set)  # those read from the remote tier
+    # Those filled from a tier below host for this request -> that tier's name.
+    sources: dict[bytes, str] = field(default_factory=dict)
     num_tokens: int = 0
     epoch: int = 0
     partial: bool = False  # the last key holds only part of its chunk's blocks for this hit
@@ -29,9 +29,8 @@ class RequestState:
     group_ids: list[list[int]] = field(default_factory=list)
     next_store_chunk: int = 0
     store_jobs: set[int] = field(default_factory=set)
-    promote_jobs: set[int] = field(default_factory=set)
-    promoted_keys: set[bytes] = field(default_factory=set)
-    remote_keys: set[bytes] = field(default_factory=set)  # read from the remote tier for it
+    promote_jobs: set[int] = field(default_factory=set)  # fills (promotions, remote reads)
+    filled: dict[bytes, str] = field(default_factory=dict)  # key -> tier filled from, for it
     remote_done: bool = False  # the remote tier was asked (answered, read, or gave up)
     promote_rounds: int = 0
     promote_deadline: float = 0.0
