@@ -3,17 +3,16 @@ tier and job ledger: the jobs it plans and what each completion does to the tier
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import NamedTuple
 
 import pytest
 from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
 
 from tieredkv.config import TieredKVConfig
+from tieredkv.metrics.specs import Counts
 from tieredkv.protocol import JobKind, JobResult, StepPlan
-from tieredkv.scheduler.disk_tier import DiskTier
-from tieredkv.scheduler.ledger import JobLedger
-from tieredkv.scheduler.parts import PlannerParts
+from tieredkv.scheduler.ledger import JobLedger, PlannerParts
+from tieredkv.scheduler.lower_tier import DiskTier
 from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import SlotState, TierIndex
@@ -25,7 +24,7 @@ class Rig(NamedTuple):
     disk: DiskTier | None
     requests: RequestTable
     ledger: JobLedger
-    counters: Counter[str]
+    counters: Counts
 
 
 def rig(host_slots: int = 8, disk_slots: int = 0, admission: int = 1) -> Rig:
@@ -34,7 +33,7 @@ def rig(host_slots: int = 8, disk_slots: int = 0, admission: int = 1) -> Rig:
     host = TierIndex("host", host_slots)
     disk = (DiskTier(disk_slots, policy="lru", admission=admission, seen_limit=64)
             if disk_slots else None)
-    counters: Counter[str] = Counter()
+    counters = Counts()
     parts = PlannerParts(
         config=TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS}), block_size=BLOCK,
         host=host, lower=disk, requests=requests, ledger=ledger, epoch=HitEpoch(),
@@ -112,7 +111,7 @@ def test_a_chunk_held_already_is_touched_not_stored_again():
     assert computed(r, "c", a).stores == []  # a's chunk again: hot, the least recent is now b's
     report(r, computed(r, "d", d))
     assert keys_for(a)[0] in r.host and keys_for(b)[0] not in r.host
-    assert r.counters["evictions_host"] == 1
+    assert r.counters["evictions", "host"] == 1
 
 
 def test_a_chunk_the_lower_tier_holds_is_not_stored_in_host():
@@ -152,7 +151,7 @@ def test_a_longer_tail_supersedes_the_shorter_and_a_shorter_one_is_not_stored():
     assert tail.block_ids == (104, 105, 106)
     report(r, plan)
     assert short_key not in r.host and r.host.holders(short_key) == [tail.key]
-    assert r.counters["superseded_host"] == 1
+    assert r.counters["superseded", "host"] == 1
     assert computed(r, "c", short, tail=True).stores == []  # held by the longer entry
 
 
@@ -167,7 +166,7 @@ def test_a_failed_store_drops_its_entry_and_never_spills():
     tokens = prompt(CHUNK_TOKENS)
     report(r, computed(r, "a", tokens), failure="io_error")
     assert keys_for(tokens)[0] not in r.host and r.host.free_slots == 8
-    assert r.counters["store_failed_io_error"] == 1
+    assert r.counters["store_failed", "io_error"] == 1
     assert not r.placer.spills_queued and take(r).spills == []
 
 
@@ -205,9 +204,9 @@ def test_a_failed_spill_frees_the_disk_slot_and_unpins_the_host_copy():
     key = keys_for(tokens)[0]
     report(r, computed(r, "a", tokens))
     report(r, take(r), failure="no_space")
-    assert key not in r.disk and r.disk.index.free_slots == 4
+    assert key not in r.disk and r.disk.free_slots == 4
     assert r.host.is_ready(key) and r.host.get(key).pins == 0  # type: ignore[union-attr]
-    assert r.counters["spill_failed_no_space"] == 1
+    assert r.counters["spill_failed", "no_space"] == 1
 
 
 def test_a_spill_with_no_disk_slot_free_is_skipped_and_counted():

@@ -8,8 +8,7 @@ from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for, ok_all, st
 
 from tests.scheduler.index_checks import check_invariants
 from tieredkv.config import TieredKVConfig
-from tieredkv.scheduler.disk_tier import DiskTier
-from tieredkv.scheduler.lower_tier import LowerTier
+from tieredkv.scheduler.lower_tier import DiskTier, LowerTier
 from tieredkv.scheduler.planner import Planner
 
 
@@ -51,8 +50,8 @@ def test_the_planner_runs_on_any_lower_tier():
     planner.on_alloc("c", list(range(20, 20 + CHUNK_BLOCKS + 1)), CHUNK_TOKENS)
     ok_all(planner, planner.take_plan())
     assert planner.hit_tokens("c") == {"remote": CHUNK_TOKENS, "host": 0}
-    assert planner.counters["hit_tokens_remote"] == CHUNK_TOKENS
-    assert planner.counters["evictions_host"] >= 1
+    assert planner.counters["hit_tokens", "remote"] == CHUNK_TOKENS
+    assert planner.counters["evictions", "host"] >= 1
     gauges = planner.gauges()
     assert gauges["remote_slots_capacity"] == 8 and gauges["jobs_in_flight"] == 0
     check_invariants(planner.host)
