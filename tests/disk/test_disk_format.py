@@ -16,6 +16,7 @@ from tieredkv.disk.format import (
     HEADER_USED,
     MAGIC,
     MAX_HEADER_ALIASES,
+    aliases_kept,
     pack_header,
     pack_header_into,
     payload_checksum,
@@ -67,6 +68,16 @@ def test_alias_table_layout_and_roundtrip() -> None:
         header(aliases=(*most, alias(0)))
     with pytest.raises(ValueError):  # not a key of this namespace: could not be rebuilt
         header(aliases=(bytes(32),))
+
+
+def test_aliases_kept_are_those_a_header_lists_and_no_more() -> None:
+    """What the scheduler asks before a spill: every alias while they fit one header (and
+    they do pack), none past that (the entry's own key is then all a restart finds)."""
+    most = tuple(alias(i % 256) for i in range(MAX_HEADER_ALIASES))
+    assert aliases_kept(most) == most
+    assert unpack_header(header(aliases=aliases_kept(most))).aliases == most
+    assert aliases_kept((*most, alias(0))) == ()
+    assert aliases_kept(()) == ()
 
 
 def test_a_flipped_bit_in_the_alias_table_is_a_checksum_failure() -> None:
