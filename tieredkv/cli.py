@@ -31,8 +31,8 @@ from typing import Any
 
 from tieredkv.config import ConfigError
 from tieredkv.disk.errors import SlabError
+from tieredkv.disk.files import MANIFEST_NAME, journal_path, manifest_path, slab_files, slab_path
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.layout import MANIFEST_NAME, journal_path, manifest_path, slab_files, slab_path
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest
 from tieredkv.disk.private_files import UntrustedPathError, ensure_private_dir

@@ -7,8 +7,8 @@ chained, the key of *any* block names that block, its position and its whole pre
 stored chunk (whole, or a prompt's tail holding its first ``n`` blocks) is keyed by its last
 block and also found by the keys of its other blocks (its *aliases*), which is how a hit
 ends at the last block tieredkv holds rather than at a chunk boundary. The namespace
-fingerprint keeps caches of different models, weights, engine settings, dtypes, layouts or TP
-layouts apart, even when they share one ``disk_path``. A LoRA request's keys also mix in a
+fingerprint keeps caches of different models, weights, engine settings, dtypes, KV-cache
+layouts or TP sizes apart, even when they share one ``disk_path``. A LoRA request's keys also mix in a
 digest of the adapter's files, which vLLM's hashes do not cover.
 """
 

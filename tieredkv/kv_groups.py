@@ -36,7 +36,7 @@ class KVGroup:
 
 
 @dataclass(frozen=True)
-class GroupLayout:
+class SlotRows:
     """The groups of an engine and the slot rows of their blocks (one chunk of ``chunk_blocks``)."""
 
     groups: tuple[KVGroup, ...]

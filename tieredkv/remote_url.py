@@ -43,7 +43,7 @@ _SCHEMES: dict[str, tuple[bool, bool]] = {
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _HOST_NAME = re.compile(r"[A-Za-z0-9._-]+\Z")
-# Hash-tag braces and the separator break the key layout; glob characters would make the
+# Hash-tag braces and the separator break the key format; glob characters would make the
 # operator's SCAN MATCH (``tieredkv remote --purge``) reach other prefixes' keys.
 _PREFIX_FORBIDDEN = frozenset("{}:*?[]\\")
 PREFIX_MAX_CHARS = 64

@@ -12,9 +12,7 @@ import pytest
 from tieredkv.config import ConfigError
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES
-from tieredkv.disk.layout import (
+from tieredkv.disk.files import (
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -23,6 +21,8 @@ from tieredkv.disk.layout import (
     slab_path,
     slot_stride,
 )
+from tieredkv.disk.journal import Journal
+from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES
 from tieredkv.disk.manifest import load_manifest
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tieredkv.disk.errors import SlabError
+from tieredkv.disk.files import HEADER_BYTES, slab_path
 from tieredkv.disk.format import (
     FORMAT_VERSION,
     HEADER_USED,
@@ -22,7 +23,6 @@ from tieredkv.disk.format import (
     payload_checksum,
     unpack_header,
 )
-from tieredkv.disk.layout import HEADER_BYTES, slab_path
 from tieredkv.keys import KEY_PART_BYTES
 from tieredkv.protocol import FailureCause
 

@@ -19,8 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from tieredkv.disk.catalog import DiskCatalog
-from tieredkv.disk.journal import Journal
-from tieredkv.disk.layout import (
+from tieredkv.disk.files import (
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -30,6 +29,7 @@ from tieredkv.disk.layout import (
     slab_path,
     slot_stride,
 )
+from tieredkv.disk.journal import Journal
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import UntrustedPathError

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
+from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.metrics.exporter import build_exporter_metrics
 from tieredkv.metrics.specs import COUNT_ROUTES, COUNTER, METRIC_SPECS, Count, Counts, route_counter
 from tieredkv.protocol import FailureCause, JobResult, Tier
@@ -34,10 +34,10 @@ def keys_of(tokens: list[int], per_block: int = 1) -> LazyChunkKeys:
     return LazyChunkKeys(FP, sha256_block_hashes(tokens, BLOCK), C, hashes_per_block=per_block)
 
 
-def planner(host: int, disk: int = 0, layout: GroupLayout | None = None, **extra) -> Planner:
+def planner(host: int, disk: int = 0, slot_rows: SlotRows | None = None, **extra) -> Planner:
     config = TieredKVConfig.from_dict({"chunk_blocks": C, **extra})
     return Planner(config, block_size=BLOCK, num_host_slots=host, num_disk_slots=disk,
-                   layout=layout)
+                   slot_rows=slot_rows)
 
 
 def finish(p: Planner, plan, failure: str | None = None) -> None:
@@ -95,10 +95,10 @@ def host_and_disk_run() -> Counts:
 def unserved_load_run() -> Counts:
     """A hybrid model's load that would leave a block unwritten (see
     tests/scheduler/test_hybrid_unserved_load.py)."""
-    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=C)
+    layout = SlotRows((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=C)
     tokens = list(range(2 * CHUNK_TOKENS + 10))
     keys = keys_of(tokens, per_block=0)
-    p = planner(host=8, layout=layout)
+    p = planner(host=8, slot_rows=layout)
     n = len(tokens) // BLOCK
     p.set_block_ids("a", [list(range(100, 100 + n)), list(range(200, 200 + n))], replace=True)
     p.plan_stores("a", keys, len(tokens), computed_tokens=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
+from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
@@ -18,7 +18,7 @@ from tieredkv.testing.hashing import sha256_block_hashes
 BLOCK, C = 16, 4
 CHUNK_TOKENS = BLOCK * C
 FP = b"h" * 32
-LAYOUT = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=C)
+LAYOUT = SlotRows((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=C)
 TOKENS = list(range(2 * CHUNK_TOKENS + 10))  # two whole chunks and a tail
 
 
@@ -30,7 +30,7 @@ def keys() -> LazyChunkKeys:
 def planner_with_both_chunks_stored() -> Planner:
     config = TieredKVConfig.from_dict({"chunk_blocks": C})
     planner = Planner(config, block_size=BLOCK, num_host_slots=8, num_disk_slots=0,
-                      world_size=1, layout=LAYOUT)
+                      world_size=1, slot_rows=LAYOUT)
     n = len(TOKENS) // BLOCK
     planner.set_block_ids("a", [list(range(100, 100 + n)), list(range(200, 200 + n))], replace=True)
     planner.plan_stores("a", keys(), len(TOKENS), computed_tokens=0)

@@ -20,7 +20,7 @@ from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, 
 from tests.transfer.transfer_helpers import drain, layout_caches
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
+from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.protocol import FailureCause, JobResult, RemoteWriteJob
 from tieredkv.remote.codec import Verified, decode
 from tieredkv.remote.threaded import ThreadedRemoteStore
@@ -47,7 +47,7 @@ B_BLOCKS = [6, 7, 8, 9, 10, 11, 12, 13]  # A's neighbours on the device
 class Harness:
     """One engine: a planner, a CPU transfer engine whose RemoteJobs write to ``url``."""
 
-    def __init__(self, url: str, prefix: str, layout: GroupLayout | None = None) -> None:
+    def __init__(self, url: str, prefix: str, layout: SlotRows | None = None) -> None:
         self.probe_store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
         self.worker_store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
         config = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, "host_bytes": "64MiB"})
@@ -62,7 +62,7 @@ class Harness:
         self.engine = TransferEngine(self.kv, self.host, None, backend=TorchCopyBackend(),
                                      remote=self.jobs)
         self.planner = Planner(config, block_size=BLOCK, num_host_slots=HOST_SLOTS, remote=tier,
-                               layout=layout)
+                               slot_rows=layout)
         for store in (self.probe_store, self.worker_store):
             assert wait_up(store, 5.0), store.stats()
 
@@ -234,7 +234,7 @@ def test_a_hybrid_models_whole_chunks_are_written_with_zeros_in_their_empty_rows
     only its last rows and the others are never copied into the slot. The scheduler and the
     worker count the rows alike, so whole chunks reach Redis, and the rows the store left
     empty go out as zeros, never as what the slot held before (another tenant's rows)."""
-    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=CHUNK_BLOCKS)
+    layout = SlotRows((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=CHUNK_BLOCKS)
     harness = Harness(redis_server.url, prefix, layout)
     kv = harness.kv
     try:

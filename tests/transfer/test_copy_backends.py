@@ -194,7 +194,7 @@ def test_native_refuses_a_run_outside_its_regions_before_copying() -> None:
     host = HostPool(2, kv.slot_payload_bytes(C), pin=False)
     host.buffer.fill_(9)
     backend = NativeCopyBackend()
-    layers, _, bounds = backend._layout(kv, host)
+    layers, _, bounds = backend._pointers(kv, host)
     from array import array
 
     good, bad = (0, 0, 1), (2, 0, 2)  # slot 2 of 2 lies past the end of the pool

@@ -1,6 +1,6 @@
 """The copy backends' own buffers: bounded staging, reused pinned index buffers that are never
-overwritten while a copy reads them, and layout caches that neither outlive the KV caches nor
-hand a new registration a dead one's layout."""
+overwritten while a copy reads them, and registration caches that neither outlive the KV caches nor
+hand a new registration a dead one's views."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_staged_copies_go_piece_by_piece_through_a_bounded_buffer(kind: str, par
     reference, staged = TorchCopyBackend(), TorchCopyBackend(staging_bytes=bound)
 
     reference.d2h(kv, ref_host, pairs)  # on CPU: the numpy path
-    staged._d2h_staged(staged.layout(kv, host), kv, host, pairs)
+    staged._d2h_staged(staged.registered(kv, host), kv, host, pairs)
     assert torch.equal(host.buffer, ref_host.buffer)
 
     for rows in kv.rows:  # the load must change them back
@@ -61,7 +61,7 @@ def test_staged_copies_go_piece_by_piece_through_a_bounded_buffer(kind: str, par
     for _ in range(2):  # a second load reuses the same staging memory
         for rows, old in zip(kv.rows, before, strict=True):
             rows.copy_(old)
-        staged._h2d_staged(staged.layout(kv, host), kv, host, pairs)
+        staged._h2d_staged(staged.registered(kv, host), kv, host, pairs)
         assert all(torch.equal(r, e) for r, e in zip(kv.rows, expected, strict=True))
     for direction in ("d2h", "h2d"):
         staging = staged._staging[direction]
@@ -185,7 +185,7 @@ def test_an_index_buffer_is_not_overwritten_while_its_copy_is_in_flight() -> Non
     assert uploader._buffers[1][:4].tolist() == [1] * 4
 
 
-# ---------------------------------------------------------------------- layout caches
+# ---------------------------------------------------------------------- registration caches
 
 
 def _backend(name: str):
@@ -193,7 +193,7 @@ def _backend(name: str):
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "native"])
-def test_layout_caches_hold_nothing_of_dead_kv_caches(backend_name: str) -> None:
+def test_registration_caches_hold_nothing_of_dead_kv_caches(backend_name: str) -> None:
     backend = _backend(backend_name)
     memory = np.random.default_rng(0).integers(0, 255, (3, 30, 64), dtype=np.uint8)
     alive = weakref.ref(memory)
@@ -201,15 +201,15 @@ def test_layout_caches_hold_nothing_of_dead_kv_caches(backend_name: str) -> None
     host = HostPool(4, kv.slot_payload_bytes(C), pin=False)
     backend.d2h(kv, host, [(0, 0, (1, 2, 3, 4))])
     backend.h2d(kv, host, [(0, 0, (5, 6, 7, 8))])
-    assert len(backend._layouts) == 1
+    assert len(backend._registered) == 1
     del kv, memory
     gc.collect()
     assert alive() is None, "the backend still holds the dead KV caches' memory"
-    assert len(backend._layouts) == 0
+    assert len(backend._registered) == 0
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "native"])
-def test_a_new_registration_never_gets_a_dead_ones_layout(backend_name: str) -> None:
+def test_a_new_registration_never_gets_a_dead_ones_views(backend_name: str) -> None:
     """Each registration's KVViews is built right after the last one died, the way CPython
     hands the dead object's id() to the new one: its copies must read its own caches."""
     backend = _backend(backend_name)

@@ -242,7 +242,7 @@ def test_native_backend_passes_the_counts(monkeypatch: pytest.MonkeyPatch) -> No
     host.buffer.fill_(7)
     monkeypatch.setattr(native_backend, "check_pairs", lambda *args: None)
     backend = NativeCopyBackend()
-    assert backend._layout(kv, host)[1] == chunk
+    assert backend._pointers(kv, host)[1] == chunk
     with pytest.raises(ValueError, match=r"position 2 out of range 0\.\.1 of a chunk"):
         backend.d2h(kv, host, [(0, 1, [0, 1])])
     with pytest.raises(ValueError, match=r"device block id 8 out of range 0\.\.7"):

@@ -147,4 +147,4 @@ def test_engine_geometry_resolves_the_config_once_for_everyone(tmp_path):
     assert geometry.config == auto.resolved(32) and geometry.config.chunk_blocks == 8
     assert geometry.chunk_blocks == geometry.config.chunk_blocks
     assert geometry.chunk_payload_bytes == spec.page_size_bytes * 2 * 8
-    assert not geometry.layout.hybrid and geometry.layout.rows == 8
+    assert not geometry.slot_rows.hybrid and geometry.slot_rows.rows == 8

@@ -43,9 +43,9 @@ from pathlib import Path
 
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.files import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
 from tieredkv.disk.journal_records import JournalFiles
-from tieredkv.disk.layout import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import ensure_private_dir, restrict_dir

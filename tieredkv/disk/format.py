@@ -5,8 +5,8 @@ Every slot says what it holds (namespace fingerprint, key, length) and how to ch
 without trusting any index. Fixed little-endian ``struct`` fields only: nothing on disk is
 ever unpickled or otherwise interpreted as code.
 
-Header layout (all little-endian), padded with zeros to ``HEADER_BYTES`` (one page, from
-:mod:`tieredkv.disk.layout`, which also says where slots and files are)::
+Header format (all little-endian), padded with zeros to ``HEADER_BYTES`` (one page, from
+:mod:`tieredkv.disk.files`, which also says where slots and files are)::
 
     offset size  field
          0    8  magic              b"TKVSLAB1"
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import xxhash
 
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.layout import HEADER_BYTES
+from tieredkv.disk.files import HEADER_BYTES
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_PART_BYTES, key_from_part, key_part
 from tieredkv.protocol import FailureCause
 
@@ -169,7 +169,7 @@ def unpack_header(buf: memoryview | bytes, *, slot: int | None = None, path: obj
     ):
         (v1_crc,) = _CRC.unpack_from(view, _V1_FIELDS)
         if version != FORMAT_VERSION and zlib.crc32(view[:_V1_FIELDS]) == v1_crc:
-            raise SlabError(  # an intact header of an older layout
+            raise SlabError(  # an intact header of an older format
                 FailureCause.WRONG_NAMESPACE,
                 f"format version {version}, expected {FORMAT_VERSION}", slot=slot, path=path,
             )

@@ -1,7 +1,7 @@
 """One rank's slab file: a preallocated array of fixed, self-describing disk slots.
 
 Slot ``i`` starts at ``i * slot_stride`` and holds a 4 KiB header (see ``format``) followed by
-the payload padded to 4 KiB (offsets, strides and file names: ``layout``). Fixed slots mean no allocator on disk, no fragmentation and no
+the payload padded to 4 KiB (offsets, strides and file names: ``files``). Fixed slots mean no allocator on disk, no fragmentation and no
 metadata to keep consistent: which key lives in which slot is the scheduler's index (and its
 journal); the slot itself only has to prove, on every read, that it holds exactly that key's
 bytes for this namespace.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
 from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.files import HEADER_BYTES, PAGE_BYTES, align_up, slot_offset, slot_stride
 from tieredkv.disk.format import SlotHeader, pack_header_into, payload_checksum, unpack_header
-from tieredkv.disk.layout import HEADER_BYTES, PAGE_BYTES, align_up, slot_offset, slot_stride
 from tieredkv.disk.private_files import ensure_private_dir
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 from tieredkv.protocol import FailureCause

@@ -5,7 +5,7 @@ it may reach a host slot: which namespace, which chunk key, which TP rank, how l
 checksum of the payload (the same xxh3_64 as the disk tier, from ``tieredkv.disk.format``).
 Fixed little-endian ``struct`` fields only: nothing read from Redis is ever unpickled.
 
-Value layout (little-endian)::
+Value format (little-endian)::
 
     offset size  field
          0    8  magic              b"TKVREMT1"

@@ -9,7 +9,7 @@ tier reads what every rank's probe found) and marks the key in flight, so that e
 sharing the prefix waits for it; the run is cut where a chunk cannot get a host slot or
 someone else holds it. :meth:`Fill.complete` is the one completion: once every rank reported,
 the tier's hook (disk: unpin, and drop an entry that failed; remote: keep or forget the hint),
-then the host entry READY and settled, or aborted and counted by cause.
+then the host entry READY (one copy kept), or aborted and counted by cause.
 """
 
 from __future__ import annotations
@@ -120,4 +120,4 @@ class Fill:
             self.counters[READ_FAILED[tier.name], outcome.failure or FailureCause.UNKNOWN] += 1
         elif self.host.mark_ready(key):
             self.counters[tier.fill_counter] += 1
-            self._placer.settle(self.host, key)
+            self._placer.keep_one_copy(self.host, key)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.kv_groups import GroupLayout
+from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Counts
 from tieredkv.protocol import JobKind, JobResult, StepPlan
 from tieredkv.scheduler.lower_tier import DiskTier
@@ -150,4 +150,4 @@ class PlannerParts:
     epoch: HitEpoch
     counters: Counts
     remote: RemoteTier | None = None
-    layout: GroupLayout | None = None  # None: one full-attention group
+    slot_rows: SlotRows | None = None  # None: one full-attention group

@@ -60,10 +60,10 @@ class Lookup:
         self.counters = parts.counters
         self._placer = placer
         self.remote = parts.remote
-        self.layout = parts.layout  # None: one full-attention group
+        self.slot_rows = parts.slot_rows  # None: one full-attention group
         # A hit never covers the last token; hybrid models' hits end on a chunk boundary (the
         # windows a sliding group stores are those that end there).
-        self.unit = self.chunk_tokens if parts.layout is not None else parts.block_size
+        self.unit = self.chunk_tokens if parts.slot_rows is not None else parts.block_size
         self._fill = fill
         self._in_flight = fill.in_flight  # read only: the fill path owns it
 
@@ -300,7 +300,7 @@ class Lookup:
     def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
         """vLLM allocated device blocks (hybrid: one list per group): the hit -> a load job."""
         state = self._requests.ensure(req_id)
-        if self.layout is None:
+        if self.slot_rows is None:
             state.block_ids = list(block_ids)
         else:
             state.set_tables([list(ids) for ids in block_ids])
@@ -329,7 +329,7 @@ class Lookup:
             assert placement is not None
             chunks.append(self._load_chunk(key, placement.slot, state, chunk, lo, hi))
             spans.append(hi - lo)
-            holes = self.layout.unserved(state.tables, chunk, lo, hi) if self.layout else []
+            holes = self.slot_rows.unserved(state.tables, chunk, lo, hi) if self.slot_rows else []
             if holes and unserved_chunk is None:
                 unserved_chunk = chunk
             unserved.extend(holes)
@@ -377,11 +377,11 @@ class Lookup:
         self, key: bytes, slot: int, state: RequestState, chunk: int, lo: int, hi: int
     ) -> LoadChunk:
         """Blocks ``[lo, hi)`` of ``chunk`` from host slot ``slot`` (hybrid: every group's)."""
-        layout = self.layout
-        if layout is None:
+        slot_rows = self.slot_rows
+        if slot_rows is None:
             C = self.chunk_blocks
             return LoadChunk(key, slot, lo - chunk * C, tuple(state.block_ids[lo:hi]))
-        return LoadChunk(key, slot, 0, layout.load_rows(state.tables, chunk, lo, hi))
+        return LoadChunk(key, slot, 0, slot_rows.load_rows(state.tables, chunk, lo, hi))
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         state = self._requests.get(req_id)

@@ -56,7 +56,7 @@ class Placer:
         self._epoch = parts.epoch
         self.counters = parts.counters
         self.remote = parts.remote
-        self.layout = parts.layout  # None: one full-attention group
+        self.slot_rows = parts.slot_rows  # None: one full-attention group
         self._spill_queue: OrderedDict[bytes, None] = OrderedDict()
         self._remote_queue: OrderedDict[bytes, None] = OrderedDict()
         # Whether keys name blocks (then an entry's aliases say how many blocks it holds);
@@ -86,7 +86,7 @@ class Placer:
         n_chunks = min(n_chunks, len(state.block_ids) // C)
         granular = getattr(keys, "block_granular", False)
         self._granular = granular
-        if self.layout is not None:
+        if self.slot_rows is not None:
             if computed_tokens is None:
                 return  # hybrid: only the step that computes a chunk may store it
             state.next_store_chunk = max(state.next_store_chunk, computed_tokens // self.chunk_tokens)
@@ -102,11 +102,11 @@ class Placer:
                 self.note_seen(key)
                 continue
             aliases = keys.block_keys(chunk * C, chunk * C + C - 1) if granular else ()  # type: ignore[attr-defined]
-            if self.layout is None:
+            if self.slot_rows is None:
                 self._store(state, key, aliases, state.block_ids[chunk * C : (chunk + 1) * C])
             else:
-                rows = self.layout.store_rows(state.tables, chunk)
-                self._store(state, key, aliases, rows, self.layout.sliding_blocks(rows))
+                rows = self.slot_rows.store_rows(state.tables, chunk)
+                self._store(state, key, aliases, rows, self.slot_rows.sliding_blocks(rows))
         state.next_store_chunk = max(state.next_store_chunk, n_chunks)
         if tail and granular and n_chunks == state.next_store_chunk:
             held = min(storable_tokens // self.block_size, len(state.block_ids),
@@ -122,7 +122,7 @@ class Placer:
         state = self._requests.get(req_id)
         if state is None or state.load_job is not None or not state.block_ids:
             return
-        if self.layout is not None:
+        if self.slot_rows is not None:
             return  # hybrid: a finished request's older sliding blocks may be gone already
         self.plan_stores(req_id, keys, storable_tokens, tail=True)
 
@@ -166,7 +166,7 @@ class Placer:
         elif self.host.mark_ready(key):
             self.counters[Count.STORED_CHUNKS] += 1
             lower = self.lower
-            if not self.settle(self.host, key):
+            if not self.keep_one_copy(self.host, key):
                 return
             if lower is not None:
                 if lower.admits(key):
@@ -209,7 +209,7 @@ class Placer:
     @property
     def _slot_rows(self) -> int:
         """Rows of a whole chunk's slot: ``chunk_blocks`` per KV-cache group."""
-        return self.layout.rows if self.layout is not None else self.chunk_blocks
+        return self.slot_rows.rows if self.slot_rows is not None else self.chunk_blocks
 
     def _entry_rows(self, blocks: int) -> int:
         """Slot rows an entry holding ``blocks`` blocks of its chunk fills, as the worker checks
@@ -224,11 +224,11 @@ class Placer:
     def _hole_rows(self) -> tuple[int, ...]:
         """Rows a whole chunk's store never fills (a sliding window's rows before the blocks
         it keeps): they hold what the slot held before, so a remote value gets zeros there."""
-        layout, C = self.layout, self.chunk_blocks
-        if layout is None:
+        slot_rows, C = self.slot_rows, self.chunk_blocks
+        if slot_rows is None:
             return ()
         return tuple(
-            g * C + j for g, group in enumerate(layout.groups) if group.kind != FULL
+            g * C + j for g, group in enumerate(slot_rows.groups) if group.kind != FULL
             for j in range(C - group.window_blocks)
         )
 
@@ -316,7 +316,7 @@ class Placer:
                 self.counters[Count.SUPERSEDED, lower.name] += 1
                 return
             lower.record_written(key)
-            self.settle(lower, key)
+            self.keep_one_copy(lower, key)
 
     def clear_spill_queue(self) -> None:
         self._spill_queue.clear()
@@ -328,7 +328,7 @@ class Placer:
 
     # ------------------------------------------------------------------ one copy per tier
 
-    def settle(self, tier: TierIndex, key: bytes) -> bool:
+    def keep_one_copy(self, tier: TierIndex, key: bytes) -> bool:
         """``key`` just became READY in ``tier``: keep one copy of its blocks in this tier.
 
         A longer READY entry holding all of its blocks makes it redundant (dropped, False);

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.kv_groups import GroupLayout
+from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Count, CountKey, Counts
 from tieredkv.protocol import JobKind, JobResult, StepPlan, Tier
 from tieredkv.scheduler.fill import Fill
@@ -76,7 +76,7 @@ class Planner:
         catalog=None,
         lower_tier: DiskTier | None = None,
         remote: RemoteTier | None = None,
-        layout: GroupLayout | None = None,
+        slot_rows: SlotRows | None = None,
     ) -> None:
         if not config.chunk_blocks:
             raise ValueError(
@@ -109,14 +109,14 @@ class Planner:
             self.counters.update(disk.recovery_counts)
             self.lower = disk
         self.remote = remote
-        self.layout = layout if layout is not None and layout.hybrid else None
+        self.slot_rows = slot_rows if slot_rows is not None and slot_rows.hybrid else None
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()
         parts = PlannerParts(
             config=config, block_size=block_size, host=self.host, lower=self.lower,
             requests=self._requests, ledger=self._ledger, epoch=epoch, counters=self.counters,
-            remote=remote, layout=self.layout,
+            remote=remote, slot_rows=self.slot_rows,
         )
         self._placer = Placer(parts)
         fill = Fill(parts, placer=self._placer)
@@ -142,7 +142,7 @@ class Planner:
         """Track the request's device blocks, as the scheduler output reports them: a list
         (one group), or one list per KV-cache group (hybrid models)."""
         state = self._requests.ensure(req_id)
-        if self.layout is None:
+        if self.slot_rows is None:
             if replace:
                 state.block_ids = list(block_ids)
             else:
@@ -177,7 +177,7 @@ class Planner:
     def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
         """vLLM allocated device blocks (a list; hybrid models: one per group): turn the
         pending hit into a load job."""
-        if self.layout is not None:
+        if self.slot_rows is not None:
             self._fence_reused(block_ids)
         self._lookup.on_alloc(req_id, block_ids, num_external_tokens)
 

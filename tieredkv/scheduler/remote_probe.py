@@ -125,7 +125,7 @@ class RemoteProbe:
             req = self._requests[req_id] = _Request(list(keys))
         elif len(keys) > len(req.keys):
             req.keys.extend(keys[i] for i in range(len(req.keys), len(keys)))
-        if req.probe is not None and not self._settle(req, req.probe):
+        if req.probe is not None and not self._take_answer(req, req.probe):
             return None
         if req.confirmed == req.checked < len(keys):
             self._send(req, len(keys))
@@ -145,7 +145,7 @@ class RemoteProbe:
         return req.keys[common - 1] == keys[common - 1]
 
     def _send(self, req: _Request, stop: int) -> None:
-        """Probe keys[checked:stop] not known present, in one call; settle at once if none are."""
+        """Probe keys[checked:stop] not known present, in one call; answered at once if none are."""
         known, asked = self._known, []
         for i in range(req.checked, stop):
             if req.keys[i] in known:
@@ -162,7 +162,7 @@ class RemoteProbe:
         self._counts["keys_probed"] += len(asked)
         req.probe = _Probe(future, stop, asked, self._clock())
 
-    def _settle(self, req: _Request, probe: _Probe) -> bool:
+    def _take_answer(self, req: _Request, probe: _Probe) -> bool:
         """Fold a finished (or overdue) probe into ``req``; False while it is still pending."""
         if not probe.future.done():
             if self._clock() - probe.sent_at < self._deadline_s:

@@ -31,7 +31,7 @@ def tieredkv_metric(metrics_text: str, name: str, **labels: str) -> float:
     return total
 
 
-def settled_metrics(server: Server, timeout_s: float = 15.0) -> str:
+def quiet_metrics(server: Server, timeout_s: float = 15.0) -> str:
     """/metrics once tieredkv's counters stop moving (vLLM publishes stats periodically)."""
     last, text = None, server.metrics()
     deadline = time.monotonic() + timeout_s
@@ -104,7 +104,7 @@ def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
             ttft, _, cached = server.complete_with_usage(tokens)
             phase = "cold" if turn == 0 else "host tier hit"
             rows.append(Row(phase, f"run 1 user {user} turn {turn}", ttft, len(tokens), cached))
-        run1 = _tier_summary(settled_metrics(server))
+        run1 = _tier_summary(quiet_metrics(server))
     # Run 2: a restarted server has an empty host tier: every hit comes from the disk tier.
     print("[demo] run 2: restart on the same disk tier", flush=True)
     rnd = random.Random(1)
@@ -115,7 +115,7 @@ def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
             follow_up = tokens + [rnd.randrange(3, 2000) for _ in range(256)]
             ttft, _, cached = server.complete_with_usage(follow_up)
             rows.append(Row("disk tier hit", f"run 2 user {user} turn {turns}", ttft, len(follow_up), cached))
-        run2 = _tier_summary(settled_metrics(server))
+        run2 = _tier_summary(quiet_metrics(server))
     print()
     print(f"{'request':<24} {'phase':<15} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}")
     print("-" * 72)

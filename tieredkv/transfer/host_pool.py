@@ -19,7 +19,7 @@ import mmap
 import torch
 
 from tieredkv.config import ConfigError, format_size
-from tieredkv.disk.layout import PAGE_BYTES, align_up  # disk pads slots alike (O_DIRECT)
+from tieredkv.disk.files import PAGE_BYTES, align_up  # disk pads slots alike (O_DIRECT)
 from tieredkv.transfer.pinned_memory import (
     CUDA_ERROR_MEMORY_ALLOCATION,
     HostRegisterError,

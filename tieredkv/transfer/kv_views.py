@@ -1,4 +1,4 @@
-"""Byte views of the KV caches vLLM registers, and the host slot layout they imply.
+"""Byte views of the KV caches vLLM registers, and the host slot format they imply.
 
 vLLM hands ``register_kv_caches`` one tensor per attention layer. In vLLM 0.32 every one of
 them is a view of ONE backing ``int8`` allocation: layer ``l``'s page for block ``b`` starts
@@ -17,7 +17,7 @@ Anything else is refused here, at start-up, with the tensor's shape and strides.
 When all layers are views of one storage with one layer stride, a single 3-D view
 ``(num_layers, num_blocks, block_bytes)`` lets one index op move a block of every layer.
 
-Host slot layout (one slot = one chunk of ``chunk_blocks`` blocks, all layers)::
+Host slot format (one slot = one chunk of ``chunk_blocks`` blocks, all layers)::
 
     [layer 0: block 0 .. block C-1][layer 1: block 0 .. block C-1] ...
 
@@ -139,7 +139,7 @@ class KVViews:
             first.byte_offset,
         )
 
-    # ------------------------------------------------------------------ slot layout
+    # ------------------------------------------------------------------ slot format
 
     def slot_payload_bytes(self, chunk_blocks: int) -> int:
         """Bytes of one host/disk slot holding ``chunk_blocks`` blocks of every layer."""

@@ -27,8 +27,8 @@ from typing import Any
 
 from tieredkv.config import ConfigError, TieredKVConfig, format_size
 from tieredkv.keys import Namespace
-from tieredkv.kv_groups import GroupLayout
-from tieredkv.vllm.group_layout import group_geometry
+from tieredkv.kv_groups import SlotRows
+from tieredkv.vllm.groups import group_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class EngineGeometry:
     # The tieredkv config resolved for this engine (chunk_blocks fixed): resolved here, once,
     # and taken from here by both halves and the planner.
     config: TieredKVConfig
-    # The KV-cache groups and where their blocks sit in a slot (one full group: the old layout).
-    layout: GroupLayout
+    # The KV-cache groups and where their blocks sit in a slot (one full group: rows are blocks).
+    slot_rows: SlotRows
 
 
 # ---------------------------------------------------------------------------- files
@@ -343,7 +343,7 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
     groups = kv_cache_config.kv_cache_groups
     config = config.resolved(int(groups[0].kv_cache_spec.block_size)) if groups else config
     shape = group_geometry(kv_cache_config, config.chunk_blocks, vllm_config)
-    spec, group_layout = shape.spec, shape.layout
+    spec, slot_rows = shape.spec, shape.slot_rows
     num_layers = shape.layers_per_group
     parallel = vllm_config.parallel_config
     world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
@@ -366,14 +366,14 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
         head_size=int(getattr(spec, "head_size", 0)),
         tp_size=parallel.tensor_parallel_size,
         weights_version=weights,
-        # Hybrid models: the group layout decides what a slot holds (single groups: unchanged).
+        # Hybrid models: the slot rows decide what a slot holds (single groups: unchanged).
         cache_shape=f"pp{parallel.pipeline_parallel_size}"
-        + (f";groups={group_layout.describe()}" if group_layout.hybrid else ""),
+        + (f";groups={slot_rows.describe()}" if slot_rows.hybrid else ""),
         engine_config=settings,
     )
     fingerprint = namespace.fingerprint()
     logger.info("tieredkv: namespace fingerprint %s", fingerprint.hex()[:16])
-    payload_bytes = shape.page_size_bytes * num_layers * group_layout.rows
+    payload_bytes = shape.page_size_bytes * num_layers * slot_rows.rows
     check_remote_write_queue(config, payload_bytes)
     forgeable = forgeable_hash_warning(str(hash_algo), stable, config)
     if forgeable:
@@ -388,5 +388,5 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any, config: TieredKVConf
         world_size=world_size,
         stable_hashes=stable,
         config=config,
-        layout=group_layout,
+        slot_rows=slot_rows,
     )

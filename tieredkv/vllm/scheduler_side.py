@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.layout import align_up, slot_counts
+from tieredkv.disk.files import align_up, slot_counts
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.metrics.specs import Count
 from tieredkv.scheduler.planner import Planner
@@ -39,10 +39,10 @@ class SchedulerHalf:
             )
         self._hashes_per_chunk = geometry.block_size * config.chunk_blocks // hash_block
         # Hybrid models (several KV-cache groups, or a sliding window): whole chunks only.
-        self._hybrid = geometry.layout.hybrid
+        self._hybrid = geometry.slot_rows.hybrid
         if self._hybrid:
             logger.info("tieredkv: KV-cache groups %s: hits end on %d-token chunk boundaries",
-                        geometry.layout.describe(), geometry.block_size * config.chunk_blocks)
+                        geometry.slot_rows.describe(), geometry.block_size * config.chunk_blocks)
         # Hits end at the last vLLM block held when a block is a whole number of hash blocks
         # (always so in vLLM 0.32: the hash block size divides every group's block size).
         if geometry.block_size % hash_block == 0:
@@ -92,7 +92,7 @@ class SchedulerHalf:
             world_size=geometry.world_size,
             catalog=catalog,
             remote=remote,
-            layout=geometry.layout,
+            slot_rows=geometry.slot_rows,
         )
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.layout import slot_counts
+from tieredkv.disk.files import slot_counts
 from tieredkv.protocol import JobResult, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm import sleep_hook
@@ -69,7 +69,7 @@ class WorkerHalf:
         # the first failed block: with several groups, or a sliding window (the window before
         # that block was never loaded: its blocks are vLLM's null block), a failed load is
         # reported as a failed request (failed_recving) and recomputed whole.
-        self._errors_by_request = self.geometry.layout.hybrid
+        self._errors_by_request = self.geometry.slot_rows.hybrid
         self._results: dict[int, JobResult] = {}
         self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
         self._compute_idle = False
@@ -88,7 +88,7 @@ class WorkerHalf:
         from tieredkv.transfer.kv_views import KVViews
 
         views = KVViews.from_kv_caches(kv_caches, self.num_blocks, layout=self.geometry.namespace.kv_layout)
-        payload = views.slot_payload_bytes(self.geometry.layout.rows)
+        payload = views.slot_payload_bytes(self.geometry.slot_rows.rows)
         if payload != self.geometry.chunk_payload_bytes:
             raise ValueError(
                 f"tieredkv: registered KV caches give {payload} bytes per chunk, the KV-cache "
@@ -98,7 +98,7 @@ class WorkerHalf:
         host_slots, disk_slots = slot_counts(self.config, payload, self.geometry.world_size)
         self.host = HostPool(host_slots, payload)
         if disk_slots:
-            from tieredkv.disk.layout import rank_lock_name, slab_path
+            from tieredkv.disk.files import rank_lock_name, slab_path
             from tieredkv.disk.lock import DiskLock
             from tieredkv.disk.slab import SlabFile
 

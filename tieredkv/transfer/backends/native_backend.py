@@ -16,7 +16,7 @@ import torch
 
 from tieredkv.protocol import BackendName
 from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
-from tieredkv.transfer.backends.layout_cache import LayoutCache
+from tieredkv.transfer.backends.registration_cache import RegistrationCache
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 
@@ -42,12 +42,12 @@ def _import_rowcopy() -> tuple[Any, str]:
 
 
 # (per-layer [rows ptr, block stride, block bytes, slot offset], chunk blocks, address bounds)
-_NativeLayout = tuple[np.ndarray, int, tuple[int, int, int, int]]
+_NativePointers = tuple[np.ndarray, int, tuple[int, int, int, int]]
 
 
-def _native_layout(dev: KVViews, host: HostPool) -> _NativeLayout:
+def _native_pointers(dev: KVViews, host: HostPool) -> _NativePointers:
     """Raw addresses of one (caches, pool) pair: valid only while both are alive, which the
-    :class:`LayoutCache` holding it guarantees (an entry goes when either does)."""
+    :class:`RegistrationCache` holding it guarantees (an entry goes when either does)."""
     if dev.device.type != "cpu":
         raise ValueError("copy_backend='native' copies CPU tensors only")
     chunk_blocks = dev.chunk_blocks_for(host.payload_bytes)
@@ -85,7 +85,7 @@ class NativeCopyBackend(CopyBackend):
             raise ValueError(f"copy_backend='native' is not available here: {why}")
         self._copy = module.copy_blocks
         self.nontemporal = nontemporal
-        self._layouts: LayoutCache[_NativeLayout] = LayoutCache(_native_layout)
+        self._registered: RegistrationCache[_NativePointers] = RegistrationCache(_native_pointers)
 
     @staticmethod
     def available(device: torch.device) -> tuple[bool, str]:
@@ -94,13 +94,13 @@ class NativeCopyBackend(CopyBackend):
         module, why = _import_rowcopy()
         return module is not None, why
 
-    def _layout(self, dev: KVViews, host: HostPool) -> _NativeLayout:
-        return self._layouts.get(dev, host)
+    def _pointers(self, dev: KVViews, host: HostPool) -> _NativePointers:
+        return self._registered.get(dev, host)
 
     def _run(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair], to_host: bool) -> None:
         if not pairs:
             return
-        layers, chunk_blocks, bounds = self._layout(dev, host)
+        layers, chunk_blocks, bounds = self._pointers(dev, host)
         check_pairs(dev, host, chunk_blocks, pairs)
         items = array("q")
         for slot, first, ids in pairs:

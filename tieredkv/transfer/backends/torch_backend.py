@@ -15,7 +15,7 @@ import torch
 
 from tieredkv.protocol import BackendName
 from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
-from tieredkv.transfer.backends.layout_cache import LayoutCache
+from tieredkv.transfer.backends.registration_cache import RegistrationCache
 from tieredkv.transfer.backends.staging import IndexUploader, StagingBuffer
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews, widest_item
@@ -31,11 +31,11 @@ def _consecutive(ids: Sequence[int]) -> bool:
     return ids[-1] - first == len(ids) - 1 and all(b == first + j for j, b in enumerate(ids))
 
 
-class _CopyLayout:
+class _RegisteredViews:
     """Views of one (device caches, host pool) combination, computed once.
 
     Holds views of the caches' and the pool's memory, never the KVViews or HostPool objects
-    (the :class:`LayoutCache` entry holding it goes when they do).
+    (the :class:`RegistrationCache` entry holding it goes when they do).
 
     Index ops run on the widest integer dtype that divides every size, stride and offset
     involved: the same bytes as fewer, larger elements (8x fewer on int64 than on uint8).
@@ -99,24 +99,24 @@ class TorchCopyBackend(CopyBackend):
     name = BackendName.TORCH
 
     def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        self._layouts: LayoutCache[_CopyLayout] = LayoutCache(_CopyLayout)
+        self._registered: RegistrationCache[_RegisteredViews] = RegistrationCache(_RegisteredViews)
         # One staging buffer and index uploader per direction: d2h and h2d lanes run at once.
         self._staging = {d: StagingBuffer(staging_bytes) for d in ("d2h", "h2d")}
         self._uploads: dict[str, IndexUploader] = {}
 
-    def layout(self, dev: KVViews, host: HostPool) -> _CopyLayout:
-        return self._layouts.get(dev, host)
+    def registered(self, dev: KVViews, host: HostPool) -> _RegisteredViews:
+        return self._registered.get(dev, host)
 
     # ------------------------------------------------------------------ CPU
 
     def d2h(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         if not pairs:
             return
-        layout = self.layout(dev, host)
-        check_pairs(dev, host, layout.chunk_blocks, pairs)
-        if not layout.on_cpu:
-            return self._d2h_staged(layout, dev, host, pairs)
-        stacked, pool, take = layout.np_stacked, layout.np_pool, layout.take_stacked
+        reg = self.registered(dev, host)
+        check_pairs(dev, host, reg.chunk_blocks, pairs)
+        if not reg.on_cpu:
+            return self._d2h_staged(reg, dev, host, pairs)
+        stacked, pool, take = reg.np_stacked, reg.np_pool, reg.take_stacked
         for slot, first, ids in pairs:
             n = len(ids)
             if n == 0:
@@ -130,29 +130,29 @@ class TorchCopyBackend(CopyBackend):
                     # ids were range-checked above; "wrap" skips numpy's buffered bounds mode
                     np.take(stacked, ids, axis=1, out=out, mode="wrap")
                 else:
-                    torch.index_select(layout.stacked, 1, torch.tensor(ids),
-                                       out=layout.pool[slot, :, first : first + n])
+                    torch.index_select(reg.stacked, 1, torch.tensor(ids),
+                                       out=reg.pool[slot, :, first : first + n])
                 continue
             index = None
-            for layer, (rows, pool_l) in enumerate(zip(layout.np_rows, layout.np_pools, strict=True)):
+            for layer, (rows, pool_l) in enumerate(zip(reg.np_rows, reg.np_pools, strict=True)):
                 out = pool_l[slot, first : first + n]
                 if run:
                     out[...] = rows[ids[0] : ids[0] + n]
-                elif layout.take_rows[layer]:
+                elif reg.take_rows[layer]:
                     np.take(rows, ids, axis=0, out=out, mode="wrap")
                 else:
                     index = torch.tensor(ids) if index is None else index
-                    torch.index_select(layout.rows[layer], 0, index,
-                                       out=layout.pools[layer][slot, first : first + n])
+                    torch.index_select(reg.rows[layer], 0, index,
+                                       out=reg.pools[layer][slot, first : first + n])
 
     def h2d(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         if not pairs:
             return
-        layout = self.layout(dev, host)
-        check_pairs(dev, host, layout.chunk_blocks, pairs)
-        if not layout.on_cpu:
-            return self._h2d_staged(layout, dev, host, pairs)
-        stacked, pool = layout.np_stacked, layout.np_pool
+        reg = self.registered(dev, host)
+        check_pairs(dev, host, reg.chunk_blocks, pairs)
+        if not reg.on_cpu:
+            return self._h2d_staged(reg, dev, host, pairs)
+        stacked, pool = reg.np_stacked, reg.np_pool
         for slot, first, ids in pairs:
             n = len(ids)
             if n == 0:
@@ -164,7 +164,7 @@ class TorchCopyBackend(CopyBackend):
             if stacked is not None:
                 stacked[:, target] = pool[slot, :, first : first + n]
                 continue
-            for rows, pool_l in zip(layout.np_rows, layout.np_pools, strict=True):
+            for rows, pool_l in zip(reg.np_rows, reg.np_pools, strict=True):
                 rows[target] = pool_l[slot, first : first + n]
 
     # ------------------------------------------------------------------ CUDA (any device)
@@ -190,11 +190,11 @@ class TorchCopyBackend(CopyBackend):
         return uploader.upload(table, out), starts
 
     def _pieces(
-        self, direction: str, layout: _CopyLayout, pairs: Sequence[Pair], device: torch.device
+        self, direction: str, reg: _RegisteredViews, pairs: Sequence[Pair], device: torch.device
     ) -> Iterator[tuple[Sequence[Pair], torch.Tensor, torch.Tensor]]:
         """(pairs, staging (count, payload), indices (3, m)) per piece that fits the bound."""
         staging_buffer = self._staging[direction]
-        slot_bytes = layout.payload_elems * layout.width
+        slot_bytes = reg.payload_elems * reg.width
         per_piece = staging_buffer.pieces(slot_bytes)
         table, starts = self._index_table(direction, pairs, per_piece, device)
         try:
@@ -202,58 +202,58 @@ class TorchCopyBackend(CopyBackend):
                 piece = pairs[a : a + per_piece]
                 count = len(piece)
                 staging = staging_buffer.take(count * slot_bytes, device)
-                staging = staging.view(layout.dtype).view(count, layout.payload_elems)
+                staging = staging.view(reg.dtype).view(count, reg.payload_elems)
                 yield piece, staging, table[:, int(starts[a]) : int(starts[a + count])]
         finally:
             staging_buffer.release(device)
 
-    def _layer_views(self, layout: _CopyLayout, dev: KVViews, staging: torch.Tensor) -> list[torch.Tensor]:
+    def _layer_views(self, reg: _RegisteredViews, dev: KVViews, staging: torch.Tensor) -> list[torch.Tensor]:
         """Staging viewed per layer as (count, C, block_elems)."""
-        w = layout.width
+        w = reg.width
         views = []
-        for bb, off in zip(dev.block_bytes, layout.offsets, strict=True):
-            start, size = off // w, layout.chunk_blocks * bb // w
-            views.append(staging[:, start : start + size].view(staging.shape[0], layout.chunk_blocks, bb // w))
+        for bb, off in zip(dev.block_bytes, reg.offsets, strict=True):
+            start, size = off // w, reg.chunk_blocks * bb // w
+            views.append(staging[:, start : start + size].view(staging.shape[0], reg.chunk_blocks, bb // w))
         return views
 
-    def _d2h_staged(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _d2h_staged(self, reg: _RegisteredViews, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
-        w = layout.width
-        for piece, staging, (kk, pos, blocks) in self._pieces("d2h", layout, pairs, device):
+        w = reg.width
+        for piece, staging, (kk, pos, blocks) in self._pieces("d2h", reg, pairs, device):
             count = len(piece)
-            if layout.stacked is not None:
+            if reg.stacked is not None:
                 L = dev.num_layers
                 layers = torch.arange(L, device=device).view(1, L)
-                gathered = layout.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
-                st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
+                gathered = reg.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
+                st = staging.view(count, L, reg.chunk_blocks, -1).permute(0, 2, 1, 3)
                 st.index_put_((kk, pos), gathered)
             else:
-                for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
+                for rows, st in zip(reg.rows, self._layer_views(reg, dev, staging), strict=True):
                     st.index_put_((kk, pos), rows.index_select(0, blocks))
             for k, (slot, first, ids) in enumerate(piece):
                 n = len(ids)
                 if n == 0:
                     continue
-                plan_host = host.slot(slot).view(layout.dtype)
-                if first == 0 and n == layout.chunk_blocks:
+                plan_host = host.slot(slot).view(reg.dtype)
+                if first == 0 and n == reg.chunk_blocks:
                     plan_host.copy_(staging[k], non_blocking=True)
                     continue
                 # A partial chunk: only its positions, per layer, so the rest of the slot stays.
-                for bb, off in zip(dev.block_bytes, layout.offsets, strict=True):
+                for bb, off in zip(dev.block_bytes, reg.offsets, strict=True):
                     lo, hi = (off + first * bb) // w, (off + (first + n) * bb) // w
                     plan_host[lo:hi].copy_(staging[k, lo:hi], non_blocking=True)
 
-    def _h2d_staged(self, layout: _CopyLayout, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+    def _h2d_staged(self, reg: _RegisteredViews, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
-        for piece, staging, (kk, pos, blocks) in self._pieces("h2d", layout, pairs, device):
+        for piece, staging, (kk, pos, blocks) in self._pieces("h2d", reg, pairs, device):
             count = len(piece)
             for k, (slot, _, _) in enumerate(piece):
-                staging[k].copy_(host.slot(slot).view(layout.dtype), non_blocking=True)
-            if layout.stacked is not None:
+                staging[k].copy_(host.slot(slot).view(reg.dtype), non_blocking=True)
+            if reg.stacked is not None:
                 L = dev.num_layers
                 layers = torch.arange(L, device=device).view(1, L)
-                st = staging.view(count, L, layout.chunk_blocks, -1).permute(0, 2, 1, 3)
-                layout.stacked.index_put_((layers, blocks.view(-1, 1)), st[kk, pos])
+                st = staging.view(count, L, reg.chunk_blocks, -1).permute(0, 2, 1, 3)
+                reg.stacked.index_put_((layers, blocks.view(-1, 1)), st[kk, pos])
             else:
-                for rows, st in zip(layout.rows, self._layer_views(layout, dev, staging), strict=True):
+                for rows, st in zip(reg.rows, self._layer_views(reg, dev, staging), strict=True):
                     rows.index_copy_(0, blocks, st[kk, pos])

@@ -1,4 +1,4 @@
-"""vLLM's KV-cache groups -> a :class:`~tieredkv.kv_groups.GroupLayout`, or a refusal that says why.
+"""vLLM's KV-cache groups -> a :class:`~tieredkv.kv_groups.SlotRows`, or a refusal that says why.
 
 tieredkv serves full-attention groups (every block) and sliding-window groups (the blocks a
 hit ending at a chunk boundary needs). It stores a block's KV under a key of the block's
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
+from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 
 _WHAT_TO_DO = "remove --kv-transfer-config for this model (or serve it without tieredkv)"
 # Speculative methods whose drafter writes KV from the target's hidden state and the *next*
@@ -28,7 +28,7 @@ _NEXT_TOKEN_DRAFTERS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 
 @dataclass(frozen=True)
 class GroupGeometry:
-    layout: GroupLayout
+    slot_rows: SlotRows
     block_size: int
     page_size_bytes: int  # one block of one layer
     layers_per_group: int  # physical layer slots (groups alias the same per-index tensors)
@@ -73,7 +73,7 @@ def _not_a_prefix_function(group: Any, spec: Any) -> str | None:
 
 def _kind(group: Any, index: int) -> KVGroup:
     # By class name along the MRO (vLLM's kv_cache_interface classes), so that the worker half
-    # also runs where vLLM is not installed (the GPU check runs it on recorded layouts).
+    # also runs where vLLM is not installed (the GPU check runs it on recorded groups).
     spec, layers = group.kv_cache_spec, list(group.layer_names)
     names = {cls.__name__ for cls in type(spec).__mro__}
     name = type(spec).__name__
@@ -152,7 +152,7 @@ def group_geometry(kv_cache_config: Any, chunk_blocks: int, vllm_config: Any = N
             f"size {sorted(page_sizes)}; tieredkv needs one of each; {_WHAT_TO_DO}"
         )
     return GroupGeometry(
-        layout=GroupLayout(tuple(kinds), chunk_blocks),
+        slot_rows=SlotRows(tuple(kinds), chunk_blocks),
         block_size=block_sizes.pop(),
         page_size_bytes=page_sizes.pop(),
         layers_per_group=max(len(g.layer_names) for g in groups),

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tieredkv.kv_groups import FULL, SLIDING, GroupLayout, KVGroup
+from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.protocol import NO_BLOCK
-from tieredkv.vllm.group_layout import group_geometry
+from tieredkv.vllm.groups import group_geometry
 
 H = NO_BLOCK
 
@@ -38,17 +38,17 @@ def _config(*specs) -> SimpleNamespace:
 
 def test_one_full_attention_group_keeps_the_old_layout():
     shape = group_geometry(_config(_spec("full")), chunk_blocks=4)
-    assert not shape.layout.hybrid and shape.layout.rows == 4
-    assert shape.layout.store_rows([[7, 8, 9, 10, 11, 12, 13, 14]], 1) == (11, 12, 13, 14)
+    assert not shape.slot_rows.hybrid and shape.slot_rows.rows == 4
+    assert shape.slot_rows.store_rows([[7, 8, 9, 10, 11, 12, 13, 14]], 1) == (11, 12, 13, 14)
 
 
 def test_sliding_and_full_groups_are_served_with_their_windows():
     # Gemma-2 style: group 0 is the sliding one (vLLM orders groups by first layer).
     shape = group_geometry(_config(_spec("sliding", window=64), _spec("full")), chunk_blocks=4)
-    assert shape.layout.groups == (KVGroup(SLIDING, 2), KVGroup(FULL))  # cdiv(63, 32) = 2
-    assert shape.layout.hybrid and shape.layout.rows == 8
+    assert shape.slot_rows.groups == (KVGroup(SLIDING, 2), KVGroup(FULL))  # cdiv(63, 32) = 2
+    assert shape.slot_rows.hybrid and shape.slot_rows.rows == 8
     assert shape.layers_per_group == 2
-    assert group_geometry(_config(_spec("sliding", window=200)), 4).layout.groups == (KVGroup(SLIDING, 7),)
+    assert group_geometry(_config(_spec("sliding", window=200)), 4).slot_rows.groups == (KVGroup(SLIDING, 7),)
 
 
 @pytest.mark.parametrize(("kind", "words"), [("mamba", "Mamba/SSM"), ("chunked", "does not store")])
@@ -65,7 +65,7 @@ def test_groups_of_different_block_sizes_are_refused():
 
 
 def test_store_rows_keep_what_a_hit_at_a_chunk_boundary_needs():
-    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=4)
+    layout = SlotRows((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=4)
     sliding = [0, 0, 0, 0, 0, 21, 22, 23, 24, 25]  # freed blocks are vLLM's null block 0
     full = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]
     # chunk 1 = blocks 4..7: the window's last two blocks of the chunk, all four full blocks.
@@ -75,7 +75,7 @@ def test_store_rows_keep_what_a_hit_at_a_chunk_boundary_needs():
 
 
 def test_load_rows_fill_every_real_block_from_the_rows_stored():
-    layout = GroupLayout((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=4)
+    layout = SlotRows((KVGroup(SLIDING, 2), KVGroup(FULL)), chunk_blocks=4)
     # A hit of 2 chunks (blocks 0..7) after a 1-block local hit: vLLM gave the sliding group
     # real blocks only for the window's last two blocks.
     sliding = [0, 0, 0, 0, 0, 0, 51, 52]
@@ -163,7 +163,7 @@ def test_causal_variants_of_full_attention_are_still_served():
                  kvi.FullAttentionSpec(**COMMON, attention_chunk_size=64),
                  kvi.MLAAttentionSpec(**COMMON),
                  kvi.SinkFullAttentionSpec(**COMMON, sink_len=4)):
-        assert group_geometry(_real_config((spec, {})), 4).layout.groups == (KVGroup(FULL),)
+        assert group_geometry(_real_config((spec, {})), 4).slot_rows.groups == (KVGroup(FULL),)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_a_pooling_model_that_needs_every_hidden_state_is_refused(tiny_llama_dir
     kvi = _kvi()
     config = _real_config((kvi.FullAttentionSpec(**COMMON), {}))
     generate = ModelConfig(model=tiny_llama_dir, runner="generate", skip_tokenizer_init=True)
-    assert group_geometry(config, 4, SimpleNamespace(model_config=generate)).layout.rows == 4
+    assert group_geometry(config, 4, SimpleNamespace(model_config=generate)).slot_rows.rows == 4
     pooling = ModelConfig(model=tiny_llama_dir, runner="pooling", skip_tokenizer_init=True,
                           pooler_config=PoolerConfig(seq_pooling_type="MEAN"))
     with pytest.raises(ValueError, match="does not reuse this pooling model's KV"):
@@ -205,4 +205,4 @@ def test_drafters_without_next_token_kv_are_served(method):
 
     assert not SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
     engine = SimpleNamespace(speculative_config=SimpleNamespace(method=method))
-    assert group_geometry(_config(_spec("full")), 4, engine).layout.rows == 4
+    assert group_geometry(_config(_spec("full")), 4, engine).slot_rows.rows == 4

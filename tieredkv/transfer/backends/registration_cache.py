@@ -1,7 +1,7 @@
 """What a backend derives once per (KV caches, host pool) pair, held only while both live.
 
 Why not a dict keyed by ``id()``: the id of a dead object is handed to the next one, so a new
-registration could get a dead one's layout (its views or raw pointers, i.e. freed or stale
+registration could get a dead one's entry (its views or raw pointers, i.e. freed or stale
 memory), and every entry would keep its KV caches' memory alive for the backend's life.
 Entries here are keyed weakly by the :class:`KVViews` and :class:`HostPool` objects
 themselves: an entry goes when either does, and a value must not refer back to them.
@@ -21,11 +21,11 @@ T = TypeVar("T")
 
 
 def _host_signature(host: HostPool) -> tuple[int, int]:
-    """What a layout read off the pool: a closed pool has another buffer."""
+    """What an entry read off the pool: a closed pool has another buffer."""
     return host.buffer.data_ptr(), host.buffer.numel()
 
 
-class LayoutCache(Generic[T]):
+class RegistrationCache(Generic[T]):
     """``build(dev, host)``, computed once per live pair (thread-safe: both lanes use it)."""
 
     def __init__(self, build: Callable[[KVViews, HostPool], T]) -> None:
