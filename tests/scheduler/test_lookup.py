@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
-from test_remote_tier import Store, remote
+from test_remote_tier import Store, remote_tier
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
@@ -183,7 +183,7 @@ def test_remote_chunks_past_host_and_disk_are_probed_on_arrival_then_read_and_ve
     store = Store()
     for c in (0, 1, 2):  # the probe asks from chunk 0: the remote tier's leading run
         store.put(KEYS[c])
-    r = Rig(remote_tier=remote(store))
+    r = Rig(remote_tier=remote_tier(store))
     r.in_host(0)
     r.lookup.prefetch_remote("r", KEYS, len(PROMPT))  # the request arrived: probe sent
     assert len(store.calls) == 1

@@ -7,13 +7,15 @@ from typing import NamedTuple
 
 import pytest
 from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
+from test_remote_tier import Store, remote_tier
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.metrics.specs import Counts
-from tieredkv.protocol import JobKind, JobResult, StepPlan
+from tieredkv.metrics.specs import Count, Counts
+from tieredkv.protocol import FailureCause, JobKind, JobResult, StepPlan
 from tieredkv.scheduler.ledger import JobLedger, PlannerParts
 from tieredkv.scheduler.lower_tier import DiskTier
 from tieredkv.scheduler.placement import Placer
+from tieredkv.scheduler.remote_tier import RemoteTier
 from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import SlotState, TierIndex
 
@@ -27,7 +29,8 @@ class Rig(NamedTuple):
     counters: Counts
 
 
-def rig(host_slots: int = 8, disk_slots: int = 0, admission: int = 1) -> Rig:
+def rig(host_slots: int = 8, disk_slots: int = 0, admission: int = 1,
+        remote: RemoteTier | None = None) -> Rig:
     requests = RequestTable()
     ledger = JobLedger(1, requests)
     host = TierIndex("host", host_slots)
@@ -37,7 +40,7 @@ def rig(host_slots: int = 8, disk_slots: int = 0, admission: int = 1) -> Rig:
     parts = PlannerParts(
         config=TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS}), block_size=BLOCK,
         host=host, lower=disk, requests=requests, ledger=ledger, epoch=HitEpoch(),
-        counters=counters,
+        counters=counters, remote=remote,
     )
     placer = Placer(parts)
 
@@ -239,3 +242,41 @@ def test_clearing_the_queue_drops_the_spills_not_yet_planned():
     assert r.placer.spills_queued
     r.placer.clear_spill_queue()
     assert not r.placer.spills_queued and take(r).spills == []
+
+
+def test_a_whole_chunk_is_written_to_the_remote_tier_once_and_a_tail_never():
+    tier = remote_tier(Store())
+    r = rig(remote=tier)
+    tokens = prompt(CHUNK_TOKENS + 2 * BLOCK)
+    key = keys_for(tokens)[0]
+    report(r, computed(r, "a", tokens, tail=True))
+    plan = take(r)
+    (write,) = plan.remote_writes  # the tail's slot holds another tenant's rows past its own
+    assert (write.key, write.host_slot, write.rows, write.holes) == (
+        key, r.host.get(key).slot, CHUNK_BLOCKS, ())  # type: ignore[union-attr]
+    assert r.host.get(key).pins == 1 and tier.holds_hint(key)  # type: ignore[union-attr]
+    report(r, plan)
+    assert r.host.get(key).pins == 0 and r.counters[Count.REMOTE_WRITTEN_CHUNKS] == 1  # type: ignore[union-attr]
+    assert computed(r, "b", tokens).remote_writes == []  # seen again: known there
+
+
+def test_remote_writes_wait_for_admission():
+    r = rig(remote=remote_tier(Store(), admission=2))
+    tokens = prompt(CHUNK_TOKENS)
+    report(r, computed(r, "a", tokens))
+    assert r.counters[Count.REMOTE_ADMISSION_REJECTED] == 1 and take(r).remote_writes == []
+    assert [w.key for w in computed(r, "b", tokens).remote_writes] == [keys_for(tokens)[0]]
+
+
+@pytest.mark.parametrize(("cause", "count"), [(FailureCause.DROPPED, Count.REMOTE_WRITES_DROPPED),
+                                              (FailureCause.IO_ERROR, Count.REMOTE_WRITE_FAILED)])
+def test_a_failed_remote_write_unpins_the_host_copy_and_may_be_written_again(cause, count):
+    tier = remote_tier(Store(), admission=1)
+    r = rig(remote=tier)
+    tokens = prompt(CHUNK_TOKENS)
+    key = keys_for(tokens)[0]
+    report(r, computed(r, "a", tokens))
+    report(r, take(r), failure=cause)
+    assert r.host.get(key).pins == 0 and not tier.holds_hint(key)  # type: ignore[union-attr]
+    assert r.counters[count] == 1 and r.counters[Count.REMOTE_WRITTEN_CHUNKS] == 0
+    assert [w.key for w in computed(r, "b", tokens).remote_writes] == [key]

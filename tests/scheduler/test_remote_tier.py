@@ -58,7 +58,7 @@ class Clock:
         return self.now
 
 
-def remote(store: Store, *, up: bool = True, writes: bool = True, admission: int = 1,
+def remote_tier(store: Store, *, up: bool = True, writes: bool = True, admission: int = 1,
            written_capacity: int = 64, server_info=None, clock: Clock | None = None) -> RemoteTier:
     clock = clock or Clock()
     probe = RemoteProbe(store, FP, len(store.names), deadline_s=10.0, clock=clock)
@@ -73,7 +73,7 @@ def answer(tier: RemoteTier, req_id: str, keys: Sequence[bytes]) -> int | None:
 
 
 def test_the_remote_tier_is_a_lower_tier_without_an_index():
-    tier = remote(Store())
+    tier = remote_tier(Store())
     assert isinstance(tier, LowerTier)
     assert (tier.name, tier.fill_kind, tier.fill_counter) == (Tier.REMOTE, JobKind.REMOTE_READ,
                                                               Count.REMOTE_READ_CHUNKS)
@@ -85,7 +85,7 @@ def test_poll_never_waits_and_answers_the_leading_chunks_every_rank_holds():
         store.put(key)
     store.put(K[2], ranks=[0])  # rank 1's shard is missing: the run ends there
     store.hold = True
-    tier = remote(store)
+    tier = remote_tier(store)
     assert tier.poll("r", K[:4]) is None  # sent, unanswered: ask again
     assert tier.poll("r", K[:4]) is None and len(store.calls) == 1  # not sent twice
     store.release()
@@ -97,7 +97,7 @@ def test_poll_never_waits_and_answers_the_leading_chunks_every_rank_holds():
 def test_a_tier_known_down_answers_zero_without_calling_the_store():
     store = Store()
     store.put(K[0])
-    tier = remote(store, up=False)
+    tier = remote_tier(store, up=False)
     assert tier.poll("r", K[:1]) == 0 and store.calls == []
     counters = Counts()
     tier.take_stats(counters)
@@ -107,7 +107,7 @@ def test_a_tier_known_down_answers_zero_without_calling_the_store():
 
 def test_a_chunk_is_written_once_admitted_unless_it_is_known_there():
     store = Store()
-    tier = remote(store, admission=2)
+    tier = remote_tier(store, admission=2)
     assert not tier.note_seen(K[0]) and not tier.admits(K[0])
     assert tier.note_seen(K[0]) and tier.admits(K[0])
     tier.remember(K[0])  # written by this engine
@@ -116,7 +116,7 @@ def test_a_chunk_is_written_once_admitted_unless_it_is_known_there():
     assert answer(tier, "r", K[1:2]) == 1  # a probe saw it there
     tier.note_seen(K[1])
     assert not tier.note_seen(K[1])
-    read_only = remote(Store(), writes=False)
+    read_only = remote_tier(Store(), writes=False)
     assert not any(read_only.note_seen(K[2]) for _ in range(3)) and not read_only.admits(K[2])
 
 
@@ -124,7 +124,7 @@ def test_a_fill_is_a_remote_read_and_its_outcome_keeps_or_forgets_the_hint():
     store = Store()
     store.put(K[0])
     store.put(K[1])
-    tier = remote(store)
+    tier = remote_tier(store)
     assert answer(tier, "r", K[:2]) == 2
     plan = StepPlan()
     tier.plan_fill(plan, 9, K[0], 4, "r")
@@ -136,7 +136,7 @@ def test_a_fill_is_a_remote_read_and_its_outcome_keeps_or_forgets_the_hint():
 
 
 def test_only_the_most_recent_writes_are_remembered():
-    tier = remote(Store(), written_capacity=2)
+    tier = remote_tier(Store(), written_capacity=2)
     for key in K[:3]:
         tier.remember(key)
     assert [tier.holds_hint(key) for key in K[:3]] == [False, True, True]
@@ -147,7 +147,7 @@ def test_only_the_most_recent_writes_are_remembered():
 def test_a_reset_forgets_every_hint_not_the_shared_data():
     store = Store()
     store.put(K[0])
-    tier = remote(store, admission=1)
+    tier = remote_tier(store, admission=1)
     assert answer(tier, "r", K[:1]) == 1
     tier.remember(K[1])
     tier.note_seen(K[2])
@@ -160,7 +160,7 @@ def test_probe_counters_and_latencies_are_taken_once():
     store = Store()
     store.put(K[0])
     store.put(K[1])
-    tier = remote(store)
+    tier = remote_tier(store)
     counters = Counts()
     assert answer(tier, "r", K[:2]) == 2
     assert answer(tier, "s", K[:3]) == 2  # two known from the last probe, one asked
@@ -179,7 +179,7 @@ def test_server_gauges_never_wait_and_count_the_servers_evictions_since_the_last
         return asked[-1]
 
     clock = Clock()
-    tier = remote(Store(), server_info=server_info, clock=clock)
+    tier = remote_tier(Store(), server_info=server_info, clock=clock)
     counters = Counts()
     assert tier.server_gauges(counters) == {} and len(asked) == 1  # asked, not awaited
     asked[0].set_result({"used_memory": 100, "maxmemory": 1000, "evicted_keys": 5})
