@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from pathlib import Path
+from collections.abc import Callable
 
 from tests.remote.remote_helpers import RedisServer
 from tieredkv.tools.ports import ephemeral_range, free_port
@@ -27,16 +27,15 @@ def test_cluster_bus_port_is_free_and_below_the_range_too() -> None:
         b.bind(("127.0.0.1", port + 10000))
 
 
-def test_redis_server_moves_to_another_port_when_its_port_is_taken(tmp_path: Path) -> None:
+def test_redis_server_moves_to_another_port_when_its_port_is_taken(
+    fresh_server: Callable[..., RedisServer],
+) -> None:
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        server = RedisServer(tmp_path)
+        server = fresh_server(start=False)  # stopped after the test
         server.port = taken  # as if someone bound it after free_port() checked
-        try:
-            server.start()
-            assert server.port != taken
-            assert server.cli("ping") == "PONG"
-        finally:
-            server.stop()
+        server.start()
+        assert server.port != taken
+        assert server.cli("ping") == "PONG"
