@@ -175,6 +175,7 @@ async def test_password_never_logged(
     assert "is down" in caplog.text
 
 
+@pytest.mark.redis  # starts a Cluster of its own (the guard in tests/conftest.py checks)
 async def test_cluster_master_killed_then_restarted(
     tmp_path: Path, open_store: OpenStore, prefix: str
 ) -> None:
