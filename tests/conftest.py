@@ -1,11 +1,12 @@
 """Suite-wide settings and fixtures: the same Hypothesis settings everywhere; no test leaks
 logging state into the next one; the tests that start vLLM or redis-server are marked here.
 
-Markers are applied centrally, never by hand, so none can be forgotten: ``redis`` for every test
-that uses a fixture starting redis-server (or is parametrized by one's name), ``vllm`` for every
-test under ``tests/e2e`` or using a fixture that needs vLLM (modules that start vLLM servers
-themselves also say ``pytestmark = pytest.mark.vllm``). A test that starts redis-server in its
-own body without the marker fails, naming itself. The fast unit tier is
+Markers are applied here, by fixture use: ``redis`` for every test that uses a fixture starting
+redis-server (or is parametrized by one's name), ``vllm`` for every test under ``tests/e2e`` or
+using a fixture that needs vLLM. The few that start a server outside those fixtures carry the
+marker themselves (the metrics modules that start vLLM servers, a benchmark smoke run and a
+Cluster fault test that start their own redis-server), and a test that starts redis-server
+without the marker fails, naming itself, so none slips into the fast unit tier
 ``pytest -m "not vllm and not redis"``; ``scripts/test.sh`` runs everything.
 """
 
