@@ -27,6 +27,11 @@ def keys() -> LazyChunkKeys:
     return LazyChunkKeys(FP, sha256_block_hashes(TOKENS, BLOCK), C, hashes_per_block=0)
 
 
+def hit_tokens(planner: Planner) -> dict[str, int]:
+    """The ``hit_tokens`` counters by tier, as exported (zeros left out)."""
+    return planner.counters.snapshot().get("hit_tokens", {})
+
+
 def planner_with_both_chunks_stored() -> Planner:
     config = TieredKVConfig.from_dict({"chunk_blocks": C})
     planner = Planner(config, block_size=BLOCK, num_host_slots=8, num_disk_slots=0,
@@ -52,6 +57,11 @@ def test_a_load_that_would_leave_a_block_unwritten_fails_and_the_retry_ends_befo
     (load,) = planner.take_plan().loads
     assert load.unserved, "a load that leaves block 41 unwritten must not report success"
     assert planner.counters["load_rows_unserved"] == 1
+    # Known now to fail, it is no hit: its tokens are recomputed, so no tier counts them
+    # (vLLM's own stats still get the split of the hit it was told, which must sum to it).
+    assert hit_tokens(planner) == {}
+    assert planner.counters["partial_hits"] == 0 and planner.counters["lookups"] == 1
+    assert sum(planner.hit_tokens("b").values()) == 2 * CHUNK_TOKENS
     # Every rank fails it (the worker copies nothing); vLLM recomputes the request.
     planner.apply([JobResult.fail(load.job_id, FailureCause.MISSING, load.block_ids)])
     assert planner.counters["load_failed", "missing"] == 1
@@ -63,6 +73,9 @@ def test_a_load_that_would_leave_a_block_unwritten_fails_and_the_retry_ends_befo
     (retry,) = planner.take_plan().loads
     assert not retry.unserved
     assert retry.chunks[0].block_ids == (NO_BLOCK, NO_BLOCK, 51, 52, 310, 311, 312, 313)
+    # The retry is served: its chunk is the only hit the request counts.
+    assert hit_tokens(planner) == {"host": CHUNK_TOKENS}
+    assert planner.counters["lookups"] == 1  # one request, answered once
 
 
 def test_a_load_vllm_allocates_as_expected_is_served():
@@ -71,3 +84,4 @@ def test_a_load_vllm_allocates_as_expected_is_served():
     planner.on_alloc("b", [[0, 0, 0, 0, 0, 0, 42, 43], list(range(300, 308))], 2 * CHUNK_TOKENS)
     (load,) = planner.take_plan().loads
     assert not load.unserved and planner.counters["load_rows_unserved"] == 0
+    assert hit_tokens(planner) == {"host": 2 * CHUNK_TOKENS}

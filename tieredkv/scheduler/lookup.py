@@ -335,10 +335,11 @@ class Lookup:
             unserved.extend(holes)
         if not chunks:
             return
-        if hit.partial and keep[-1] == hit.keys[-1]:
+        served = unserved_chunk is None
+        if served and hit.partial and keep[-1] == hit.keys[-1]:
             self.counters[Count.PARTIAL_HITS] += 1  # a hit that ended inside a chunk
         chunk_blocks = tuple(tuple(b for b in c.block_ids if b != NO_BLOCK) for c in chunks)
-        if unserved_chunk is not None:
+        if not served:
             # vLLM kept more of a window than a hit needs (no vLLM 0.32 path is known to):
             # those blocks would stay unwritten. The load is failed on every rank without a
             # copy, so vLLM recomputes the request, and its later hits end before that chunk
@@ -351,7 +352,7 @@ class Lookup:
             chunk_blocks = tuple(() for _ in chunks)
         job_id = self._ledger.issue(JobKind.LOAD, tuple(keep), req_id, chunk_blocks=chunk_blocks)
         self._ledger.plan.loads.append(
-            LoadJob(job_id, req_id, tuple(chunks), unserved=unserved_chunk is not None)
+            LoadJob(job_id, req_id, tuple(chunks), unserved=not served)
         )
         state.load_job = job_id
         tokens = end_block * self.block_size - hit.start_token
@@ -363,12 +364,17 @@ class Lookup:
         lower_tokens = filled[self._lower_name] * self.block_size
         remote_tokens = filled[Tier.REMOTE] * self.block_size if self.remote is not None else 0
         host_tokens = tokens - lower_tokens - remote_tokens
+        # vLLM's own stats take the split whatever happens to the load (it must sum to the hit).
         state.hit_tokens = {self._lower_name: lower_tokens, Tier.HOST: host_tokens}
         if self.remote is not None:
             state.hit_tokens[Tier.REMOTE] = remote_tokens
-            self.counters[Count.HIT_TOKENS, Tier.REMOTE] += remote_tokens
-        self.counters[Count.HIT_TOKENS, Tier.HOST] += host_tokens
-        self.counters[Count.HIT_TOKENS, self._lower_name] += lower_tokens
+        if served:
+            # A load known now to fail loads nothing: its tokens are recomputed, not hits
+            # (load_rows_unserved and the worker's load_failed count it).
+            if self.remote is not None:
+                self.counters[Count.HIT_TOKENS, Tier.REMOTE] += remote_tokens
+            self.counters[Count.HIT_TOKENS, Tier.HOST] += host_tokens
+            self.counters[Count.HIT_TOKENS, self._lower_name] += lower_tokens
         for key in keep:
             self.host.touch(key)
             self._placer.note_seen(key)
