@@ -24,7 +24,9 @@ only in that pending rebuild. A crash before the rebuild leaves the older journa
 name keys whose slots were reused by later spills: every recovered entry's slot header must
 name its key on every rank (so a reused slot is dropped as ``wrong_key``, a torn one by its
 checksum) and every read checks the payload's checksum, so a stale record costs a miss, never
-wrong bytes.
+wrong bytes. A cache reset is different: every entry is stale then, yet its header still
+verifies, so :meth:`DiskCatalog.record_cleared` makes it durable before it returns (the journal
+is cut back to its header, which needs no free space; failing that, the manifest is removed).
 
 ``disk_path`` must be a real directory owned by the engine's user and not writable by group
 or others (created 0700 if missing), and no file in it is opened through a symlink: see
@@ -45,7 +47,7 @@ from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.files import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
-from tieredkv.disk.journal_records import JournalFiles
+from tieredkv.disk.journal_records import JournalFiles, fsync_dir
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import ensure_private_dir, restrict_dir
@@ -266,9 +268,37 @@ class DiskCatalog:
         """Journal that ``key`` left the disk tier (evicted, dropped, or failed a read)."""
         self._journal.record_remove(key)
 
-    def record_cleared(self) -> None:
-        """Journal that the whole disk tier was emptied (``reset_cache``)."""
-        self._journal.record_clear()
+    def record_cleared(self, timeout: float | None = 10.0) -> bool:
+        """Make the whole disk tier's emptying (``reset_cache``) durable before returning:
+        its entries are stale now, yet their slot headers would still verify at a restart.
+
+        True once the journal holds nothing from before. Otherwise (the journal could be
+        neither cut back nor rewritten) it logs an error and removes the manifest, so that a
+        restart starts empty; False either way, and an error if even that failed.
+        """
+        try:
+            self._journal.clear(timeout)
+            return True
+        except SlabError as exc:
+            error: Exception = exc
+        try:
+            os.unlink(manifest_path(self.disk_path))
+            fsync_dir(self.disk_path)
+        except FileNotFoundError:
+            pass  # removed by an earlier failed reset
+        except OSError as exc:
+            logger.error(
+                "tieredkv disk tier %s: a cache reset could not be made durable (%s) nor the "
+                "manifest removed (%s): a restart may recover entries from before the reset",
+                self.disk_path, error, exc,
+            )
+            return False
+        logger.error(
+            "tieredkv disk tier %s: a cache reset could not be made durable in the journal "
+            "(%s); removed the manifest, so the next start begins with an empty disk tier",
+            self.disk_path, error,
+        )
+        return False
 
     def flush(self, timeout: float | None = 10.0) -> None:
         """Block until every record so far is durable (tests, shutdown)."""

@@ -2,8 +2,8 @@
 
 The scheduler half owns the index (key -> disk slot). It records an ``ADD`` only after *every*
 TP rank has confirmed its slot write (that decision is the caller's: the journal cannot know
-how many ranks exist), a ``REMOVE`` when it evicts or drops an entry, and a ``CLEAR`` when
-the cache is reset. Recording is a non-blocking append to an in-memory queue; a dedicated
+how many ranks exist) and a ``REMOVE`` when it evicts or drops an entry. Recording is a
+non-blocking append to an in-memory queue (a reset is not: see below); a dedicated
 thread running its own asyncio loop writes the queued records and fsyncs them in batches
 every ``flush_interval_s`` (about 50 ms), so the engine's step never waits on disk. A record
 that arrives after :meth:`Journal.close` (vLLM shutting down) is logged and dropped, never
@@ -13,6 +13,10 @@ While writes fail (a full disk) the queue is bounded and retries back off
 (:mod:`tieredkv.disk.journal_backlog`): past ``max_backlog`` records the journal stops
 queueing, counts what it drops (``records_dropped``), logs once, and its next write rebuilds
 the file from the live index it keeps, which says everything the dropped records would have.
+
+A reset (:meth:`Journal.clear`, the cache's ``reset_cache``) is durable before it returns:
+every entry is stale then, yet its slot header would still verify at a restart. It drops
+what is queued and cuts the file back to its header (``ftruncate`` needs no free space).
 
 Losing the last few records in a crash is harmless: an entry that is not journaled is simply
 not recovered, and an entry that is journaled is verified against its slot header at start-up
@@ -53,10 +57,9 @@ from typing import Any, TypeVar
 
 from tieredkv.disk import journal_backlog
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
-from tieredkv.disk.journal_backlog import Backlog, Compaction, RetryBackoff
+from tieredkv.disk.journal_backlog import Backlog, Cleared, Compaction, RetryBackoff
 from tieredkv.disk.journal_file import JournalFile
 from tieredkv.disk.journal_records import (
-    NO_KEY,
     JournalFiles,
     JournalReplay,
     Op,
@@ -74,6 +77,7 @@ _AFTER_FAILURE = {
     "append": "its records stay queued, up to the backlog's cap, and are retried with backoff",
     "compaction": "not retried; appends go on into the file the journal path names",
     "rebuild": "retried with backoff; records stay dropped until it succeeds",
+    "reset": "retried with backoff; the caller heard the error",
 }
 
 
@@ -213,8 +217,26 @@ class Journal:
             raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         self._record(Op.REMOVE, key, 0)
 
-    def record_clear(self) -> None:
-        self._record(Op.CLEAR, NO_KEY, 0)
+    def clear(self, timeout: float | None = 10.0) -> None:
+        """Forget every entry, durably before returning (see the module docstring); raises
+        SlabError if that is not known durable (it is retried before anything else)."""
+        done: cf.Future[None] = cf.Future()
+        with self._cond:
+            if self._stopping:
+                raise SlabError(FailureCause.IO_ERROR, "journal is closed", path=self.path)
+            self._live.clear()
+            self._owners.clear()
+            self._since_compaction = 0
+            self._queued += 1
+            self._backlog.clear(Cleared([done], self._queued))
+        self._kick()
+        try:
+            done.result(timeout)
+        except OSError as exc:
+            raise slab_error_from_oserror(exc, "journal reset", path=self.path) from exc
+        except cf.TimeoutError:
+            msg = f"journal reset took over {timeout} s"
+            raise SlabError(FailureCause.TIMEOUT, msg, path=self.path) from None
 
     def _kick(self) -> None:
         loop, wake = self._loop, self._wake
@@ -346,8 +368,13 @@ class Journal:
     async def _drain(self) -> None:
         """Write out everything queued, in order; on failure requeue the rest for a retry.
 
-        After an overflow the first write is the rebuild, then whatever was queued after it.
+        A pending reset goes first; after an overflow the next write is the rebuild, then
+        whatever was queued after it.
         """
+        with self._cond:
+            cleared = self._backlog.take_clear()
+        if cleared is not None and not await self._clear(cleared, []):
+            return
         with self._cond:
             rebuild = self._backlog.overflowing
             if rebuild:  # the snapshot and its place in the order, taken together
@@ -364,6 +391,11 @@ class Journal:
         i = 0
         while i < len(items):
             item = items[i]
+            if isinstance(item, Cleared):  # arrived after the first look
+                if not await self._clear(item, items[i + 1 :]):
+                    return
+                i += 1
+                continue
             if isinstance(item, Compaction):
                 try:
                     await self._blocking(self._file.compact, item.entries)
@@ -380,7 +412,7 @@ class Journal:
                 i += 1
                 continue
             j = i
-            while j < len(items) and not isinstance(items[j], Compaction):
+            while j < len(items) and not isinstance(items[j], (Compaction, Cleared)):
                 j += 1
             try:
                 await self._blocking(self._file.append, items[i:j])
@@ -415,6 +447,23 @@ class Journal:
             "tieredkv journal %s: rebuilt from the live index (%d entries), covering %d dropped "
             "records; journaling again", self.path, len(entries), dropped,
         )
+        return True
+
+    async def _clear(self, item: Cleared, rest: list[Any]) -> bool:
+        """Cut the journal back to no entries (see :meth:`clear`); True once durable."""
+        try:
+            await self._blocking(self._file.clear)
+        except Exception as exc:
+            self._failed(exc, [Cleared([], item.covered), *rest], "reset")
+            for done in item.dones:
+                done.set_exception(exc)
+            return False
+        with self._cond:
+            self._durable = max(self._durable, item.covered)  # all before it is moot
+            self._cond.notify_all()
+        for done in item.dones:
+            done.set_result(None)
+        self._succeeded()
         return True
 
     def _succeeded(self) -> None:

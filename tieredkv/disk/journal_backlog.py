@@ -12,6 +12,10 @@ durable, and after it the file says exactly what the dropped records would have 
 Between failed attempts the flusher waits :meth:`RetryBackoff.delay` (doubling from
 ``first_s`` to ``max_s``) on its wake-up event, so a failing disk costs one attempt per delay;
 a caller waiting on the journal (``flush``, ``compact``, ``close``) wakes it at once.
+
+A reset (:class:`Cleared`) makes everything queued before it moot: :meth:`Backlog.clear`
+drops it (answering compactions, ending an overflow) and puts the clear first, where it is
+never dropped, so a full disk cannot keep it from being written before anything else.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ class Compaction:
 
     entries: dict[bytes, int]
     done: cf.Future[None]
+
+
+@dataclass
+class Cleared:
+    """A reset of the journal to no entries; ``dones`` answer the callers waiting for it and
+    ``covered`` counts the items recorded up to it (all made moot by it)."""
+
+    dones: list[cf.Future[None]]
+    covered: int
 
 
 class RetryBackoff:
@@ -109,15 +122,53 @@ class Backlog:
     def written(self, records: int) -> None:
         self.records -= records
 
+    def clear(self, item: Cleared) -> None:
+        """A reset: what is queued is moot (its records are not counted as dropped), the
+        overflow ends (the live index is empty) and ``item`` goes first, absorbing a clear
+        still pending."""
+        answered, self.waiters = self.waiters, []
+        for old in self.items:
+            if isinstance(old, Compaction):
+                answered.append(old.done)
+            elif isinstance(old, Cleared):
+                item.dones[:0] = old.dones
+            else:
+                self.records -= 1
+        self.items = [item]
+        self.overflowing = self.episode = False
+        self.episode_dropped = self._covering = 0
+        for done in answered:  # superseded: the state they described no longer exists
+            done.set_result(None)
+
+    def take_clear(self) -> Cleared | None:
+        """The pending reset, if one is first in line (it is written before anything else)."""
+        if self.items and isinstance(self.items[0], Cleared):
+            return self.items.pop(0)
+        return None
+
     def requeue(self, rest: list[Any]) -> None:
-        """Put back what a failed write did not write (dropped instead while overflowing)."""
+        """Put back what a failed write did not write (dropped instead while overflowing);
+        what came before a reset, queued or in ``rest``, is moot and goes, uncounted."""
+        pending = bool(self.items) and isinstance(self.items[0], Cleared)
+        cut = len(rest) if pending else max(
+            (n for n, item in enumerate(rest) if isinstance(item, Cleared)), default=0
+        )
+        moot, rest = rest[:cut], rest[cut:]
+        for item in moot:
+            if isinstance(item, Compaction):
+                item.done.set_result(None)
+            elif isinstance(item, Cleared):  # the reset after it answers its callers
+                (rest[0] if rest else self.items[0]).dones[:0] = item.dones
+            else:
+                self.records -= 1
         if self.overflowing:
             self._drop(rest)
         else:
             self.items[:0] = rest
 
     def overflow(self) -> None:
-        """Drop everything queued and every record from now on, until the next rebuild."""
+        """Drop everything queued (but a pending reset) and every record from now on, until
+        the next rebuild."""
         self.overflowing = True
         self.episode = True
         items, self.items = self.items, []
@@ -147,7 +198,9 @@ class Backlog:
 
     def _drop(self, items: list[Any]) -> None:
         for item in items:
-            if isinstance(item, Compaction):
+            if isinstance(item, Cleared):
+                self.items.insert(0, item)  # never dropped: it goes before the rebuild
+            elif isinstance(item, Compaction):
                 self.waiters.append(item.done)
             else:
                 self.records -= 1

@@ -112,6 +112,28 @@ class JournalFile:
         self.size += len(data)
         self.records_written += len(batch)
 
+    def clear(self) -> None:
+        """Cut the journal back to its header, durably: ``ftruncate`` needs no free blocks, so
+        a reset is durable on a full disk. If the cut fails, an atomic rewrite as empty."""
+        try:
+            if self.fd is None:
+                self.fd = self._files.open_log(self.path)
+            if self.dir_unsynced:  # else a crash could bring back the file renamed away
+                self._files.fsync_dir(self.path.parent)
+                self.dir_unsynced = False
+            self.dirty = True
+            self._files.truncate(self.fd, FILE_HEADER_BYTES)
+            self._files.fsync(self.fd)
+        except OSError as exc:
+            logger.warning(
+                "tieredkv journal %s: cutting it back failed (%s); rewriting it empty",
+                self.path, exc,
+            )
+            self.compact({})
+            return
+        self.dirty = False
+        self.size = FILE_HEADER_BYTES
+
     def compact(self, entries: dict[bytes, int]) -> None:
         data = bytearray(file_header())
         for sequence, (key, slot) in enumerate(sorted(entries.items(), key=lambda kv: kv[1]), 1):

@@ -146,7 +146,9 @@ class DiskTier(TierIndex, LowerTier):
         return slot
 
     def clear(self) -> list[tuple[bytes, int]]:
-        """Drop every entry and every record (a cache reset): one record for the whole tier."""
+        """Drop every entry and every record (a cache reset), durably before returning: the
+        entries are stale now, yet a restart would verify their slots (the catalog logs an
+        error, and makes the next start empty, when the journal cannot be reset)."""
         catalog, self.catalog = self.catalog, None  # no record per entry removed
         try:
             dropped = super().clear()
