@@ -230,13 +230,7 @@ class Journal:
             self._queued += 1
             self._backlog.clear(Cleared([done], self._queued))
         self._kick()
-        try:
-            done.result(timeout)
-        except OSError as exc:
-            raise slab_error_from_oserror(exc, "journal reset", path=self.path) from exc
-        except cf.TimeoutError:
-            msg = f"journal reset took over {timeout} s"
-            raise SlabError(FailureCause.TIMEOUT, msg, path=self.path) from None
+        self._await(done, timeout, "journal reset")
 
     def _kick(self) -> None:
         loop, wake = self._loop, self._wake
@@ -291,14 +285,17 @@ class Journal:
             self._queued += 1
             self._backlog.add(Compaction(dict(entries), done))
         self._kick()
+        self._await(done, timeout, "journal compaction")
+
+    def _await(self, done: cf.Future[None], timeout: float | None, what: str) -> None:
+        """Wait for the flusher to resolve ``done``; its OSError or a timeout as SlabError."""
         try:
             done.result(timeout)
         except OSError as exc:
-            raise slab_error_from_oserror(exc, "journal compaction", path=self.path) from exc
+            raise slab_error_from_oserror(exc, what, path=self.path) from exc
         except cf.TimeoutError:
-            raise SlabError(
-                FailureCause.TIMEOUT, f"journal compaction took over {timeout} s", path=self.path
-            ) from None
+            raise SlabError(FailureCause.TIMEOUT, f"{what} took over {timeout} s",
+                            path=self.path) from None
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush what is queued (best effort, logged on failure) and stop the flusher."""
