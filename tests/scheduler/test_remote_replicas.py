@@ -21,7 +21,7 @@ import torch
 
 from tests.remote.remote_helpers import FAST, wait_up
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
-from tests.transfer.transfer_helpers import drain, layout_caches
+from tests.transfer.transfer_helpers import drain, layout_caches, run_step
 from tieredkv.config import TieredKVConfig
 from tieredkv.remote.codec import HEADER_BYTES, remote_key
 from tieredkv.remote_url import parse_remote_url
@@ -50,13 +50,7 @@ class Replica:
 
     def step(self) -> None:
         """One scheduler step: the plan's jobs run on the worker, results come back."""
-        plan = self.planner.take_plan()
-        jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.stores,
-                *plan.remote_writes]
-        if jobs:
-            self.engine.submit(jobs)
-        assert drain(self.engine, 10.0), "a job never reported"
-        self.planner.apply(self.engine.poll())
+        run_step(self.planner, self.engine)
 
     def settle(self) -> None:
         """Step until nothing is in flight (stores, remote writes), then flush the queue."""

@@ -17,7 +17,7 @@ import pytest
 
 from tests.remote.remote_helpers import FAST, wait_up
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, keys_for
-from tests.transfer.transfer_helpers import drain, layout_caches
+from tests.transfer.transfer_helpers import drain, layout_caches, run_step
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
@@ -67,13 +67,7 @@ class Harness:
             assert wait_up(store, 5.0), store.stats()
 
     def step(self) -> None:
-        plan = self.planner.take_plan()
-        jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.stores,
-                *plan.remote_writes]
-        if jobs:
-            self.engine.submit(jobs)
-        assert drain(self.engine, 10.0), "a job never reported"
-        self.planner.apply(self.engine.poll())
+        run_step(self.planner, self.engine)
 
     def compute_and_store(self, req: str, tokens: list[int], blocks: list[int], salt: str,
                           keys: LazyChunkKeys | None = None) -> None:

@@ -9,6 +9,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -144,6 +145,17 @@ def drain(engine: TransferEngine, timeout_s: float | None = None) -> bool:
     wait wakes when the last job ends."""
     with engine._result_ready:
         return engine._result_ready.wait_for(lambda: not engine._pending, timeout_s)
+
+
+def run_step(planner: Any, engine: TransferEngine, timeout_s: float = 10.0) -> None:
+    """One scheduler step on a real engine: the plan's jobs run, every result goes back."""
+    plan = planner.take_plan()
+    jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.stores,
+            *plan.remote_writes]
+    if jobs:
+        engine.submit(jobs)
+    assert drain(engine, timeout_s), "a job never reported"
+    planner.apply(engine.poll())
 
 
 def results_by_id(engine: TransferEngine, count: int, timeout_s: float = 10.0) -> dict:
