@@ -247,6 +247,19 @@ echo "$* PYTORCH_NO_CUDA_MEMORY_CACHING=$PYTORCH_NO_CUDA_MEMORY_CACHING" > "{arg
 """
 
 
+def _fake_sanitizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    """A stand-in ``compute-sanitizer`` first on PATH that runs ``body``; the file its
+    arguments are written to."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "compute-sanitizer"
+    seen = tmp_path / "args.txt"
+    fake.write_text(FAKE_SANITIZER.format(args=seen, body=body))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return seen
+
+
 @pytest.mark.parametrize(("body", "status", "exit_status"), [
     ('echo "copy-check: 6 layouts x torch, cupy: 312 blocks right"; '
      'echo "========= ERROR SUMMARY: 0 errors"; exit 0', "pass", 0),
@@ -260,13 +273,7 @@ def test_sanitizer_step_judges_memcheck_on_tieredkv_kernels_only(
 ) -> None:
     """The sanitizer's own output is judged (a stand-in prints what memcheck prints): errors in
     tieredkv's kernels fail correctness; a sanitizer that cannot run the check is a warning."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "compute-sanitizer"
-    seen = tmp_path / "args.txt"
-    fake.write_text(FAKE_SANITIZER.format(args=seen, body=body))
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    seen = _fake_sanitizer(tmp_path, monkeypatch, body)
     runner = Runner(parse_args(["--device", "cuda", "--out", str(tmp_path / "out")]))
     try:
         steps.sanitizer(runner)
@@ -292,12 +299,7 @@ def test_a_sanitizer_the_budget_stops_is_a_warning_not_an_incomplete_run(
     """memcheck is a supplementary check (the copy-check step proved the bytes): cut short or
     never started, it must not turn a run whose bytes and ordering tests passed INCOMPLETE;
     errors it reported before the cut still fail correctness."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "compute-sanitizer"
-    fake.write_text(FAKE_SANITIZER.format(args=tmp_path / "args.txt", body=body))
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    _fake_sanitizer(tmp_path, monkeypatch, body)
     monkeypatch.setitem(steps.CAPS_S, "sanitizer", 2.0)
     runner = Runner(parse_args(["--device", "cuda", "--out", str(tmp_path / "out"),
                                 *(["--budget-s", budget] if budget else [])]))
