@@ -75,11 +75,11 @@ NOT_SHOWN: Any = _NotShown()
 class ConfigError(ValueError):
     """A configuration value is unusable; the message names the key and why.
 
-    ``value`` is shown only where the caller knows it is safe (a lock's path, a port it tried);
-    with :data:`NOT_SHOWN` the message names the key alone and the value is not kept.
+    The message names the key alone: a value may be a secret typed into the wrong key. A
+    caller that knows its value is safe (a lock's path, a port it tried) passes ``value``.
     """
 
-    def __init__(self, key: str, value: Any, reason: str) -> None:
+    def __init__(self, key: str, reason: str, *, value: Any = NOT_SHOWN) -> None:
         shown = "" if value is NOT_SHOWN else f"={value!r}"
         super().__init__(f"tieredkv: invalid {key}{shown}: {reason}")
         self.key = key
@@ -102,26 +102,26 @@ def parse_size(key: str, value: Any) -> int:
     """
     bounds = f"expected a size from 0 to {format_size(MAX_SIZE_BYTES)} ({MAX_SIZE_BYTES} bytes)"
     if isinstance(value, bool):
-        raise ConfigError(key, NOT_SHOWN, "expected a size in bytes or a string like '8GiB'")
+        raise ConfigError(key, "expected a size in bytes or a string like '8GiB'")
     if isinstance(value, int):
         size = value
     elif isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
-            raise ConfigError(key, NOT_SHOWN, f"{bounds}, in whole bytes or a string like '8GiB'")
+            raise ConfigError(key, f"{bounds}, in whole bytes or a string like '8GiB'")
         size = int(value)
     elif isinstance(value, str):
         match = _SIZE_RE.match(value) if len(value) <= _MAX_SIZE_TEXT else None
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ConfigError(key, NOT_SHOWN, f"expected a size like 1073741824, '512MiB' or '8GiB' ({bounds})")
+            raise ConfigError(key, f"expected a size like 1073741824, '512MiB' or '8GiB' ({bounds})")
         # Exact arithmetic: no float rounding, no overflow to inf for long digit strings.
         size = int(Fraction(match.group(1)) * _UNITS[unit])
     else:
-        raise ConfigError(key, NOT_SHOWN, "expected a size in bytes or a string like '8GiB'")
+        raise ConfigError(key, "expected a size in bytes or a string like '8GiB'")
     if size < 0:
-        raise ConfigError(key, NOT_SHOWN, f"a size cannot be negative ({bounds})")
+        raise ConfigError(key, f"a size cannot be negative ({bounds})")
     if size > MAX_SIZE_BYTES:
-        raise ConfigError(key, NOT_SHOWN, f"too large: {bounds}")
+        raise ConfigError(key, f"too large: {bounds}")
     return size
 
 
@@ -155,14 +155,14 @@ def _check_host_bytes(key: str, value: Any) -> int:
     size = parse_size(key, value)
     if size == 0:
         raise ConfigError(
-            key, NOT_SHOWN,
+            key,
             "the host tier cannot be empty (disk hits pass through it); expected 1 byte up to "
             "the machine's physical memory, e.g. '4GiB'",
         )
     physical = physical_memory_bytes()
     if physical is not None and size > physical:
         raise ConfigError(
-            key, NOT_SHOWN,
+            key,
             f"more than this machine's physical memory: it has {format_size(physical)} "
             f"({physical} bytes); expected 1 byte up to that",
         )
@@ -175,7 +175,7 @@ def _check_disk_bytes(key: str, value: Any, disk_path: Path) -> int:
     capacity = filesystem_capacity_bytes(disk_path)
     if capacity is not None and size > capacity:
         raise ConfigError(
-            key, NOT_SHOWN,
+            key,
             "more than the filesystem holding disk_path can store: it has "
             f"{format_size(capacity)} ({capacity} bytes) in all; expected 0 up to that",
         )
@@ -186,15 +186,15 @@ def _parse_int(key: str, value: Any, minimum: int, maximum: int) -> int:
     """An int (or a string of one) in [minimum, maximum]; floats, NaN and bools are refused."""
     expected = f"expected an integer from {minimum} to {maximum}"
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigError(key, NOT_SHOWN, expected)
+        raise ConfigError(key, expected)
     if isinstance(value, str) and len(value) > _MAX_SIZE_TEXT:
-        raise ConfigError(key, NOT_SHOWN, expected)
+        raise ConfigError(key, expected)
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(key, NOT_SHOWN, expected) from None
+        raise ConfigError(key, expected) from None
     if not minimum <= number <= maximum:
-        raise ConfigError(key, NOT_SHOWN, expected)
+        raise ConfigError(key, expected)
     return number
 
 
@@ -202,12 +202,12 @@ def _parse_seconds(key: str, value: Any, maximum: float) -> float:
     """A finite number of seconds in (0, maximum]; NaN and infinities are refused."""
     expected = f"expected a finite number of seconds in (0, {maximum:g}]"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(key, NOT_SHOWN, expected)
+        raise ConfigError(key, expected)
     # Compare before converting: float() of a huge int raises OverflowError.
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(key, NOT_SHOWN, expected)
+        raise ConfigError(key, expected)
     if not 0 < value <= maximum:
-        raise ConfigError(key, NOT_SHOWN, expected)
+        raise ConfigError(key, expected)
     return float(value)
 
 
@@ -216,7 +216,7 @@ def _parse_bool(key: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
         return value.lower() in ("true", "1", "yes", "on")
-    raise ConfigError(key, NOT_SHOWN, "expected true or false")
+    raise ConfigError(key, "expected true or false")
 
 
 def _parse_admission(key: str, value: Any) -> int:
@@ -230,18 +230,18 @@ def _parse_admission(key: str, value: Any) -> int:
 
 def _check_disk_path(key: str, value: Any) -> Path:
     if not isinstance(value, str | os.PathLike) or not str(value).strip():
-        raise ConfigError(key, NOT_SHOWN, "expected a directory path")
+        raise ConfigError(key, "expected a directory path")
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
-        raise ConfigError(key, NOT_SHOWN, "exists and is not a directory")
+        raise ConfigError(key, "exists and is not a directory")
     if not path.exists():
         parent = path.parent
         while not parent.exists():
             parent = parent.parent
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(key, NOT_SHOWN, "does not exist and its nearest existing parent is not writable")
+            raise ConfigError(key, "does not exist and its nearest existing parent is not writable")
     elif not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(key, NOT_SHOWN, "is not a writable directory")
+        raise ConfigError(key, "is not a writable directory")
     return path
 
 
@@ -298,7 +298,7 @@ class TieredKVConfig:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
-                unknown[0], NOT_SHOWN,
+                unknown[0],
                 f"unknown key; known keys are {', '.join(sorted(known))}",
             )
         values: dict[str, Any] = {}
@@ -309,14 +309,14 @@ class TieredKVConfig:
         if "disk_bytes" in extra:
             if "disk_path" not in values:
                 parse_size("disk_bytes", extra["disk_bytes"])  # a bad value is named first
-                raise ConfigError("disk_bytes", NOT_SHOWN, "set disk_path too: no disk tier without it")
+                raise ConfigError("disk_bytes", "set disk_path too: no disk tier without it")
             values["disk_bytes"] = _check_disk_bytes("disk_bytes", extra["disk_bytes"], values["disk_path"])
         elif "disk_path" in values:
             values["disk_bytes"] = 16 * GiB
         if "eviction" in extra:
             policy = extra["eviction"]
             if not isinstance(policy, str) or policy.lower() not in EVICTION_POLICIES:
-                raise ConfigError("eviction", NOT_SHOWN, f"expected one of {', '.join(EVICTION_POLICIES)}")
+                raise ConfigError("eviction", f"expected one of {', '.join(EVICTION_POLICIES)}")
             values["eviction"] = policy.lower()
         if "disk_admission" in extra:
             values["disk_admission"] = _parse_admission("disk_admission", extra["disk_admission"])
@@ -329,7 +329,7 @@ class TieredKVConfig:
         if "copy_backend" in extra:
             backend = extra["copy_backend"]
             if not isinstance(backend, str) or backend.lower() not in COPY_BACKENDS:
-                raise ConfigError("copy_backend", NOT_SHOWN, f"expected one of {', '.join(COPY_BACKENDS)}")
+                raise ConfigError("copy_backend", f"expected one of {', '.join(COPY_BACKENDS)}")
             values["copy_backend"] = backend.lower()
         if "store_generated" in extra:
             values["store_generated"] = _parse_bool("store_generated", extra["store_generated"])
@@ -379,12 +379,12 @@ def _parse_remote(extra: dict[str, Any]) -> dict[str, Any]:
     others = sorted(k for k in extra if k.startswith("remote_") and k != "remote_url")
     if raw_url is None:
         if others:
-            raise ConfigError(others[0], NOT_SHOWN, "set remote_url too: no remote tier without it")
+            raise ConfigError(others[0], "set remote_url too: no remote tier without it")
         return {}
     values: dict[str, Any] = {}
     password_env = extra.get(PASSWORD_ENV_SETTING)
     if password_env is not None and (not isinstance(password_env, str) or not password_env):
-        raise ConfigError(PASSWORD_ENV_SETTING, NOT_SHOWN, "expected an environment variable name")
+        raise ConfigError(PASSWORD_ENV_SETTING, "expected an environment variable name")
     password_ok = False
     if URL_PASSWORD_OK_SETTING in extra:
         password_ok = values[URL_PASSWORD_OK_SETTING] = _parse_bool(
@@ -393,13 +393,13 @@ def _parse_remote(extra: dict[str, Any]) -> dict[str, Any]:
         values["remote_url"] = parse_remote_url(
             raw_url, password_env=password_env, url_password_ok=password_ok)
     except ValueError as exc:
-        raise ConfigError("remote_url", NOT_SHOWN, str(exc).removeprefix("remote_url: ")) from None
+        raise ConfigError("remote_url", str(exc).removeprefix("remote_url: ")) from None
     values["remote_password_env"] = password_env
     if "remote_key_prefix" in extra:
         try:
             values["remote_key_prefix"] = check_prefix(extra["remote_key_prefix"])
         except ValueError as exc:
-            raise ConfigError("remote_key_prefix", NOT_SHOWN, str(exc)) from None
+            raise ConfigError("remote_key_prefix", str(exc)) from None
     if "remote_timeout_s" in extra:
         values["remote_timeout_s"] = _parse_seconds(
             "remote_timeout_s", extra["remote_timeout_s"], maximum=REMOTE_TIMEOUT_MAX_S)
@@ -414,8 +414,7 @@ def _parse_remote(extra: dict[str, Any]) -> dict[str, Any]:
     if "remote_write_queue_bytes" in extra:
         size = parse_size("remote_write_queue_bytes", extra["remote_write_queue_bytes"])
         if size < REMOTE_QUEUE_MIN_BYTES:
-            raise ConfigError("remote_write_queue_bytes", NOT_SHOWN,
-                              f"expected at least {format_size(REMOTE_QUEUE_MIN_BYTES)} (and at "
+            raise ConfigError("remote_write_queue_bytes", f"expected at least {format_size(REMOTE_QUEUE_MIN_BYTES)} (and at "
                               "least one chunk's value, checked once the model is known)")
         values["remote_write_queue_bytes"] = size
     return values

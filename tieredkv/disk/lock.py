@@ -102,7 +102,7 @@ class DiskLock:
                 continue
             who = f"pid {pid}" if pid is not None else "pid unknown"
             raise ConfigError(
-                "disk_path", str(self.disk_path), f"already in use by another engine ({who})"
+                "disk_path", f"already in use by another engine ({who})", value=str(self.disk_path)
             )
 
     @property

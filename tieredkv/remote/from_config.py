@@ -44,9 +44,10 @@ def open_store(config: TieredKVConfig, *, thread_name: str) -> ThreadedRemoteSto
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "redis":
             raise ConfigError(
-                "remote_url", url.redacted(),
+                "remote_url",
                 "the remote tier needs the redis client: install tieredkv with its 'remote' "
                 "extra (pip install '.[remote]' from a checkout, or redis>=6 on its own)",
+                value=url.redacted(),
             ) from None
         raise
     timeout = config.remote_timeout_s

@@ -92,12 +92,13 @@ class HostPool:
                     ) from exc
                 raise
             raise ConfigError(
-                "host_bytes", size,
+                "host_bytes",
                 f"{what} cannot be {'page-locked' if want_pin else 'allocated'}: {exc}; lower "
                 "host_bytes (it is per engine, split across TP ranks)" + (
                     ", or allow more page-locked memory (ulimit -l, the container's memory "
                     "limit)" if want_pin else ""
                 ),
+                value=size,
             ) from exc
         self.allocation_path = (
             f"cudaHostRegister ({self._pinned.registrar_name})" if self._pinned else "mmap (pageable)"

@@ -325,11 +325,12 @@ def check_remote_write_queue(config: TieredKVConfig, payload_bytes: int) -> None
     value_bytes = payload_bytes + HEADER_BYTES
     if config.remote_write_queue_bytes < value_bytes:
         raise ConfigError(
-            "remote_write_queue_bytes", config.remote_write_queue_bytes,
+            "remote_write_queue_bytes",
             f"smaller than one chunk's value ({format_size(value_bytes)}, {value_bytes} bytes: "
             f"the chunk's KV on one rank and a {HEADER_BYTES}-byte header), so every write to "
             f"the remote tier would be dropped; set it to several values (e.g. "
             f"{format_size(8 * value_bytes)}), lower chunk_blocks, or set remote_writes: false",
+            value=config.remote_write_queue_bytes,
         )
 
 

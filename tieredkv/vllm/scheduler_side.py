@@ -273,7 +273,7 @@ class SchedulerHalf:
         try:
             self._exporter_server, _ = start_exporter(port, registry)
         except OSError as exc:
-            raise ConfigError("metrics_port", port, f"cannot serve metrics there: {exc}") from exc
+            raise ConfigError("metrics_port", f"cannot serve metrics there: {exc}", value=port) from exc
         self.metrics_port = self._exporter_server.server_port
         logger.info("tieredkv: metrics on http://127.0.0.1:%d/metrics", self.metrics_port)
 
