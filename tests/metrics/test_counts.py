@@ -21,8 +21,7 @@ from tieredkv.metrics.specs import COUNT_ROUTES, COUNTER, METRIC_SPECS, Count, C
 from tieredkv.protocol import FailureCause, JobResult, Tier
 from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.planner import Planner
-from tieredkv.scheduler.remote_probe import RemoteProbe
-from tieredkv.scheduler.remote_tier import RemoteTier
+from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
 from tieredkv.testing.hashing import sha256_block_hashes
 
 BLOCK, C = 16, 4

@@ -9,11 +9,9 @@ from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import JobKind, JobResult, RemoteReadJob, StepPlan, Tier
-from tieredkv.scheduler.fill import Fill
-from tieredkv.scheduler.ledger import JobLedger, PlannerParts
-from tieredkv.scheduler.lower_tier import DiskTier, LowerTier
+from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
+from tieredkv.scheduler.lower_tier import DiskTier, Fill, LowerTier
 from tieredkv.scheduler.placement import Placer
-from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import TierIndex
 
 DISK_SLOT = 5

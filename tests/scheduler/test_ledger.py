@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tieredkv.protocol import JobKind, JobResult, StoreJob
-from tieredkv.scheduler.ledger import JobLedger, JobRecord
-from tieredkv.scheduler.requests import RequestTable
+from tieredkv.scheduler.ledger import JobLedger, JobRecord, RequestTable
 
 
 def ledger_with_log(world: int = 1) -> tuple[JobLedger, RequestTable, list[tuple[JobRecord, JobResult]]]:

@@ -13,12 +13,10 @@ from test_remote_tier import Store, remote_tier
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import JobKind, JobResult, LoadChunk, StepPlan, Tier
-from tieredkv.scheduler.fill import Fill
-from tieredkv.scheduler.ledger import JobLedger, PlannerParts
+from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
-from tieredkv.scheduler.lower_tier import DiskTier
+from tieredkv.scheduler.lower_tier import DiskTier, Fill
 from tieredkv.scheduler.placement import Placer
-from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import TierIndex
 
 PROMPT = list(range(3 * CHUNK_TOKENS + BLOCK + 5))  # 3 chunks, a block, 5 tokens

@@ -12,11 +12,10 @@ from test_remote_tier import Store, remote_tier
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import FailureCause, JobKind, JobResult, StepPlan
-from tieredkv.scheduler.ledger import JobLedger, PlannerParts
+from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lower_tier import DiskTier
 from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.remote_tier import RemoteTier
-from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import SlotState, TierIndex
 
 

@@ -24,7 +24,7 @@ from tests.remote.remote_helpers import (
     wait_up,
 )
 from tieredkv.protocol import FailureCause
-from tieredkv.scheduler.remote_probe import RemoteProbe
+from tieredkv.scheduler.remote_tier import RemoteProbe
 
 DEADLINE = 1.0  # fake seconds
 FAILED = {FailureCause.IO_ERROR.value, FailureCause.TIMEOUT.value, FailureCause.UNAVAILABLE.value}

@@ -26,8 +26,7 @@ from tieredkv.config import TieredKVConfig
 from tieredkv.remote.codec import HEADER_BYTES, remote_key
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.scheduler.planner import Planner
-from tieredkv.scheduler.remote_probe import RemoteProbe
-from tieredkv.scheduler.remote_tier import RemoteTier
+from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
 from tieredkv.transfer.host_pool import HostPool

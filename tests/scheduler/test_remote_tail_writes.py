@@ -26,8 +26,7 @@ from tieredkv.remote.codec import Verified, decode
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.scheduler.planner import Planner
-from tieredkv.scheduler.remote_probe import RemoteProbe
-from tieredkv.scheduler.remote_tier import RemoteTier
+from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
 from tieredkv.testing.hashing import sha256_block_hashes
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine

@@ -12,8 +12,7 @@ from tieredkv.protocol import FailureCause, JobKind, RemoteReadJob, StepPlan, Ti
 from tieredkv.remote.codec import RemoteKeyNames
 from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.lower_tier import LowerTier
-from tieredkv.scheduler.remote_probe import RemoteProbe
-from tieredkv.scheduler.remote_tier import INFO_INTERVAL_S, RemoteTier
+from tieredkv.scheduler.remote_tier import INFO_INTERVAL_S, RemoteProbe, RemoteTier
 
 FP = b"f" * 32
 K = [bytes([i]) * 32 for i in range(6)]

@@ -7,7 +7,7 @@
   :meth:`Lookup.prefetch_remote`, so its answer usually waits for the first lookup); the
   whole chunks every rank holds there are read into host slots and verified on the workers,
   like promotions, before they are promised. Promotions and remote reads are one fill path
-  (:mod:`~tieredkv.scheduler.fill`).
+  (:class:`~tieredkv.scheduler.lower_tier.Fill`).
 * A hit ends at the last block held, not at a chunk boundary: an entry holds the first ``n``
   blocks of one chunk and is found by the key of any block it holds (see ``TierIndex``).
 * The promised chunks stay pinned until vLLM allocates device blocks (:meth:`Lookup.on_alloc`
@@ -27,10 +27,9 @@ from typing import Any
 
 from tieredkv.metrics.specs import Count
 from tieredkv.protocol import NO_BLOCK, FailureCause, JobKind, JobResult, LoadChunk, LoadJob, Tier
-from tieredkv.scheduler.fill import Fill
-from tieredkv.scheduler.ledger import JobRecord, PlannerParts
+from tieredkv.scheduler.ledger import JobRecord, PendingHit, PlannerParts, RequestState
+from tieredkv.scheduler.lower_tier import Fill
 from tieredkv.scheduler.placement import Placer
-from tieredkv.scheduler.requests import PendingHit, RequestState
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from tieredkv.protocol import (
     StoreJob,
     Tier,
 )
-from tieredkv.scheduler.ledger import JobRecord, PlannerParts
-from tieredkv.scheduler.requests import RequestState
+from tieredkv.scheduler.ledger import JobRecord, PlannerParts, RequestState
 from tieredkv.scheduler.tier_index import Placement, TierIndex
 
 

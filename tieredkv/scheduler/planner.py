@@ -11,7 +11,7 @@ This class is the facade; the work is done by its parts, which share small expli
 :class:`DiskTier`, the :class:`RequestTable`, the :class:`HitEpoch` and the counters):
 
 * :mod:`~tieredkv.scheduler.lookup` -- lookups, hits -> load jobs;
-* :mod:`~tieredkv.scheduler.fill` -- chunks of a lower tier (disk or remote) into host slots;
+* :class:`~tieredkv.scheduler.lower_tier.Fill` -- chunks of a lower tier (disk or remote) into host slots;
 * :mod:`~tieredkv.scheduler.placement` -- stores, tails, spills, one copy per tier;
 * :mod:`~tieredkv.scheduler.ledger` -- jobs in flight, the step plan, results -> completions;
 * :mod:`~tieredkv.scheduler.lower_tier` -- the tiers below host (the disk tier: index,
@@ -42,13 +42,11 @@ from tieredkv.config import TieredKVConfig
 from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Count, CountKey, Counts
 from tieredkv.protocol import JobKind, JobResult, StepPlan, Tier
-from tieredkv.scheduler.fill import Fill
-from tieredkv.scheduler.ledger import JobLedger, PlannerParts
+from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
-from tieredkv.scheduler.lower_tier import DiskTier
+from tieredkv.scheduler.lower_tier import DiskTier, Fill
 from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.remote_tier import RemoteTier
-from tieredkv.scheduler.requests import HitEpoch, RequestTable
 from tieredkv.scheduler.tier_index import TierIndex
 
 logger = logging.getLogger(__name__)

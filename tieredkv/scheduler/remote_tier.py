@@ -6,28 +6,253 @@ replicas write and Redis evicts at any moment), so it keeps no index of it, only
 
 * **Reads.** A lookup whose prefix continues past what host and disk hold asks
   :meth:`RemoteTier.poll` how many more chunks every rank's shard exists for. The answer comes
-  from a non-blocking :class:`~tieredkv.scheduler.remote_probe.RemoteProbe` (``None``: ask
-  again). Present chunks are read into host slots by the workers (the fill path's
-  ``RemoteReadJob``) and verified there before anything is promised; a chunk that turns out
-  gone or bad is a miss, counted by cause, and forgotten.
+  from a non-blocking :class:`RemoteProbe` (``None``: ask again). Present chunks are read
+  into host slots by the workers (the fill path's ``RemoteReadJob``) and verified there
+  before anything is promised; a chunk that turns out gone or bad is a miss, counted by
+  cause, and forgotten.
 * **Writes.** A chunk stored in host memory (a whole chunk: the probe asks for chunk keys) is
   queued for the remote tier once admitted (``remote_admission`` sightings), unless it is
   known to be there already (read from it, written before, or seen by a probe).
 * **Reset.** ``reset_cache`` forgets the hints, never the shared data: other replicas may be
   serving from it.
+
+**The probe** (:class:`RemoteProbe`): ask, never wait. A lookup runs on vLLM's scheduler
+thread, where a network round trip would stall every request. So :meth:`RemoteProbe.poll`
+only ever *starts* a probe (one pipelined ``batch_exists`` for every TP rank's shard of
+every chunk key not yet known present) or *looks* at one (``Future.done()``), answering
+``None`` ("ask again") meanwhile:
+
+* answered: the number of leading chunks whose shards exist for every rank (a hole ends the
+  prefix: a chunk is usable only if all ranks can load it);
+* failed (store down, error, the store's own timeout) or still unanswered ``deadline_s``
+  after it was sent: the prefix confirmed before this probe (0 for a request's first
+  probe). A store that is failing or stalled would fail or stall the load too, so the
+  lookup serves what host and disk hold rather than promising remote chunks.
+
+Chunks seen present for every rank are remembered in a bounded LRU ("known present"), so
+requests sharing a prefix probe only what they add. Absence is never remembered: another
+replica may write the chunk at any moment. Known present is a hint, not a promise: the
+load re-reads and verifies every shard, and a chunk gone meanwhile is recomputed.
+
+Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
+call whose keys extend the earlier ones re-probes only the new keys, and only if every
+earlier key was present (a hole already ends the prefix). Keys that do not extend the
+earlier ones (the prompt changed) start the request over. One probe per request is in
+flight at a time; the scheduler thread alone calls the probe (no locking).
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import FailureCause, JobKind, RemoteReadJob, StepPlan, Tier
+from tieredkv.remote.codec import DEFAULT_PREFIX, RemoteKeyNames
+from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.lower_tier import LowerTier, Sightings
-from tieredkv.scheduler.remote_probe import RemoteProbe
+
+DEFAULT_KNOWN_CAPACITY = 1 << 16  # chunk keys; ~100 B each with the dict's overhead
+
+
+class ExistsStore(Protocol):
+    """What the probe needs of a store: :class:`~tieredkv.remote.ThreadedRemoteStore` fits."""
+
+    def batch_exists(
+        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> Future[BatchResult[bool]]: ...
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    """Counters since the last :meth:`RemoteProbe.take_stats` (for metrics).
+
+    ``keys_probed`` counts chunk keys sent (each is ``world_size`` Redis keys);
+    ``known_hits`` chunk keys skipped because they were known present; ``timeouts`` probes
+    given up at ``deadline_s``; ``failures`` probes that resolved with a failure, by cause;
+    ``latency_s`` the store's round trip of each answered probe.
+    """
+
+    probes: int = 0
+    keys_probed: int = 0
+    known_hits: int = 0
+    answered: int = 0
+    timeouts: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    latency_s: tuple[float, ...] = ()
+
+
+@dataclass(slots=True)
+class _Probe:
+    future: Future[BatchResult[bool]]
+    stop: int                # the probe covers keys[confirmed:stop]
+    asked: list[int]         # indices sent (the rest of the range was known present)
+    sent_at: float
+
+
+@dataclass(slots=True)
+class _Request:
+    keys: list[bytes]
+    confirmed: int = 0       # leading keys present for every rank
+    checked: int = 0         # leading keys with a verdict; confirmed < checked: a hole, final
+    probe: _Probe | None = None
+
+
+class RemoteProbe:
+    """Answers "how many leading chunks does the remote tier hold?" without ever blocking."""
+
+    def __init__(
+        self,
+        store: ExistsStore,
+        fingerprint: bytes,
+        world_size: int,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        deadline_s: float,
+        store_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        known_capacity: int = DEFAULT_KNOWN_CAPACITY,
+    ) -> None:
+        """``store_timeout_s`` bounds the store's own call (default ``deadline_s``)."""
+        if world_size < 1 or deadline_s <= 0 or known_capacity < 0:
+            raise ValueError("remote probe: world_size >= 1, deadline_s > 0, known_capacity >= 0")
+        self._store = store
+        self._world_size = world_size
+        self._deadline_s = deadline_s
+        self._store_timeout_s = deadline_s if store_timeout_s is None else store_timeout_s
+        self._clock = clock
+        self._capacity = known_capacity
+        self._names = [RemoteKeyNames(fingerprint, r, prefix) for r in range(world_size)]
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._requests: dict[str, _Request] = {}
+        self._counts: Counter[str] = Counter()
+        self._failures: Counter[str] = Counter()
+        self._latency: list[float] = []
+
+    # -- the lookup's call ---------------------------------------------------------------------
+
+    def poll(self, req_id: str, keys: Sequence[bytes]) -> int | None:
+        """Leading ``keys`` held remotely by every rank, or ``None``: ask again next step."""
+        if not keys:
+            return 0
+        req = self._requests.get(req_id)
+        if req is None or not self._extends(req, keys):
+            req = self._requests[req_id] = _Request(list(keys))
+        elif len(keys) > len(req.keys):
+            req.keys.extend(keys[i] for i in range(len(req.keys), len(keys)))
+        if req.probe is not None and not self._take_answer(req, req.probe):
+            return None
+        if req.confirmed == req.checked < len(keys):
+            self._send(req, len(keys))
+            if req.probe is not None:
+                return None
+        return min(req.confirmed, len(keys))
+
+    def in_flight(self, req_id: str) -> bool:
+        """True while ``req_id``'s probe is sent and unanswered (the store's future not done)."""
+        req = self._requests.get(req_id)
+        return req is not None and req.probe is not None and not req.probe.future.done()
+
+    @staticmethod
+    def _extends(req: _Request, keys: Sequence[bytes]) -> bool:
+        # Chained keys: the last key both lists have in common vouches for all before it.
+        common = min(len(req.keys), len(keys))
+        return req.keys[common - 1] == keys[common - 1]
+
+    def _send(self, req: _Request, stop: int) -> None:
+        """Probe keys[checked:stop] not known present, in one call; answered at once if none are."""
+        known, asked = self._known, []
+        for i in range(req.checked, stop):
+            if req.keys[i] in known:
+                known.move_to_end(req.keys[i])
+            else:
+                asked.append(i)
+        self._counts["known_hits"] += stop - req.checked - len(asked)
+        if not asked:
+            req.confirmed = req.checked = stop
+            return
+        names = [name(req.keys[i]) for i in asked for name in self._names]
+        future = self._store.batch_exists(names, timeout_s=self._store_timeout_s)
+        self._counts["probes"] += 1
+        self._counts["keys_probed"] += len(asked)
+        req.probe = _Probe(future, stop, asked, self._clock())
+
+    def _take_answer(self, req: _Request, probe: _Probe) -> bool:
+        """Fold a finished (or overdue) probe into ``req``; False while it is still pending."""
+        if not probe.future.done():
+            if self._clock() - probe.sent_at < self._deadline_s:
+                return False
+            self._counts["timeouts"] += 1
+            self._give_up(req, probe)
+            return True
+        future = probe.future  # done: nothing below waits
+        if future.cancelled() or future.exception() is not None:  # not the store's contract
+            result: BatchResult[bool] = BatchResult([], FailureCause.CANCELLED)
+        else:
+            result = future.result()
+        if not result.ok:
+            self._failures[str(result.cause)] += 1
+            self._give_up(req, probe)
+            return True
+        self._counts["answered"] += 1
+        self._latency.append(result.latency_s)
+        ws, values = self._world_size, result.values
+        first_hole = probe.stop
+        for n, i in enumerate(probe.asked):  # ascending: the first miss is the hole
+            if all(values[n * ws:(n + 1) * ws]):
+                self._remember(req.keys[i])
+            elif first_hole == probe.stop:
+                first_hole = i
+        req.confirmed, req.checked, req.probe = first_hole, probe.stop, None
+        return True
+
+    def _give_up(self, req: _Request, probe: _Probe) -> None:
+        """Serve what was confirmed before this probe; the request's remote prefix ends there."""
+        req.checked, req.probe = probe.stop, None  # stop > confirmed: a hole, final
+
+    def _remember(self, key: bytes) -> None:
+        if self._capacity == 0:
+            return
+        self._known[key] = None
+        self._known.move_to_end(key)
+        while len(self._known) > self._capacity:
+            self._known.popitem(last=False)
+
+    # -- lifecycle and metrics -----------------------------------------------------------------
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or was answered for good; a probe in flight is abandoned."""
+        self._requests.pop(req_id, None)
+
+    def reset(self) -> None:
+        """Drop the known-present cache (vLLM's ``reset_cache``); answers given stay given."""
+        self._known.clear()
+
+    def known(self, key: bytes) -> bool:
+        """Whether ``key`` was seen present for every rank (a hint; reads still verify)."""
+        return key in self._known
+
+    def unknow(self, key: bytes) -> None:
+        """A read of ``key`` failed: stop believing it is there."""
+        self._known.pop(key, None)
+
+    def take_stats(self) -> ProbeStats:
+        """The counters since the last call, then zero them."""
+        c = self._counts
+        stats = ProbeStats(
+            probes=c["probes"], keys_probed=c["keys_probed"], known_hits=c["known_hits"],
+            answered=c["answered"], timeouts=c["timeouts"], failures=dict(self._failures),
+            latency_s=tuple(self._latency),
+        )
+        c.clear()
+        self._failures.clear()
+        self._latency = []
+        return stats
+
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
 INFO_INTERVAL_S = 5.0  # how often the server's memory and evictions are asked for (metrics)

@@ -127,8 +127,7 @@ class SchedulerHalf:
         its connect timeout; a server that refuses ends the wait at once.
         """
         from tieredkv.remote.from_config import await_first_connect, open_store
-        from tieredkv.scheduler.remote_probe import RemoteProbe
-        from tieredkv.scheduler.remote_tier import RemoteTier
+        from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
 
         geometry = self.geometry
         store = self.remote_store = open_store(config, thread_name="tieredkv-remote-scheduler")
