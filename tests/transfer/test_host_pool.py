@@ -14,10 +14,9 @@ import torch
 
 import tieredkv.transfer.host_pool as host_tier
 from tieredkv.config import ConfigError
-from tieredkv.transfer import pinned_memory
-from tieredkv.transfer.host_pool import HostPool
-from tieredkv.transfer.pinned_memory import (
+from tieredkv.transfer.host_pool import (
     CUDA_ERROR_MEMORY_ALLOCATION,
+    HostPool,
     HostRegisterError,
     PinnedMapping,
     TorchCudart,
@@ -214,7 +213,7 @@ def test_a_refused_registration_clears_the_cuda_error_it_left(monkeypatch, bindi
     cudart = _Cudart(CUDA_ERROR_MEMORY_ALLOCATION, binding_has_it, calls)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     library = types.SimpleNamespace(cudaGetLastError=lambda: calls.append("libcudart") or 0)
-    monkeypatch.setattr(pinned_memory, "loaded_cudart", lambda: library)
+    monkeypatch.setattr(host_tier, "loaded_cudart", lambda: library)
     with pytest.raises(HostRegisterError) as err:
         PinnedMapping(4096, TorchCudart())
     assert err.value.code == CUDA_ERROR_MEMORY_ALLOCATION
@@ -228,5 +227,5 @@ def test_the_loaded_libcudart_is_found_in_the_process_maps():
         "7f20-7f30 r-xp 00000000 00:00 0 \n"
         "7f40-7f50 r-xp 00001000 fe:00 12   /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n"
     )
-    assert pinned_memory.cudart_path(maps) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
-    assert pinned_memory.cudart_path(maps.splitlines()[0]) is None
+    assert host_tier.cudart_path(maps) == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+    assert host_tier.cudart_path(maps.splitlines()[0]) is None

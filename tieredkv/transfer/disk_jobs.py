@@ -20,8 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tieredkv.protocol import Direction, FailureCause, JobResult, PromoteJob, SpillJob
-from tieredkv.transfer.host_pool import HostPool
-from tieredkv.transfer.slot_guard import SlotGuard
+from tieredkv.transfer.host_pool import HostPool, SlotGuard
 from tieredkv.transfer.transfer_stats import Finish, TransferStats
 
 logger = logging.getLogger(__name__)

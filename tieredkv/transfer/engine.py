@@ -46,13 +46,12 @@ from tieredkv.protocol import (
 )
 from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.disk_jobs import DiskJobs
-from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.host_pool import HostPool, SlotGuard
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.lanes import CopyLane, compute_mark
 from tieredkv.transfer.load_jobs import LoadJobs
 from tieredkv.transfer.remote_driver import RemoteDriver
 from tieredkv.transfer.remote_jobs import RemoteJobs
-from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.store_jobs import StoreJobs, StoreTicket
 from tieredkv.transfer.transfer_stats import TransferStats, job_kind
 

@@ -20,10 +20,9 @@ from typing import Any
 
 from tieredkv.protocol import Direction, FailureCause, JobResult, LoadJob
 from tieredkv.transfer.backends.base import Pair, check_pairs, real_blocks, split_holes
-from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.host_pool import HostPool, SlotGuard
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.lanes import CopyLane
-from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.transfer_stats import Finish, TransferStats
 
 logger = logging.getLogger(__name__)

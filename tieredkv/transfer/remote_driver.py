@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tieredkv.protocol import Direction, FailureCause, JobResult, RemoteReadJob, RemoteWriteJob
+from tieredkv.transfer.host_pool import SlotGuard
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.remote_jobs import RemoteJobs, WriteJob
-from tieredkv.transfer.slot_guard import SlotGuard
 from tieredkv.transfer.transfer_stats import Finish, TransferStats
 
 logger = logging.getLogger(__name__)

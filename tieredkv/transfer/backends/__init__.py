@@ -10,8 +10,8 @@
 - :mod:`.vllm_backend`: vLLM's own ``CopyBlocksOp`` (what ``set_host_xfer_buffer_ops``
   hands over), where it works.
 - :mod:`.select`: ``select_backend``, the one place ``copy_backend`` is turned into one of them.
-- :mod:`.staging` (bounded device staging, reused pinned index buffers) and
-  :mod:`.registration_cache` (what a backend derives per registration: views or raw pointers, held weakly): what the backends share.
+- :mod:`.staging`: what the backends share: bounded device staging, reused pinned index
+  buffers, and what a backend derives per registration (views or raw pointers, held weakly).
 
 Import from the module that defines a name; this package re-exports nothing.
 """

@@ -1,4 +1,5 @@
-"""Reusable buffers for the CUDA copy paths, each safe against reuse while a copy still reads it.
+"""What the copy backends share: reusable buffers for the CUDA copy paths, each safe against
+reuse while a copy still reads it, and what a backend derives per registration.
 
 - :class:`IndexUploader`: pinned host buffers for the index tables a batch uploads. Page-locking
   per batch (``tensor.pin_memory()``) is an allocation plus a page-lock on the hot path; these
@@ -8,6 +9,12 @@
 - :class:`StagingBuffer`: one device buffer of bounded size that a copy moves through piece by
   piece, instead of a buffer as large as the whole batch that is never given back. Reuse from
   another stream waits (on the device) for the last use to finish.
+- :class:`RegistrationCache`: what a backend derives once per (KV caches, host pool) pair (views
+  or raw pointers), held only while both live. Why not a dict keyed by ``id()``: the id of a dead
+  object is handed to the next one, so a new registration could get a dead one's entry (freed or
+  stale memory), and every entry would keep its KV caches' memory alive for the backend's life.
+  Entries are keyed weakly by the :class:`KVViews` and :class:`HostPool` objects themselves: an
+  entry goes when either does, and a value must not refer back to them.
 
 On CPU every copy is done when it returns: no events, nothing pinned.
 """
@@ -15,11 +22,15 @@ On CPU every copy is done when it returns: no events, nothing pinned.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
+
+from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.kv_views import KVViews
 
 
 class Event(Protocol):
@@ -159,3 +170,40 @@ class StagingBuffer:
     def release(self, device: torch.device) -> None:
         """The last use of the buffer has been issued on ``device``'s current stream."""
         self._event = self._new_event(device)
+
+
+# ---------------------------------------------------------------- per registration
+
+T = TypeVar("T")
+
+
+def _host_signature(host: HostPool) -> tuple[int, int]:
+    """What an entry read off the pool: a closed pool has another buffer."""
+    return host.buffer.data_ptr(), host.buffer.numel()
+
+
+class RegistrationCache(Generic[T]):
+    """``build(dev, host)``, computed once per live pair (thread-safe: both lanes use it)."""
+
+    def __init__(self, build: Callable[[KVViews, HostPool], T]) -> None:
+        self._build = build
+        self._by_dev: weakref.WeakKeyDictionary[
+            KVViews, weakref.WeakKeyDictionary[HostPool, tuple[tuple[int, int], T]]
+        ] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, dev: KVViews, host: HostPool) -> T:
+        signature = _host_signature(host)
+        with self._lock:
+            per_host = self._by_dev.get(dev)
+            if per_host is None:
+                per_host = self._by_dev[dev] = weakref.WeakKeyDictionary()
+            entry = per_host.get(host)
+            if entry is None or entry[0] != signature:
+                entry = per_host[host] = (signature, self._build(dev, host))
+            return entry[1]
+
+    def __len__(self) -> int:
+        """Live entries (for tests and diagnostics)."""
+        with self._lock:
+            return sum(len(per_host) for per_host in list(self._by_dev.values()))

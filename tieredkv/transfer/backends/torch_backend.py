@@ -15,8 +15,7 @@ import torch
 
 from tieredkv.protocol import BackendName
 from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
-from tieredkv.transfer.backends.registration_cache import RegistrationCache
-from tieredkv.transfer.backends.staging import IndexUploader, StagingBuffer
+from tieredkv.transfer.backends.staging import IndexUploader, RegistrationCache, StagingBuffer
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews, widest_item
 
