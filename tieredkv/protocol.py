@@ -1,9 +1,12 @@
 """The ground floor every layer shares: jobs, their one result type, the step plan, and enums.
 
-Jobs travel inside vLLM's connector metadata from the engine-core process to each worker
-process, so they are plain frozen dataclasses of ints, bytes, strs and tuples: cheap to
-pickle, impossible to mutate on the way, and never holding a tensor. Every job names the
-request it serves (``req_id``), stores included.
+One job type, :class:`Job`: bytes from a source place to a destination place (device
+blocks, a host slot, a disk slot, a remote shard); the pair of media is its :class:`Move`,
+the one name of what it does, and the worker routes it by that pair to one handler. Jobs
+travel inside vLLM's connector metadata from the engine-core process to each worker process,
+so they are frozen dataclasses of ints, bytes, strs and tuples: cheap to pickle, impossible
+to mutate on the way, and never holding a tensor. A job names the request it serves
+(``req_id``), stores included.
 
 Block ids are device (vLLM) block ids; slots are host-pool or slab-file slots. Position ``j``
 of a host slot holds block ``j`` of its chunk, for every layer (see ``transfer.kv_views``).
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import ClassVar
 
 # A slot row with no device block: a row of a sliding-window group that a store did not keep,
 # or a load does not fill. Never copied (see ``tieredkv.kv_groups``).
@@ -32,26 +36,64 @@ class Tier(StrEnum):
     REMOTE = "remote"
 
 
-class JobKind(StrEnum):
-    """What a job moves: device->host, host->disk, disk->host, host->device, and host<->remote."""
+class Medium(StrEnum):
+    """Where a job's bytes are: vLLM's device blocks, a host slot, a disk slot, the shared store."""
 
-    STORE = "store"
-    SPILL = "spill"
-    PROMOTE = "promote"
-    LOAD = "load"
-    REMOTE_READ = "remote_read"
-    REMOTE_WRITE = "remote_write"
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
 
 
-class Direction(StrEnum):
-    """Byte counters' directions (``bytes_total{direction=...}``)."""
+class Move(StrEnum):
+    """A job's (source medium, destination medium) pair: the one name of what a job does.
 
-    D2H = "d2h"
-    H2D = "h2d"
-    SPILL = "spill"
-    RESTORE = "restore"
-    REMOTE_READ = "remote_read"
-    REMOTE_WRITE = "remote_write"
+    The values are the ``kind`` label of the job metrics; :attr:`direction` is the
+    ``direction`` label of the byte counters (``d2h`` for a store, ``restore`` for a
+    promotion, ...), kept as the dashboards know them."""
+
+    STORE = "store"                 # device -> host
+    SPILL = "spill"                 # host -> disk
+    PROMOTE = "promote"             # disk -> host
+    LOAD = "load"                   # host -> device
+    REMOTE_READ = "remote_read"     # remote -> host
+    REMOTE_WRITE = "remote_write"   # host -> remote
+
+    @property
+    def src(self) -> Medium:
+        return _MEDIA[self][0]
+
+    @property
+    def dst(self) -> Medium:
+        return _MEDIA[self][1]
+
+    @property
+    def direction(self) -> str:
+        return _DIRECTION.get(self, self.value)
+
+    @property
+    def touches_device(self) -> bool:
+        return Medium.DEVICE in _MEDIA[self]
+
+    @classmethod
+    def between(cls, src: Medium, dst: Medium) -> Move:
+        """The move from ``src`` to ``dst``; ValueError for a pair nothing carries."""
+        try:
+            return _MOVE_OF[(src, dst)]
+        except KeyError:
+            raise ValueError(f"no transfer moves {src.value} -> {dst.value}") from None
+
+
+_MEDIA: dict[Move, tuple[Medium, Medium]] = {
+    Move.STORE: (Medium.DEVICE, Medium.HOST),
+    Move.SPILL: (Medium.HOST, Medium.DISK),
+    Move.PROMOTE: (Medium.DISK, Medium.HOST),
+    Move.LOAD: (Medium.HOST, Medium.DEVICE),
+    Move.REMOTE_READ: (Medium.REMOTE, Medium.HOST),
+    Move.REMOTE_WRITE: (Medium.HOST, Medium.REMOTE),
+}
+_MOVE_OF = {media: move for move, media in _MEDIA.items()}
+_DIRECTION = {Move.STORE: "d2h", Move.LOAD: "h2d", Move.PROMOTE: "restore"}
 
 
 class FailureCause(StrEnum):
@@ -97,79 +139,27 @@ class BackendName(StrEnum):
 
 
 @dataclass(frozen=True)
-class StoreJob:
-    """d2h: device blocks ``block_ids`` -> host slot ``host_slot`` (block j -> position j).
+class DeviceBlocks:
+    """vLLM's device blocks, in order. :data:`NO_BLOCK` entries are holes (hybrid models: rows
+    a sliding window does not need), never copied."""
 
-    Fewer ids than ``chunk_blocks``: a prompt's tail; the slot's other positions are unused.
-    :data:`NO_BLOCK` entries are holes (hybrid models: rows a sliding window does not need)."""
-
-    job_id: int
-    key: bytes
-    host_slot: int
     block_ids: tuple[int, ...]
-    req_id: str | None = None  # the request whose blocks these are (vLLM's finished_sending)
+    medium: ClassVar[Medium] = Medium.DEVICE
 
 
 @dataclass(frozen=True)
-class SpillJob:
-    """Host slot -> disk slot (written with a verified header; the host copy stays).
+class HostSlot:
+    """One host-pool slot: block ``j`` of its chunk at position ``j``, for every layer."""
 
-    ``aliases``: keys of the entry's other blocks, written into the slot header."""
-
-    job_id: int
-    key: bytes
-    host_slot: int
-    disk_slot: int
-    aliases: tuple[bytes, ...] = ()
-    req_id: str | None = None  # spills serve the tier, not a request: always None
-
-
-@dataclass(frozen=True)
-class PromoteJob:
-    """Disk slot -> host slot, verified before the scheduler may promise it as a hit."""
-
-    job_id: int
-    key: bytes
-    disk_slot: int
-    host_slot: int
-    req_id: str | None = None  # the request whose lookup asked for it
-
-
-@dataclass(frozen=True)
-class RemoteReadJob:
-    """Shared remote tier -> host slot: this rank's shard of chunk ``key``, verified (key,
-    namespace, rank, length, checksum) before a byte lands; the scheduler promises it only
-    after every rank reported it done."""
-
-    job_id: int
-    key: bytes
-    host_slot: int
-    req_id: str | None = None  # the request whose lookup asked for it
-
-
-@dataclass(frozen=True)
-class RemoteWriteJob:
-    """Host slot -> shared remote tier. The worker copies the shard into the store's bounded
-    write queue at once (the slot is free again when it reports); a full queue or a store
-    that is down drops it (``dropped``), so the engine never waits on the network."""
-
-    job_id: int
-    key: bytes
-    host_slot: int
-    req_id: str | None = None  # writes serve the tier, not a request: always None
-    # Slot rows the entry holds (rows 0..rows-1). The worker writes a slot only when this is
-    # every row it has: other rows hold a previous tenant's bytes (0: unknown, refused).
-    rows: int = 0
-    # Rows among them the entry leaves empty (hybrid: a sliding window's rows it does not
-    # keep, never copied into the slot): written as zeros, never as what the slot held.
-    holes: tuple[int, ...] = ()
+    slot: int
+    medium: ClassVar[Medium] = Medium.HOST
 
 
 @dataclass(frozen=True)
 class LoadChunk:
     """One chunk of a load: slot positions ``[first_block, first_block + len(block_ids))``
     go to device blocks ``block_ids`` (a hit may start mid-chunk). The chunk is in host slot
-    ``host_slot``: a disk hit is promoted there (:class:`PromoteJob`) before it is loaded."""
+    ``host_slot``: a disk or remote hit is filled there before it is loaded."""
 
     key: bytes
     host_slot: int
@@ -178,24 +168,121 @@ class LoadChunk:
 
 
 @dataclass(frozen=True)
-class LoadJob:
-    """A request's chunks, in prefix order, each copied host -> device."""
+class HostChunks:
+    """A load's source: its chunks' host slots, in prefix order.
+
+    ``unserved``: the planner found device blocks in the load's range that no stored row
+    fills (a hybrid window it did not store): the worker copies nothing and reports every
+    block failed, so vLLM recomputes them rather than attend to whatever those blocks held."""
+
+    chunks: tuple[LoadChunk, ...]
+    unserved: bool = False
+    medium: ClassVar[Medium] = Medium.HOST
+
+
+@dataclass(frozen=True)
+class DiskSlot:
+    """A slot of this rank's slab file. ``aliases``: keys of the entry's other blocks, written
+    into the slot header by a spill."""
+
+    slot: int
+    aliases: tuple[bytes, ...] = ()
+    medium: ClassVar[Medium] = Medium.DISK
+
+
+@dataclass(frozen=True)
+class RemoteShard:
+    """This rank's shard of a chunk in the shared store, verified (key, namespace, rank,
+    length, checksum) before a byte of a read lands.
+
+    For a write: ``rows`` the entry holds (rows 0..rows-1; the worker writes a slot only when
+    this is every row it has: other rows hold a previous tenant's bytes; 0: unknown,
+    refused), and ``holes``, rows among them the entry leaves empty (hybrid: a sliding
+    window's rows it does not keep), written as zeros, never as what the slot held."""
+
+    rows: int = 0
+    holes: tuple[int, ...] = ()
+    medium: ClassVar[Medium] = Medium.REMOTE
+
+
+Place = DeviceBlocks | HostSlot | HostChunks | DiskSlot | RemoteShard
+
+
+@dataclass(frozen=True)
+class Job:
+    """Move bytes from ``src`` to ``dst``; the pair of media is its :attr:`move`.
+
+    ``key`` is the chunk it moves (a load names each chunk's in :class:`HostChunks`);
+    ``req_id`` the request it serves, or None for jobs that serve a tier (spills, remote
+    writes). The named constructors (:meth:`store`, :meth:`spill`, ...) build the six pairs
+    the worker carries; any other pair is refused."""
 
     job_id: int
-    req_id: str
-    chunks: tuple[LoadChunk, ...]
-    # The planner found device blocks in the load's range that no stored row fills (a hybrid
-    # window it did not store): the worker copies nothing and reports every block failed, so
-    # vLLM recomputes them rather than attend to whatever those blocks held.
-    unserved: bool = False
+    src: Place
+    dst: Place
+    key: bytes = b""
+    req_id: str | None = None
+    move: Move = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "move", Move.between(self.src.medium, self.dst.medium))
+
+    @property
+    def host_slot(self) -> int:
+        """The one host slot the job reads or writes (a load has one per chunk: -1)."""
+        for place in (self.src, self.dst):
+            if isinstance(place, HostSlot):
+                return place.slot
+        return -1
 
     @property
     def block_ids(self) -> tuple[int, ...]:
-        """The device blocks the load writes (holes left out)."""
-        return tuple(b for chunk in self.chunks for b in chunk.block_ids if b != NO_BLOCK)
+        """The device blocks a store reads or a load writes (holes left out of a load's)."""
+        if isinstance(self.src, DeviceBlocks):
+            return self.src.block_ids
+        if isinstance(self.src, HostChunks):
+            return tuple(b for c in self.src.chunks for b in c.block_ids if b != NO_BLOCK)
+        return ()
 
+    @classmethod
+    def store(cls, job_id: int, key: bytes, host_slot: int, block_ids: tuple[int, ...],
+              req_id: str | None = None) -> Job:
+        """d2h: device blocks -> host slot (block j -> position j; fewer ids than a chunk: a
+        prompt's tail)."""
+        return cls(job_id, DeviceBlocks(tuple(block_ids)), HostSlot(host_slot), key, req_id)
 
-Job = StoreJob | SpillJob | PromoteJob | LoadJob | RemoteReadJob | RemoteWriteJob
+    @classmethod
+    def spill(cls, job_id: int, key: bytes, host_slot: int, disk_slot: int,
+              aliases: tuple[bytes, ...] = ()) -> Job:
+        """Host slot -> disk slot, written with a verified header; the host copy stays."""
+        return cls(job_id, HostSlot(host_slot), DiskSlot(disk_slot, tuple(aliases)), key)
+
+    @classmethod
+    def promote(cls, job_id: int, key: bytes, disk_slot: int, host_slot: int,
+                req_id: str | None = None) -> Job:
+        """Disk slot -> host slot, verified before the scheduler may promise it as a hit."""
+        return cls(job_id, DiskSlot(disk_slot), HostSlot(host_slot), key, req_id)
+
+    @classmethod
+    def load(cls, job_id: int, req_id: str, chunks: tuple[LoadChunk, ...],
+             unserved: bool = False) -> Job:
+        """A request's chunks, in prefix order, each copied host -> device."""
+        chunks = tuple(chunks)
+        blocks = tuple(b for c in chunks for b in c.block_ids)
+        return cls(job_id, HostChunks(chunks, unserved), DeviceBlocks(blocks), b"", req_id)
+
+    @classmethod
+    def remote_read(cls, job_id: int, key: bytes, host_slot: int,
+                    req_id: str | None = None) -> Job:
+        """Shared store -> host slot; promised only after every rank reported it done."""
+        return cls(job_id, RemoteShard(), HostSlot(host_slot), key, req_id)
+
+    @classmethod
+    def remote_write(cls, job_id: int, key: bytes, host_slot: int, rows: int = 0,
+                     holes: tuple[int, ...] = ()) -> Job:
+        """Host slot -> shared store, through the store's bounded write queue (a full queue
+        or a store that is down drops it: the engine never waits on the network)."""
+        return cls(job_id, HostSlot(host_slot), RemoteShard(rows, tuple(holes)), key)
 
 
 @dataclass(frozen=True)
@@ -211,7 +298,7 @@ class JobResult:
     job_id: int
     ok: int = 0
     failed: int = 0
-    failure: str | None = None
+    failure: FailureCause | None = None
     failed_block_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -219,8 +306,10 @@ class JobResult:
         return cls(job_id, ok=1)
 
     @classmethod
-    def fail(cls, job_id: int, failure: str, failed_block_ids: Iterable[int] = ()) -> JobResult:
-        return cls(job_id, failed=1, failure=failure, failed_block_ids=tuple(sorted(set(failed_block_ids))))
+    def fail(cls, job_id: int, failure: FailureCause,
+             failed_block_ids: Iterable[int] = ()) -> JobResult:
+        # FailureCause(...) refuses a raw string that is not a cause.
+        return cls(job_id, failed=1, failure=FailureCause(failure), failed_block_ids=tuple(sorted(set(failed_block_ids))))
 
     def merged(self, other: JobResult) -> JobResult:
         """The one merge: ranks add up, the first cause wins, failed blocks unite."""
@@ -246,14 +335,13 @@ def merge_results(into: dict[int, JobResult], results: Iterable[JobResult]) -> d
 class StepPlan:
     """The jobs of one scheduler step (the payload of the connector metadata)."""
 
-    stores: list[StoreJob] = field(default_factory=list)
-    spills: list[SpillJob] = field(default_factory=list)
-    promotes: list[PromoteJob] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-    remote_reads: list[RemoteReadJob] = field(default_factory=list)
-    remote_writes: list[RemoteWriteJob] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)
     fence_block_ids: list[int] = field(default_factory=list)
     delayed_req_ids: list[str] = field(default_factory=list)
     # The step computes no tokens (requests only wait for loads): the worker may sleep on
     # its own in-flight jobs instead of letting vLLM spin through empty steps.
     compute_idle: bool = False
+
+    def of(self, move: Move) -> list[Job]:
+        """This step's jobs of one move, in the order they were planned."""
+        return [job for job in self.jobs if job.move is move]

@@ -20,6 +20,7 @@ from benchmarks.scheduler.workload import (
     NUM_GPU_BLOCKS,
     TIER_BYTES,
 )
+from tieredkv.protocol import Move
 
 
 class Engine:
@@ -245,7 +246,7 @@ class TieredSide(Side):
         return self.connector._scheduler
 
     def store_job_ids(self, meta: Any) -> list[int]:
-        return [job.job_id for job in meta.plan.stores]
+        return [job.job_id for job in meta.plan.of(Move.STORE)]
 
     def worker_report(self, job_ids: Sequence[int]) -> Any:
         from tieredkv.protocol import JobResult

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ttft.workload import BLOCK_SIZE
+from tieredkv.protocol import Move
 
 
 def _scheduler_half(llm) -> Any:
@@ -83,8 +84,8 @@ class _Trace:
              lambda a, r: f"computed={a[1]} -> {r}")
         wrap(TieredKVConnector, "update_state_after_alloc", lambda a, r: f"external={a[2]}")
         wrap(TieredKVConnector, "build_connector_meta", lambda a, r: (
-            f"loads={len(r.plan.loads)} promotes={len(r.plan.promotes)} "
-            f"stores={len(r.plan.stores)} spills={len(r.plan.spills)}"))
+            f"loads={len(r.plan.of(Move.LOAD))} promotes={len(r.plan.of(Move.PROMOTE))} "
+            f"stores={len(r.plan.of(Move.STORE))} spills={len(r.plan.of(Move.SPILL))}"))
         wrap(TieredKVConnector, "update_connector_output", lambda a, r: (
             f"recving={sorted(a[0].finished_recving or ())}"
             if getattr(a[0], "finished_recving", None) else ""))

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from gpucheck.common import ROOT
+from tieredkv.protocol import Job
 
 COPY_CASES = ("flash_attn-LBHNC", "triton_attn-LBHNC-fp8", "flashinfer-sm100-BLHNC",
               "flashinfer-sm90-LBHNC-block128", "flex_attention-LBNHC-fp16", "flashmla-MLA")
@@ -23,12 +24,12 @@ def _copy_check_imports() -> None:
     """torch and tieredkv for the copy check, bound as module globals (the rest of the check
     runs without them)."""
     global torch, CASE_BY_ID, build_kv_caches, HostPool, CopyBackend, CupyCopyBackend
-    global NativeCopyBackend, TorchCopyBackend, TransferEngine, LoadChunk, LoadJob, StoreJob, KVViews
+    global NativeCopyBackend, TorchCopyBackend, TransferEngine, LoadChunk, Job, KVViews
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "transfer")]
     import torch
     from vllm_cuda_layouts import CASE_BY_ID, build_kv_caches
 
-    from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
+    from tieredkv.protocol import Job, LoadChunk
     from tieredkv.transfer.backends.base import CopyBackend
     from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
     from tieredkv.transfer.backends.native_backend import NativeCopyBackend
@@ -107,9 +108,9 @@ def _copy_check_case(case: Any, device: torch.device, name: str, backend: CopyBa
 
     engine = TransferEngine(kv, host, None, backend=backend)
     try:
-        engine.submit([StoreJob(1, b"c1", 5, (4, 6, 8, 10))])
+        engine.submit([Job.store(1, b"c1", 5, (4, 6, 8, 10))])
         _wait_for_job(engine, 1)
-        engine.submit([LoadJob(2, "r", (LoadChunk(b"c1", 5, 2, (13, 0)),))])
+        engine.submit([Job.load(2, "r", (LoadChunk(b"c1", 5, 2, (13, 0)),))])
         _wait_for_job(engine, 2)
     finally:
         engine.shutdown(timeout_s=5.0)

@@ -23,6 +23,8 @@ import sys
 import time
 import traceback
 
+from tieredkv.protocol import Move
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -102,11 +104,10 @@ def new_entry() -> dict:
 def record_stores(planner, seen: dict[str, dict]) -> None:
     """Wrap the planner's store completion: each store, once every rank reported it, goes to
     its request's ``stores`` (job id, chunk key, the failure cause or None)."""
-    from tieredkv.protocol import JobKind
 
     ledger = planner._ledger
     handlers = dict(ledger._handlers)
-    plain = handlers[JobKind.STORE]
+    plain = handlers[Move.STORE]
 
     def complete_store(job, outcome):
         plain(job, outcome)
@@ -115,7 +116,7 @@ def record_stores(planner, seen: dict[str, dict]) -> None:
             seen.setdefault(job.req_id, new_entry())["stores"].append(
                 [job.job_id, job.keys[0].hex(), failure])
 
-    handlers[JobKind.STORE] = complete_store
+    handlers[Move.STORE] = complete_store
     ledger.set_handlers(handlers)
 
 

@@ -18,7 +18,7 @@ from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.metrics.exporter import build_exporter_metrics
 from tieredkv.metrics.specs import COUNT_ROUTES, COUNTER, METRIC_SPECS, Count, Counts, route_counter
-from tieredkv.protocol import FailureCause, JobResult, Tier
+from tieredkv.protocol import FailureCause, JobResult, Move, Tier
 from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.planner import Planner
 from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
@@ -40,7 +40,7 @@ def planner(host: int, disk: int = 0, slot_rows: SlotRows | None = None, **extra
 
 
 def finish(p: Planner, plan, failure: str | None = None) -> None:
-    jobs = [*plan.stores, *plan.spills, *plan.promotes, *plan.loads]
+    jobs = [*plan.of(Move.STORE), *plan.of(Move.SPILL), *plan.of(Move.PROMOTE), *plan.of(Move.LOAD)]
     p.apply([JobResult.fail(j.job_id, failure) if failure else JobResult.done(j.job_id)
              for j in jobs])
 
@@ -67,7 +67,7 @@ def host_and_disk_run() -> Counts:
     finish(p, p.take_plan())
     hit = p.lookup("d", keys_of(a), 0, len(a))
     p.on_alloc("d", list(range(8)), hit)
-    (load,) = p.take_plan().loads
+    (load,) = p.take_plan().of(Move.LOAD)
     p.apply([JobResult.fail(load.job_id, FailureCause.COPY_ERROR, load.block_ids)])
     c = [t + 20_000 for t in range(CHUNK_TOKENS + BLOCK + 1)]
     store(p, "c", c)
@@ -78,7 +78,7 @@ def host_and_disk_run() -> Counts:
     store(p, "e2", [t + 50_000 for t in range(2 * CHUNK_TOKENS + 1)])  # c leaves host
     finish(p, p.take_plan())
     assert p.lookup("g", keys_of(c), 0, len(c)) is None  # c on disk only: promoted
-    for promote in p.take_plan().promotes:
+    for promote in p.take_plan().of(Move.PROMOTE):
         p.apply([JobResult.fail(promote.job_id, FailureCause.CHECKSUM)])
     p.set_block_ids("f", list(range(8)), replace=True)
     p.plan_stores("f", keys_of([t + 40_000 for t in range(3 * CHUNK_TOKENS + 1)]),

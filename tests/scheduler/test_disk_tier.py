@@ -14,7 +14,7 @@ from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.format import MAX_HEADER_ALIASES
 from tieredkv.disk.slab import SlabFile
 from tieredkv.metrics.specs import Count
-from tieredkv.protocol import JobKind, PromoteJob, StepPlan, Tier
+from tieredkv.protocol import Job, Move, StepPlan, Tier
 from tieredkv.scheduler.lower_tier import DiskTier, LowerTier
 from tieredkv.scheduler.tier_index import TierIndex
 
@@ -50,7 +50,7 @@ def spill(disk: DiskTier, slab: SlabFile, key: bytes, aliases: tuple[bytes, ...]
 def test_the_disk_tier_is_its_own_index_and_a_lower_tier():
     disk = tier()
     assert isinstance(disk, TierIndex) and isinstance(disk, LowerTier)
-    assert (disk.name, disk.fill_kind, disk.fill_counter) == (Tier.DISK, JobKind.PROMOTE,
+    assert (disk.name, disk.fill_move, disk.fill_counter) == (Tier.DISK, Move.PROMOTE,
                                                               Count.PROMOTED_CHUNKS)
 
 
@@ -103,8 +103,8 @@ def test_a_promotion_pins_its_entry_and_a_failed_one_drops_it_for_good(tmp_path)
         plan = StepPlan()
         disk.plan_fill(plan, 7, A, 3, "r")
         disk.plan_fill(plan, 8, B, 2, "r")
-        assert plan.promotes == [PromoteJob(7, A, slot_a, 3, req_id="r"),
-                                 PromoteJob(8, B, slot_b, 2, req_id="r")]
+        assert plan.of(Move.PROMOTE) == [Job.promote(7, A, slot_a, 3, req_id="r"),
+                                 Job.promote(8, B, slot_b, 2, req_id="r")]
         assert disk.get(A).pins == 1 and disk.fill_aliases(A) == ()  # type: ignore[union-attr]
         assert disk.allocate(C, ()) is not None and disk.allocate(KEYS[3], ()) is not None
         assert disk.allocate(KEYS[4], ()) is None  # pinned by their reads: nothing to evict

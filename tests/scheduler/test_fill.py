@@ -8,7 +8,7 @@ from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
-from tieredkv.protocol import JobKind, JobResult, RemoteReadJob, StepPlan, Tier
+from tieredkv.protocol import Job, JobResult, Move, StepPlan, Tier
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lower_tier import DiskTier, Fill, LowerTier
 from tieredkv.scheduler.placement import Placer
@@ -21,7 +21,7 @@ class SharedTier(LowerTier):
     """A tier with no index (as the remote one): what its hooks were called with."""
 
     name = Tier.REMOTE
-    fill_kind = JobKind.REMOTE_READ
+    fill_move = Move.REMOTE_READ
     fill_counter = Count.REMOTE_READ_CHUNKS
 
     def __init__(self) -> None:
@@ -32,7 +32,7 @@ class SharedTier(LowerTier):
 
     def plan_fill(self, plan: StepPlan, job_id: int, key: bytes, host_slot: int,
                   req_id: str) -> None:
-        plan.remote_reads.append(RemoteReadJob(job_id, key, host_slot, req_id=req_id))
+        plan.jobs.append(Job.remote_read(job_id, key, host_slot, req_id=req_id))
 
     def fill_done(self, key: bytes, ok: bool) -> None:
         self.done.append((key, ok))
@@ -59,11 +59,11 @@ class Rig:
         self.fill = Fill(parts, Placer(parts))
 
         def not_a_fill(job, outcome):
-            pytest.fail(f"a {job.kind} job completed")
+            pytest.fail(f"a {job.move} job completed")
 
-        self.ledger.set_handlers({**{kind: not_a_fill for kind in JobKind},
-                                  JobKind.PROMOTE: self.fill.complete,
-                                  JobKind.REMOTE_READ: self.fill.complete})
+        self.ledger.set_handlers({**{kind: not_a_fill for kind in Move},
+                                  Move.PROMOTE: self.fill.complete,
+                                  Move.REMOTE_READ: self.fill.complete})
         self.host.allocate(self.chunk[0])
         self.host.mark_ready(self.chunk[0])
         self.disk_aliases = self.keys.block_keys(CHUNK_BLOCKS, 2 * CHUNK_BLOCKS - 1)
@@ -80,9 +80,9 @@ def test_disk_and_a_tier_without_index_fill_through_one_loop():
     c0, c1, c2 = r.chunk[:3]
     assert r.fill_run("a", [c0, c1, c2], [c1], [c2], 2) == [c0, c1, c2]
     plan = r.ledger.take_plan()
-    (promote,) = plan.promotes
-    (read,) = plan.remote_reads
-    assert (promote.key, promote.disk_slot, promote.host_slot) == (c1, DISK_SLOT,
+    (promote,) = plan.of(Move.PROMOTE)
+    (read,) = plan.of(Move.REMOTE_READ)
+    assert (promote.key, promote.src.slot, promote.host_slot) == (c1, DISK_SLOT,
                                                                    r.host.get(c1).slot)
     assert (read.key, read.host_slot) == (c2, r.host.get(c2).slot)
     # The disk entry is held for the read; each host entry knows its blocks: the disk entry's
@@ -102,8 +102,8 @@ def test_one_completion_serves_every_tier():
     c0, c1, c2 = r.chunk[:3]
     r.fill_run("a", [c0, c1, c2], [c1], [c2], 2)
     plan = r.ledger.take_plan()
-    r.ledger.apply([JobResult.done(plan.promotes[0].job_id),
-                    JobResult.done(plan.remote_reads[0].job_id)])
+    r.ledger.apply([JobResult.done(plan.of(Move.PROMOTE)[0].job_id),
+                    JobResult.done(plan.of(Move.REMOTE_READ)[0].job_id)])
     assert r.host.is_ready(c1) and r.host.is_ready(c2)
     assert r.disk.get(c1).pins == 0 and r.disk.is_ready(c1)
     assert r.shared.done == [(c2, True)]
@@ -116,8 +116,8 @@ def test_a_failed_fill_drops_the_host_entry_and_what_the_tier_held():
     c0, c1, c2 = r.chunk[:3]
     r.fill_run("a", [c0, c1, c2], [c1], [c2], 2)
     plan = r.ledger.take_plan()
-    r.ledger.apply([JobResult.fail(plan.promotes[0].job_id, "checksum"),
-                    JobResult.fail(plan.remote_reads[0].job_id, "missing")])
+    r.ledger.apply([JobResult.fail(plan.of(Move.PROMOTE)[0].job_id, "checksum"),
+                    JobResult.fail(plan.of(Move.REMOTE_READ)[0].job_id, "missing")])
     assert c1 not in r.host and c2 not in r.host and not r.host.is_doomed(c1)
     assert c1 not in r.disk and not r.disk.is_doomed(c1)  # never promised again
     assert r.shared.done == [(c2, False)]
@@ -131,7 +131,7 @@ def test_the_run_is_cut_where_a_chunk_gets_no_host_slot():
     c0, c1, c2 = r.chunk[:3]
     r.disk.restore(c2, DISK_SLOT + 1)
     assert r.fill_run("a", [c0, c1, c2], [c1, c2], [], 3) == [c0, c1]
-    assert [job.key for job in r.ledger.take_plan().promotes] == [c1]
+    assert [job.key for job in r.ledger.take_plan().of(Move.PROMOTE)] == [c1]
     assert r.host.is_ready(c0)  # the run's own resident chunk was not evicted for it
     assert r.counters[Count.PROMOTE_NO_HOST_SLOT] == 1
     assert r.requests.get("a").promote_rounds == 1
@@ -144,7 +144,7 @@ def test_a_chunk_another_request_is_filling_is_waited_for_not_filled_twice():
     r.ledger.take_plan()
     assert r.fill_run("b", [c0, c1, c2], [c1], [c2], 2) == [c0]
     plan = r.ledger.take_plan()
-    assert not plan.promotes and not plan.remote_reads
+    assert not plan.of(Move.PROMOTE) and not plan.of(Move.REMOTE_READ)
     assert r.requests.get("b").promote_jobs == set()
     # The remote chunks come after a chunk that cannot be served now: none is read.
     assert c2 not in r.host

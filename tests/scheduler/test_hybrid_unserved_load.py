@@ -11,7 +11,7 @@ from __future__ import annotations
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult
+from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult, Move
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 
@@ -40,8 +40,8 @@ def planner_with_both_chunks_stored() -> Planner:
     planner.set_block_ids("a", [list(range(100, 100 + n)), list(range(200, 200 + n))], replace=True)
     planner.plan_stores("a", keys(), len(TOKENS), computed_tokens=0)
     plan = planner.take_plan()
-    assert len(plan.stores) == 2
-    planner.apply([JobResult.done(job.job_id) for job in plan.stores])
+    assert len(plan.of(Move.STORE)) == 2
+    planner.apply([JobResult.done(job.job_id) for job in plan.of(Move.STORE)])
     assert planner.host.ready_count == 2
     return planner
 
@@ -54,8 +54,8 @@ def test_a_load_that_would_leave_a_block_unwritten_fails_and_the_retry_ends_befo
     sliding = [0, 0, 0, 0, 41, 0, 42, 43]
     full = list(range(300, 308))
     planner.on_alloc("b", [sliding, full], 2 * CHUNK_TOKENS)
-    (load,) = planner.take_plan().loads
-    assert load.unserved, "a load that leaves block 41 unwritten must not report success"
+    (load,) = planner.take_plan().of(Move.LOAD)
+    assert load.src.unserved, "a load that leaves block 41 unwritten must not report success"
     assert planner.counters["load_rows_unserved"] == 1
     # Known now to fail, it is no hit: its tokens are recomputed, so no tier counts them
     # (vLLM's own stats still get the split of the hit it was told, which must sum to it).
@@ -70,9 +70,9 @@ def test_a_load_that_would_leave_a_block_unwritten_fails_and_the_retry_ends_befo
     # Asked again from its first token, the request's hit ends before chunk 1.
     assert planner.lookup("b", keys(), 0, len(TOKENS)) == CHUNK_TOKENS
     planner.on_alloc("b", [[0, 0, 51, 52], [310, 311, 312, 313]], CHUNK_TOKENS)
-    (retry,) = planner.take_plan().loads
-    assert not retry.unserved
-    assert retry.chunks[0].block_ids == (NO_BLOCK, NO_BLOCK, 51, 52, 310, 311, 312, 313)
+    (retry,) = planner.take_plan().of(Move.LOAD)
+    assert not retry.src.unserved
+    assert retry.src.chunks[0].block_ids == (NO_BLOCK, NO_BLOCK, 51, 52, 310, 311, 312, 313)
     # The retry is served: its chunk is the only hit the request counts.
     assert hit_tokens(planner) == {"host": CHUNK_TOKENS}
     assert planner.counters["lookups"] == 1  # one request, answered once
@@ -82,6 +82,6 @@ def test_a_load_vllm_allocates_as_expected_is_served():
     planner = planner_with_both_chunks_stored()
     assert planner.lookup("b", keys(), 0, len(TOKENS)) == 2 * CHUNK_TOKENS
     planner.on_alloc("b", [[0, 0, 0, 0, 0, 0, 42, 43], list(range(300, 308))], 2 * CHUNK_TOKENS)
-    (load,) = planner.take_plan().loads
-    assert not load.unserved and planner.counters["load_rows_unserved"] == 0
+    (load,) = planner.take_plan().of(Move.LOAD)
+    assert not load.src.unserved and planner.counters["load_rows_unserved"] == 0
     assert hit_tokens(planner) == {"host": 2 * CHUNK_TOKENS}

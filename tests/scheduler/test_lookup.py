@@ -12,7 +12,7 @@ from test_remote_tier import Store, remote_tier
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
-from tieredkv.protocol import JobKind, JobResult, LoadChunk, StepPlan, Tier
+from tieredkv.protocol import JobResult, LoadChunk, Move, StepPlan, Tier
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import DiskTier, Fill
@@ -40,10 +40,10 @@ class Rig:
         fill = Fill(parts, self.placer)
         self.lookup = Lookup(parts, self.placer, fill)
         self.ledger.set_handlers({
-            JobKind.STORE: self.placer.complete_store, JobKind.SPILL: self.placer.complete_spill,
-            JobKind.PROMOTE: fill.complete, JobKind.REMOTE_READ: fill.complete,
-            JobKind.LOAD: self.lookup.complete_load,
-            JobKind.REMOTE_WRITE: self.placer.complete_remote_write,
+            Move.STORE: self.placer.complete_store, Move.SPILL: self.placer.complete_spill,
+            Move.PROMOTE: fill.complete, Move.REMOTE_READ: fill.complete,
+            Move.LOAD: self.lookup.complete_load,
+            Move.REMOTE_WRITE: self.placer.complete_remote_write,
         })
 
     def in_host(self, *chunks: int, tail_blocks: int = 0) -> None:
@@ -70,8 +70,8 @@ class Rig:
         """This step's plan, every job reported done (or failed, by job id)."""
         plan = self.ledger.take_plan()
         failure = failure or {}
-        jobs = [*plan.stores, *plan.spills, *plan.promotes, *plan.loads, *plan.remote_reads,
-                *plan.remote_writes]
+        jobs = [*plan.of(Move.STORE), *plan.of(Move.SPILL), *plan.of(Move.PROMOTE), *plan.of(Move.LOAD), *plan.of(Move.REMOTE_READ),
+                *plan.of(Move.REMOTE_WRITE)]
         self.ledger.apply([JobResult.fail(j.job_id, *failure[j.job_id]) if j.job_id in failure
                            else JobResult.done(j.job_id) for j in jobs])
         return plan
@@ -114,10 +114,10 @@ def test_an_allocated_hit_becomes_one_load_of_exactly_its_blocks():
     device = list(range(100, 100 + len(PROMPT) // BLOCK + 1))
     r.lookup.on_alloc("r", device, hit)
     plan = r.step()
-    (load,) = plan.loads
+    (load,) = plan.of(Move.LOAD)
     slots = [r.host.get(k).slot for k in (KEYS[0], KEYS[1], KEYS[2])]  # type: ignore[union-attr]
     tail = KEYS.block_key(3 * CHUNK_BLOCKS)
-    assert load.chunks == (
+    assert load.src.chunks == (
         LoadChunk(KEYS[0], slots[0], 1, (101, 102, 103)),
         LoadChunk(KEYS[1], slots[1], 0, (104, 105, 106, 107)),
         LoadChunk(KEYS[2], slots[2], 0, (108, 109, 110, 111)),
@@ -134,7 +134,7 @@ def test_disk_chunks_are_filled_into_host_before_they_are_promised():
     r.on_disk(1, 2)
     assert r.ask() is None  # promoting: ask again
     plan = r.step()
-    assert [(p.key, p.disk_slot) for p in plan.promotes] == [(KEYS[1], 1), (KEYS[2], 2)]
+    assert [(p.key, p.src.slot) for p in plan.of(Move.PROMOTE)] == [(KEYS[1], 1), (KEYS[2], 2)]
     assert r.counters[Count.PROMOTED_CHUNKS] == 2
     hit = r.ask()
     assert hit == 3 * CHUNK_TOKENS
@@ -147,7 +147,7 @@ def test_a_failed_promotion_serves_what_host_holds_and_is_never_promoted_again()
     r.in_host(0)
     r.on_disk(1)
     assert r.ask() is None
-    promote = r.ledger.plan.promotes[0].job_id
+    promote = r.ledger.plan.of(Move.PROMOTE)[0].job_id
     r.step({promote: ("checksum", ())})
     assert KEYS[1] not in r.disk and KEYS[1] not in r.host
     assert r.counters[Count.DISK_READ_FAILED, "checksum"] == 1
@@ -160,7 +160,7 @@ def test_a_failed_load_drops_the_chunk_it_failed_in_and_recomputes_cached_hits()
     hit = r.ask()
     r.lookup.on_alloc("r", list(range(100, 120)), hit)
     epoch = r.epoch.value
-    (load,) = r.ledger.plan.loads
+    (load,) = r.ledger.plan.of(Move.LOAD)
     r.step({load.job_id: ("io_error", (104, 105, 106, 107))})  # chunk 1's blocks
     assert KEYS[0] in r.host and KEYS[1] not in r.host and r.host.pinned_count == 0
     assert r.epoch.value > epoch
@@ -187,7 +187,7 @@ def test_remote_chunks_past_host_and_disk_are_probed_on_arrival_then_read_and_ve
     assert len(store.calls) == 1
     assert r.ask() is None  # the reads into host slots go out now
     plan = r.step()
-    assert [job.key for job in plan.remote_reads] == [KEYS[1], KEYS[2]]
+    assert [job.key for job in plan.of(Move.REMOTE_READ)] == [KEYS[1], KEYS[2]]
     assert r.counters[Count.REMOTE_READ_CHUNKS] == 2
     hit = r.ask()
     assert hit == 3 * CHUNK_TOKENS

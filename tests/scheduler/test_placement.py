@@ -11,7 +11,7 @@ from test_remote_tier import Store, remote_tier
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count, Counts
-from tieredkv.protocol import FailureCause, JobKind, JobResult, StepPlan
+from tieredkv.protocol import FailureCause, JobResult, Move, StepPlan
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lower_tier import DiskTier
 from tieredkv.scheduler.placement import Placer
@@ -44,13 +44,13 @@ def rig(host_slots: int = 8, disk_slots: int = 0, admission: int = 1,
     placer = Placer(parts)
 
     def not_planned_here(job, outcome):
-        pytest.fail(f"the placer planned a {job.kind} job")
+        pytest.fail(f"the placer planned a {job.move} job")
 
     ledger.set_handlers({
-        **{kind: not_planned_here for kind in JobKind},
-        JobKind.STORE: placer.complete_store,
-        JobKind.SPILL: placer.complete_spill,
-        JobKind.REMOTE_WRITE: placer.complete_remote_write,
+        **{kind: not_planned_here for kind in Move},
+        Move.STORE: placer.complete_store,
+        Move.SPILL: placer.complete_spill,
+        Move.REMOTE_WRITE: placer.complete_remote_write,
     })
     return Rig(placer, host, disk, requests, ledger, counters)
 
@@ -73,7 +73,7 @@ def take(r: Rig) -> StepPlan:
 
 
 def report(r: Rig, plan: StepPlan, failure: str | None = None) -> None:
-    jobs = [*plan.stores, *plan.spills, *plan.remote_writes]
+    jobs = [*plan.of(Move.STORE), *plan.of(Move.SPILL), *plan.of(Move.REMOTE_WRITE)]
     r.ledger.apply([JobResult.fail(j.job_id, failure) if failure else JobResult.done(j.job_id)
                     for j in jobs])
 
@@ -83,13 +83,13 @@ def test_whole_chunks_become_store_jobs_of_their_device_blocks_once():
     tokens = prompt(2 * CHUNK_TOKENS + 5)
     keys = keys_for(tokens)
     plan = computed(r, "a", tokens)
-    assert [job.block_ids for job in plan.stores] == [(100, 101, 102, 103), (104, 105, 106, 107)]
-    assert [job.key for job in plan.stores] == [keys[0], keys[1]]
-    assert [job.host_slot for job in plan.stores] == [r.host.get(k).slot for k in (keys[0], keys[1])]  # type: ignore[union-attr]
-    assert len({job.host_slot for job in plan.stores}) == 2
+    assert [job.block_ids for job in plan.of(Move.STORE)] == [(100, 101, 102, 103), (104, 105, 106, 107)]
+    assert [job.key for job in plan.of(Move.STORE)] == [keys[0], keys[1]]
+    assert [job.host_slot for job in plan.of(Move.STORE)] == [r.host.get(k).slot for k in (keys[0], keys[1])]  # type: ignore[union-attr]
+    assert len({job.host_slot for job in plan.of(Move.STORE)}) == 2
     assert all(r.host.get(k).state is SlotState.WRITING for k in (keys[0], keys[1]))  # type: ignore[union-attr]
     r.placer.plan_stores("a", keys, len(tokens))  # the next step: nothing new to store
-    assert take(r).stores == []
+    assert take(r).of(Move.STORE) == []
     report(r, plan)
     assert r.host.is_ready(keys[0]) and r.host.is_ready(keys[1])
     assert r.counters["stored_chunks"] == 2 and r.host.pinned_count == 0
@@ -100,9 +100,9 @@ def test_only_chunks_both_computed_and_on_device_blocks_are_stored():
     tokens = prompt(3 * CHUNK_TOKENS)
     r.requests.ensure("a").block_ids = list(range(100, 100 + 2 * CHUNK_BLOCKS))  # two chunks' blocks
     r.placer.plan_stores("a", keys_for(tokens), CHUNK_TOKENS + BLOCK)  # one chunk computed
-    assert len(take(r).stores) == 1
+    assert len(take(r).of(Move.STORE)) == 1
     r.placer.plan_stores("a", keys_for(tokens), len(tokens))  # all computed, two on device
-    assert [job.block_ids[0] for job in take(r).stores] == [100 + CHUNK_BLOCKS]
+    assert [job.block_ids[0] for job in take(r).of(Move.STORE)] == [100 + CHUNK_BLOCKS]
 
 
 def test_a_chunk_held_already_is_touched_not_stored_again():
@@ -110,7 +110,7 @@ def test_a_chunk_held_already_is_touched_not_stored_again():
     a, b, d = prompt(CHUNK_TOKENS), prompt(CHUNK_TOKENS, 1000), prompt(CHUNK_TOKENS, 2000)
     report(r, computed(r, "a", a))
     report(r, computed(r, "b", b))
-    assert computed(r, "c", a).stores == []  # a's chunk again: hot, the least recent is now b's
+    assert computed(r, "c", a).of(Move.STORE) == []  # a's chunk again: hot, the least recent is now b's
     report(r, computed(r, "d", d))
     assert keys_for(a)[0] in r.host and keys_for(b)[0] not in r.host
     assert r.counters["evictions", "host"] == 1
@@ -123,7 +123,7 @@ def test_a_chunk_the_lower_tier_holds_is_not_stored_in_host():
     key = keys_for(tokens)[0]
     r.disk.allocate(key, ())
     r.disk.mark_ready(key)
-    assert computed(r, "a", tokens).stores == []
+    assert computed(r, "a", tokens).of(Move.STORE) == []
     assert key not in r.host
 
 
@@ -131,10 +131,10 @@ def test_a_prompts_tail_is_stored_as_an_entry_holding_its_full_blocks():
     r = rig()
     tokens = prompt(CHUNK_TOKENS + 2 * BLOCK + 3)
     keys = keys_for(tokens)
-    assert len(computed(r, "a", tokens).stores) == 1  # without tail: the whole chunk only
+    assert len(computed(r, "a", tokens).of(Move.STORE)) == 1  # without tail: the whole chunk only
     r.placer.plan_stores("a", keys, len(tokens), tail=True)
     plan = take(r)
-    (tail,) = plan.stores
+    (tail,) = plan.of(Move.STORE)
     assert tail.block_ids == (104, 105) and tail.key == keys.block_key(CHUNK_BLOCKS + 1)
     placement = r.host.get(tail.key)
     assert placement is not None and placement.blocks == 2
@@ -149,18 +149,18 @@ def test_a_longer_tail_supersedes_the_shorter_and_a_shorter_one_is_not_stored():
     short_key = keys_for(short).block_key(CHUNK_BLOCKS + 1)
     assert r.host.is_ready(short_key)
     plan = computed(r, "b", longer, tail=True)
-    (tail,) = plan.stores  # the whole chunk is held already
+    (tail,) = plan.of(Move.STORE)  # the whole chunk is held already
     assert tail.block_ids == (104, 105, 106)
     report(r, plan)
     assert short_key not in r.host and r.host.holders(short_key) == [tail.key]
     assert r.counters["superseded", "host"] == 1
-    assert computed(r, "c", short, tail=True).stores == []  # held by the longer entry
+    assert computed(r, "c", short, tail=True).of(Move.STORE) == []  # held by the longer entry
 
 
 def test_a_store_with_no_host_slot_free_is_skipped_and_counted():
     r = rig(host_slots=1)
     plan = computed(r, "a", prompt(2 * CHUNK_TOKENS))  # the first chunk's slot is still written
-    assert len(plan.stores) == 1 and r.counters["store_skipped_host_full"] == 1
+    assert len(plan.of(Move.STORE)) == 1 and r.counters["store_skipped_host_full"] == 1
 
 
 def test_a_failed_store_drops_its_entry_and_never_spills():
@@ -169,7 +169,7 @@ def test_a_failed_store_drops_its_entry_and_never_spills():
     report(r, computed(r, "a", tokens), failure="io_error")
     assert keys_for(tokens)[0] not in r.host and r.host.free_slots == 8
     assert r.counters["store_failed", "io_error"] == 1
-    assert not r.placer.spills_queued and take(r).spills == []
+    assert not r.placer.spills_queued and take(r).of(Move.SPILL) == []
 
 
 def test_a_stored_chunk_is_spilled_with_its_host_copy_pinned_until_written():
@@ -179,24 +179,24 @@ def test_a_stored_chunk_is_spilled_with_its_host_copy_pinned_until_written():
     report(r, computed(r, "a", tokens, tail=True))
     assert r.placer.spills_queued
     plan = take(r)
-    assert len(plan.spills) == 2
-    for spill in plan.spills:
+    assert len(plan.of(Move.SPILL)) == 2
+    for spill in plan.of(Move.SPILL):
         assert spill.host_slot == r.host.get(spill.key).slot  # type: ignore[union-attr]
         assert r.host.get(spill.key).pins == 1 and not r.disk.is_ready(spill.key)  # type: ignore[union-attr]
-    tail_spill = next(s for s in plan.spills if s.key != keys_for(tokens)[0])
-    assert tail_spill.aliases == r.host.get(tail_spill.key).aliases != ()  # type: ignore[union-attr]
+    tail_spill = next(s for s in plan.of(Move.SPILL) if s.key != keys_for(tokens)[0])
+    assert tail_spill.dst.aliases == r.host.get(tail_spill.key).aliases != ()  # type: ignore[union-attr]
     report(r, plan)
-    assert all(r.disk.is_ready(s.key) and r.host.get(s.key).pins == 0 for s in plan.spills)  # type: ignore[union-attr]
-    assert r.counters["spilled_chunks"] == 2 and take(r).spills == []
+    assert all(r.disk.is_ready(s.key) and r.host.get(s.key).pins == 0 for s in plan.of(Move.SPILL))  # type: ignore[union-attr]
+    assert r.counters["spilled_chunks"] == 2 and take(r).of(Move.SPILL) == []
 
 
 def test_disk_admission_waits_for_enough_sightings():
     r = rig(disk_slots=4, admission=2)
     tokens = prompt(CHUNK_TOKENS)
     report(r, computed(r, "a", tokens))
-    assert r.counters["disk_admission_rejected"] == 1 and take(r).spills == []
+    assert r.counters["disk_admission_rejected"] == 1 and take(r).of(Move.SPILL) == []
     plan = computed(r, "b", tokens)  # another request finds it stored: its second sighting
-    assert plan.stores == [] and [s.key for s in plan.spills] == [keys_for(tokens)[0]]
+    assert plan.of(Move.STORE) == [] and [s.key for s in plan.of(Move.SPILL)] == [keys_for(tokens)[0]]
 
 
 def test_a_failed_spill_frees_the_disk_slot_and_unpins_the_host_copy():
@@ -215,7 +215,7 @@ def test_a_spill_with_no_disk_slot_free_is_skipped_and_counted():
     r = rig(disk_slots=1)
     report(r, computed(r, "a", prompt(2 * CHUNK_TOKENS)))
     plan = take(r)  # the first spill's slot is still being written: nothing to evict
-    assert len(plan.spills) == 1 and r.counters["spill_skipped_disk_full"] == 1
+    assert len(plan.of(Move.SPILL)) == 1 and r.counters["spill_skipped_disk_full"] == 1
 
 
 def test_finish_tail_stores_the_tail_unless_a_load_still_writes_the_blocks():
@@ -226,13 +226,13 @@ def test_finish_tail_stores_the_tail_unless_a_load_still_writes_the_blocks():
     assert state is not None
     state.load_job = 99
     r.placer.finish_tail("a", keys_for(tokens), len(tokens))
-    assert take(r).stores == []
+    assert take(r).of(Move.STORE) == []
     state.load_job = None
     r.placer.finish_tail("a", keys_for(tokens), len(tokens))
-    (tail,) = take(r).stores
+    (tail,) = take(r).of(Move.STORE)
     assert tail.block_ids == (104,)
     r.placer.finish_tail("gone", keys_for(tokens), len(tokens))  # unknown request: nothing
-    assert take(r).stores == []
+    assert take(r).of(Move.STORE) == []
 
 
 def test_clearing_the_queue_drops_the_spills_not_yet_planned():
@@ -240,7 +240,7 @@ def test_clearing_the_queue_drops_the_spills_not_yet_planned():
     report(r, computed(r, "a", prompt(CHUNK_TOKENS)))
     assert r.placer.spills_queued
     r.placer.clear_spill_queue()
-    assert not r.placer.spills_queued and take(r).spills == []
+    assert not r.placer.spills_queued and take(r).of(Move.SPILL) == []
 
 
 def test_a_whole_chunk_is_written_to_the_remote_tier_once_and_a_tail_never():
@@ -250,21 +250,21 @@ def test_a_whole_chunk_is_written_to_the_remote_tier_once_and_a_tail_never():
     key = keys_for(tokens)[0]
     report(r, computed(r, "a", tokens, tail=True))
     plan = take(r)
-    (write,) = plan.remote_writes  # the tail's slot holds another tenant's rows past its own
-    assert (write.key, write.host_slot, write.rows, write.holes) == (
+    (write,) = plan.of(Move.REMOTE_WRITE)  # the tail's slot holds another tenant's rows past its own
+    assert (write.key, write.host_slot, write.dst.rows, write.dst.holes) == (
         key, r.host.get(key).slot, CHUNK_BLOCKS, ())  # type: ignore[union-attr]
     assert r.host.get(key).pins == 1 and tier.holds_hint(key)  # type: ignore[union-attr]
     report(r, plan)
     assert r.host.get(key).pins == 0 and r.counters[Count.REMOTE_WRITTEN_CHUNKS] == 1  # type: ignore[union-attr]
-    assert computed(r, "b", tokens).remote_writes == []  # seen again: known there
+    assert computed(r, "b", tokens).of(Move.REMOTE_WRITE) == []  # seen again: known there
 
 
 def test_remote_writes_wait_for_admission():
     r = rig(remote=remote_tier(Store(), admission=2))
     tokens = prompt(CHUNK_TOKENS)
     report(r, computed(r, "a", tokens))
-    assert r.counters[Count.REMOTE_ADMISSION_REJECTED] == 1 and take(r).remote_writes == []
-    assert [w.key for w in computed(r, "b", tokens).remote_writes] == [keys_for(tokens)[0]]
+    assert r.counters[Count.REMOTE_ADMISSION_REJECTED] == 1 and take(r).of(Move.REMOTE_WRITE) == []
+    assert [w.key for w in computed(r, "b", tokens).of(Move.REMOTE_WRITE)] == [keys_for(tokens)[0]]
 
 
 @pytest.mark.parametrize(("cause", "count"), [(FailureCause.DROPPED, Count.REMOTE_WRITES_DROPPED),
@@ -278,4 +278,4 @@ def test_a_failed_remote_write_unpins_the_host_copy_and_may_be_written_again(cau
     report(r, take(r), failure=cause)
     assert r.host.get(key).pins == 0 and not tier.holds_hint(key)  # type: ignore[union-attr]
     assert r.counters[count] == 1 and r.counters[Count.REMOTE_WRITTEN_CHUNKS] == 0
-    assert [w.key for w in computed(r, "b", tokens).remote_writes] == [key]
+    assert [w.key for w in computed(r, "b", tokens).of(Move.REMOTE_WRITE)] == [key]

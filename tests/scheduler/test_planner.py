@@ -9,7 +9,7 @@ import pytest
 from tests.scheduler.index_checks import check_invariants
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys, chunk_keys
-from tieredkv.protocol import JobResult
+from tieredkv.protocol import JobResult, Move
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 
@@ -36,7 +36,7 @@ def make(host_slots: int = 8, disk_slots: int = 0, world: int = 1, catalog=None,
 
 
 def ok_all(planner: Planner, plan, ranks: int = 1) -> None:
-    jobs = [*plan.stores, *plan.spills, *plan.promotes, *plan.loads]
+    jobs = [*plan.of(Move.STORE), *plan.of(Move.SPILL), *plan.of(Move.PROMOTE), *plan.of(Move.LOAD)]
     planner.apply([JobResult(job.job_id, ok=ranks) for job in jobs])
 
 
@@ -54,8 +54,8 @@ def test_store_then_hit_loads_exact_blocks_and_unpins():
     planner = make()
     tokens = list(range(5 * CHUNK_TOKENS + 7))
     plan = store_prompt(planner, "a", tokens)
-    assert len(plan.stores) == 5
-    assert plan.stores[0].block_ids == (100, 101, 102, 103)
+    assert len(plan.of(Move.STORE)) == 5
+    assert plan.of(Move.STORE)[0].block_ids == (100, 101, 102, 103)
     assert planner.host.ready_count == 5
     # A new request with the same prompt and a 1-block local hit.
     hit = planner.lookup("b", keys_for(tokens), num_computed_tokens=BLOCK, num_tokens=len(tokens))
@@ -67,10 +67,10 @@ def test_store_then_hit_loads_exact_blocks_and_unpins():
     device = list(range(500, 500 + len(tokens) // BLOCK + 1))
     planner.on_alloc("b", device, hit)
     plan = planner.take_plan()
-    (load,) = plan.loads
-    assert load.chunks[0].first_block == 1
-    assert load.chunks[0].block_ids == (501, 502, 503)
-    assert load.chunks[1].block_ids == (504, 505, 506, 507)
+    (load,) = plan.of(Move.LOAD)
+    assert load.src.chunks[0].first_block == 1
+    assert load.src.chunks[0].block_ids == (501, 502, 503)
+    assert load.src.chunks[1].block_ids == (504, 505, 506, 507)
     assert planner.hit_tokens("b") == {"host": hit, "disk": 0}
     ok_all(planner, plan)
     assert planner.host.pinned_count == 0
@@ -84,8 +84,8 @@ def test_hit_never_covers_the_last_prompt_token():
     hit = planner.lookup("b", keys_for(tokens), 0, len(tokens))
     assert hit == 2 * CHUNK_TOKENS - BLOCK  # last block left for vLLM to compute
     planner.on_alloc("b", list(range(2 * CHUNK_BLOCKS)), hit)
-    (load,) = planner.take_plan().loads
-    assert load.chunks[-1].block_ids == (4, 5, 6)
+    (load,) = planner.take_plan().of(Move.LOAD)
+    assert load.src.chunks[-1].block_ids == (4, 5, 6)
 
 
 def test_salted_prompt_never_hits():
@@ -102,7 +102,7 @@ def test_full_host_tier_is_a_miss_not_a_wait():
     planner.set_block_ids("a", list(range(20)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
     plan = planner.take_plan()
-    assert len(plan.stores) == 2  # both slots pinned by in-flight writes
+    assert len(plan.of(Move.STORE)) == 2  # both slots pinned by in-flight writes
     assert planner.counters["store_skipped_host_full"] == 2
 
 
@@ -111,7 +111,7 @@ def test_failed_store_leaves_no_entry():
     tokens = list(range(CHUNK_TOKENS + 1))
     planner.set_block_ids("a", list(range(8)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
-    (store,) = planner.take_plan().stores
+    (store,) = planner.take_plan().of(Move.STORE)
     planner.apply([JobResult(store.job_id, failed=1, failure="copy_error")])
     assert len(planner.host) == 0 and planner.host.free_slots == 8
 
@@ -121,7 +121,7 @@ def test_tp_job_completes_only_when_every_rank_reported():
     tokens = list(range(CHUNK_TOKENS + 1))
     planner.set_block_ids("a", list(range(8)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
-    (store,) = planner.take_plan().stores
+    (store,) = planner.take_plan().of(Move.STORE)
     planner.apply([JobResult(store.job_id, ok=1)])
     assert planner.host.ready_count == 0  # one rank is not enough
     planner.apply([JobResult(store.job_id, ok=1)])
@@ -133,7 +133,7 @@ def test_tp_failure_on_any_rank_fails_the_job():
     tokens = list(range(CHUNK_TOKENS + 1))
     planner.set_block_ids("a", list(range(8)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))
-    (store,) = planner.take_plan().stores
+    (store,) = planner.take_plan().of(Move.STORE)
     planner.apply([JobResult(store.job_id, ok=1)])
     planner.apply([JobResult(store.job_id, failed=1, failure="io_error")])
     assert len(planner.host) == 0
@@ -144,7 +144,7 @@ def test_store_spills_then_disk_hit_is_promoted_before_promise():
     a = list(range(2 * CHUNK_TOKENS + 1))
     plan = store_prompt(planner, "a", a)
     plan = planner.take_plan()
-    assert len(plan.spills) == 2
+    assert len(plan.of(Move.SPILL)) == 2
     ok_all(planner, plan)
     assert planner.disk.ready_count == 2
     # Another prompt takes over the host tier.
@@ -155,9 +155,9 @@ def test_store_spills_then_disk_hit_is_promoted_before_promise():
     # Lookup of a: disk-only chunks are promoted first; the answer is None meanwhile.
     assert planner.lookup("c", keys_for(a), 0, len(a)) is None
     plan = planner.take_plan()
-    assert len(plan.promotes) == 2 and not plan.loads
+    assert len(plan.of(Move.PROMOTE)) == 2 and not plan.of(Move.LOAD)
     assert planner.lookup("c", keys_for(a), 0, len(a)) is None  # still in flight
-    assert not planner.take_plan().promotes  # asking again issues nothing new
+    assert not planner.take_plan().of(Move.PROMOTE)  # asking again issues nothing new
     ok_all(planner, plan)
     hit = planner.lookup("c", keys_for(a), 0, len(a))
     assert hit == 2 * CHUNK_TOKENS
@@ -172,7 +172,7 @@ def test_failed_promotion_is_a_plain_miss_and_drops_the_disk_entry():
     ok_all(planner, planner.take_plan())  # spill
     store_prompt(planner, "b", [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)])
     assert planner.lookup("c", keys_for(a), 0, len(a)) is None
-    (promote,) = planner.take_plan().promotes
+    (promote,) = planner.take_plan().of(Move.PROMOTE)
     planner.apply([JobResult(promote.job_id, failed=1, failure="checksum")])
     assert planner.lookup("c", keys_for(a), 0, len(a)) == 0
     assert keys_for(a)[0] not in planner.disk
@@ -183,11 +183,11 @@ def test_disk_admission_requires_n_sightings():
     planner = make(host_slots=4, disk_slots=8, disk_admission=2)
     a = list(range(CHUNK_TOKENS + 1))
     store_prompt(planner, "a", a)
-    assert not planner.take_plan().spills
+    assert not planner.take_plan().of(Move.SPILL)
     assert planner.counters["disk_admission_rejected"] == 1
     hit = planner.lookup("b", keys_for(a), 0, len(a))
     planner.on_alloc("b", list(range(8)), hit)
-    assert len(planner.take_plan().spills) == 1  # second sighting admits it
+    assert len(planner.take_plan().of(Move.SPILL)) == 1  # second sighting admits it
 
 
 def test_delayed_free_while_store_in_flight():
@@ -222,13 +222,13 @@ def test_a_store_the_preemption_fence_cancelled_is_stored_when_the_chunk_is_reco
     first = planner.take_plan()
     planner.preempted("a")
     planner.take_plan()
-    planner.apply([JobResult(first.stores[0].job_id, failed=1, failure="cancelled"),
-                   JobResult(first.stores[1].job_id, ok=1)])
+    planner.apply([JobResult(first.of(Move.STORE)[0].job_id, failed=1, failure="cancelled"),
+                   JobResult(first.of(Move.STORE)[1].job_id, ok=1)])
     assert not planner.host.is_ready(keys[0]) and planner.host.is_ready(keys[1])
     # Resumed with new blocks, it computes the prompt again: chunk 0 is stored this time.
     planner.set_block_ids("a", list(range(60, 70)), replace=True)
     planner.plan_stores("a", keys, len(tokens))
-    (store,) = planner.take_plan().stores
+    (store,) = planner.take_plan().of(Move.STORE)
     assert (store.key, store.block_ids) == (keys[0], (60, 61, 62, 63))
 
 
@@ -250,8 +250,8 @@ def test_failed_load_drops_only_the_failed_chunks():
     store_prompt(planner, "a", tokens)
     hit = planner.lookup("b", keys_for(tokens), 0, len(tokens))
     planner.on_alloc("b", list(range(13)), hit)
-    (load,) = planner.take_plan().loads
-    failed = set(load.chunks[1].block_ids) | set(load.chunks[2].block_ids)
+    (load,) = planner.take_plan().of(Move.LOAD)
+    failed = set(load.src.chunks[1].block_ids) | set(load.src.chunks[2].block_ids)
     planner.apply([JobResult(load.job_id, failed=1, failure="copy_error", failed_block_ids=failed)])
     keys = keys_for(tokens)
     assert planner.host.is_ready(keys[0])
@@ -294,7 +294,7 @@ def test_promotion_never_evicts_resident_chunks_of_its_own_prefix():
     assert [planner.host.is_ready(k) for k in keys] == [False, False, True]
     assert planner.lookup("c", keys, 0, len(a)) is None
     plan = planner.take_plan()
-    assert {p.key for p in plan.promotes} == {keys[0], keys[1]}
+    assert {p.key for p in plan.of(Move.PROMOTE)} == {keys[0], keys[1]}
     ok_all(planner, plan)
     assert planner.lookup("c", keys, 0, len(a)) == 3 * CHUNK_TOKENS
 
@@ -310,7 +310,7 @@ def test_two_requests_sharing_a_disk_only_prefix_wait_for_one_promotion():
     assert planner.lookup("c", keys_for(a), 0, len(a)) is None
     assert planner.lookup("d", keys_for(a), 0, len(a)) is None  # waits, never a second promote
     plan = planner.take_plan()
-    assert len(plan.promotes) == 1
+    assert len(plan.of(Move.PROMOTE)) == 1
     ok_all(planner, plan)
     assert planner.lookup("c", keys_for(a), 0, len(a)) == CHUNK_TOKENS
     assert planner.lookup("d", keys_for(a), 0, len(a)) == CHUNK_TOKENS
@@ -326,7 +326,7 @@ def test_a_chunk_being_written_to_host_ends_the_run_instead_of_being_promoted():
     planner.host.remove(keys[0])  # host copy gone, disk copy stays
     assert planner.host.allocate(keys[0]) is not None  # a write into host is in flight
     assert planner.lookup("c", keys, 0, len(a)) == 0  # no KeyError, no second allocation
-    assert not planner.take_plan().promotes
+    assert not planner.take_plan().of(Move.PROMOTE)
 
 
 def test_a_stuck_promotion_times_out_into_a_plain_answer():
@@ -362,7 +362,7 @@ def vllm_prefix_hit(stored: list[list[int]], tokens: list[int], computed: int = 
 def load(planner: Planner, req: str, tokens: list[int], hit: int, computed: int = 0):
     planner.on_alloc(req, list(range(500, 500 + len(tokens) // BLOCK + 1)), hit)
     plan = planner.take_plan()
-    (job,) = plan.loads
+    (job,) = plan.of(Move.LOAD)
     return job, plan
 
 
@@ -370,14 +370,14 @@ def test_prompt_tail_is_stored_and_a_repeat_hits_up_to_its_last_block():
     planner = make()
     tokens = list(range(2 * CHUNK_TOKENS + 2 * BLOCK + 5))  # 2 chunks, 2 blocks, 5 tokens
     plan = store_prompt(planner, "a", tokens)
-    assert [s.block_ids for s in plan.stores] == [
+    assert [s.block_ids for s in plan.of(Move.STORE)] == [
         (100, 101, 102, 103), (104, 105, 106, 107), (108, 109)]
-    assert plan.stores[-1].key == keys_for(tokens).block_key(9)  # keyed by its last block
+    assert plan.of(Move.STORE)[-1].key == keys_for(tokens).block_key(9)  # keyed by its last block
     assert planner.counters["stored_partial_chunks"] == 1
     hit = planner.lookup("b", keys_for(tokens), 0, len(tokens))
     assert hit == 2 * CHUNK_TOKENS + 2 * BLOCK == vllm_prefix_hit([tokens], tokens)
     job, plan = load(planner, "b", tokens, hit)
-    assert [(c.first_block, c.block_ids) for c in job.chunks] == [
+    assert [(c.first_block, c.block_ids) for c in job.src.chunks] == [
         (0, (500, 501, 502, 503)), (0, (504, 505, 506, 507)), (0, (508, 509))]
     assert planner.hit_tokens("b") == {"host": hit, "disk": 0}
     assert planner.counters["partial_hits"] == 1
@@ -391,11 +391,11 @@ def test_tail_is_stored_only_when_asked_and_only_once():
     tokens = list(range(CHUNK_TOKENS + 3 * BLOCK))
     planner.set_block_ids("a", list(range(7)), replace=True)
     planner.plan_stores("a", keys_for(tokens), len(tokens))  # mid-prefill: whole chunks only
-    assert [len(s.block_ids) for s in planner.take_plan().stores] == [4]
+    assert [len(s.block_ids) for s in planner.take_plan().of(Move.STORE)] == [4]
     planner.plan_stores("a", keys_for(tokens), len(tokens), tail=True)
-    assert [len(s.block_ids) for s in planner.take_plan().stores] == [3]
+    assert [len(s.block_ids) for s in planner.take_plan().of(Move.STORE)] == [3]
     planner.plan_stores("a", keys_for(tokens), len(tokens), tail=True)  # held already
-    assert not planner.take_plan().stores
+    assert not planner.take_plan().of(Move.STORE)
 
 
 def test_hit_ends_inside_another_prompts_whole_chunk():
@@ -409,8 +409,8 @@ def test_hit_ends_inside_another_prompts_whole_chunk():
     hit = planner.lookup("b", keys_for(b), 0, len(b))
     assert hit == CHUNK_TOKENS + 2 * BLOCK == vllm_prefix_hit([a], b)
     job, _ = load(planner, "b", b, hit)
-    assert [c.key for c in job.chunks] == chunk_list(a)[:2]  # a's chunk 1 serves 2 blocks
-    assert job.chunks[1].first_block == 0 and job.chunks[1].block_ids == (504, 505)
+    assert [c.key for c in job.src.chunks] == chunk_list(a)[:2]  # a's chunk 1 serves 2 blocks
+    assert job.src.chunks[1].first_block == 0 and job.src.chunks[1].block_ids == (504, 505)
 
 
 def test_hit_starting_and_ending_in_the_same_chunk():
@@ -422,7 +422,7 @@ def test_hit_starting_and_ending_in_the_same_chunk():
     hit = planner.lookup("b", keys_for(b), computed, len(b))
     assert hit == 2 * BLOCK == vllm_prefix_hit([a], b, computed)
     job, _ = load(planner, "b", b, hit, computed)
-    (chunk,) = job.chunks
+    (chunk,) = job.src.chunks
     assert chunk.key == chunk_list(a)[1]
     assert (chunk.first_block, chunk.block_ids) == (1, (505, 506))
 
@@ -463,7 +463,7 @@ def test_a_tail_held_by_a_longer_entry_is_not_stored_again():
     store_prompt(planner, "a", a)
     b = a[: CHUNK_TOKENS + 2 * BLOCK + 3]  # a shorter prompt: its tail lies in a's chunk 1
     plan = store_prompt(planner, "b", b)
-    assert not plan.stores
+    assert not plan.of(Move.STORE)
     assert planner.counters["stored_partial_chunks"] == 0
     assert planner.lookup("c", keys_for(b), 0, len(b)) == CHUNK_TOKENS + 2 * BLOCK
 
@@ -482,7 +482,7 @@ def test_a_tail_that_grows_leaves_one_copy():
     _, plan = load(planner, "t2", turn2, hit)
     ok_all(planner, plan)
     plan = store_prompt(planner, "t2", turn2)
-    assert [len(s.block_ids) for s in plan.stores] == [4, 4]  # chunks 1 and 2, no tail
+    assert [len(s.block_ids) for s in plan.of(Move.STORE)] == [4, 4]  # chunks 1 and 2, no tail
     assert tail not in planner.host and not planner.host.is_doomed(tail)
     assert planner.counters["superseded", "host"] == 1
     assert len(planner.host) == 3  # chunks 0, 1, 2: one copy of every block
@@ -527,8 +527,8 @@ def test_a_tail_that_grows_leaves_one_copy_on_disk_too():
     turn2 = turn1 + [t + 70_000 for t in range(2 * CHUNK_TOKENS + 1 - len(turn1))]
     store_prompt(planner, "t2", turn2)
     plan = planner.take_plan()
-    assert [s.key for s in plan.spills] == [keys_for(turn2)[1]]
-    assert plan.spills[0].aliases == keys_for(turn2).block_keys(4, 7)
+    assert [s.key for s in plan.of(Move.SPILL)] == [keys_for(turn2)[1]]
+    assert plan.of(Move.SPILL)[0].dst.aliases == keys_for(turn2).block_keys(4, 7)
     ok_all(planner, plan)
     assert tail not in planner.disk and planner.counters["superseded", "disk"] == 1
     assert len(planner.disk) == 2
@@ -551,17 +551,17 @@ def test_finish_tail_stores_generated_blocks_and_delays_the_free():
     planner.finish_tail("a", keys_for(tokens), len(tokens) - 1)
     assert planner.finished("a") is True
     plan = planner.take_plan()
-    assert [s.block_ids for s in plan.stores] == [(4, 5, 6)] and plan.delayed_req_ids == ["a"]
+    assert [s.block_ids for s in plan.of(Move.STORE)] == [(4, 5, 6)] and plan.delayed_req_ids == ["a"]
     ok_all(planner, plan)
     planner.finish_tail("gone", keys_for(tokens), len(tokens) - 1)  # unknown: nothing
-    assert not planner.take_plan().stores
+    assert not planner.take_plan().of(Move.STORE)
 
 
 def _run_spills(planner: Planner, plan, slab, payload: int) -> None:
     """Be the worker for a plan's spills: write each slot with its header's aliases."""
-    for spill in plan.spills:
+    for spill in plan.of(Move.SPILL):
         data = bytes([spill.host_slot + 1]) * payload
-        slab.write_slot(spill.disk_slot, spill.key, memoryview(data), aliases=spill.aliases)
+        slab.write_slot(spill.dst.slot, spill.key, memoryview(data), aliases=spill.dst.aliases)
     ok_all(planner, plan)
 
 
@@ -589,7 +589,7 @@ def test_disk_tail_and_mid_chunk_hits_survive_a_restart(tmp_path):
         b = a[: CHUNK_TOKENS + 2 * BLOCK + 7] + [77_777] * 50
         assert planner.lookup("b", keys_for(b), 0, len(b)) is None
         plan = planner.take_plan()
-        assert [p.key for p in plan.promotes] == chunk_list(a)
+        assert [p.key for p in plan.of(Move.PROMOTE)] == chunk_list(a)
         ok_all(planner, plan)
         hit = planner.lookup("b", keys_for(b), 0, len(b))
         assert hit == CHUNK_TOKENS + 2 * BLOCK == vllm_prefix_hit([a], b)
@@ -600,7 +600,7 @@ def test_disk_tail_and_mid_chunk_hits_survive_a_restart(tmp_path):
         planner.take_plan()
         assert planner.lookup("s", keys_for(shorter), 0, len(shorter)) is None
         plan = planner.take_plan()
-        assert [p.key for p in plan.promotes] == [keys_for(tailed)[0], keys_for(tailed).block_key(6)]
+        assert [p.key for p in plan.of(Move.PROMOTE)] == [keys_for(tailed)[0], keys_for(tailed).block_key(6)]
         ok_all(planner, plan)
         hit = planner.lookup("s", keys_for(shorter), 0, len(shorter))
         assert hit == CHUNK_TOKENS + BLOCK == vllm_prefix_hit([tailed], shorter)

@@ -8,6 +8,7 @@ from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for, ok_all, st
 
 from tests.scheduler.index_checks import check_invariants
 from tieredkv.config import TieredKVConfig
+from tieredkv.protocol import Move
 from tieredkv.scheduler.lower_tier import DiskTier, LowerTier
 from tieredkv.scheduler.planner import Planner
 
@@ -37,14 +38,14 @@ def test_the_planner_runs_on_any_lower_tier():
     a = list(range(CHUNK_TOKENS + 1))
     store_prompt(planner, "a", a)
     plan = planner.take_plan()
-    (spill,) = plan.spills
+    (spill,) = plan.of(Move.SPILL)
     ok_all(planner, plan)
     store_prompt(planner, "b", [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)])  # evicts a
     ok_all(planner, planner.take_plan())
     assert planner.lookup("c", keys_for(a), 0, len(a)) is None
     plan = planner.take_plan()
-    (promote,) = plan.promotes
-    assert promote.disk_slot == spill.disk_slot
+    (promote,) = plan.of(Move.PROMOTE)
+    assert promote.src.slot == spill.dst.slot
     ok_all(planner, plan)
     assert planner.lookup("c", keys_for(a), 0, len(a)) == CHUNK_TOKENS
     planner.on_alloc("c", list(range(20, 20 + CHUNK_BLOCKS + 1)), CHUNK_TOKENS)
@@ -65,5 +66,5 @@ def test_a_lower_tier_that_does_not_admit_is_counted_by_its_name():
     planner = Planner(cfg, block_size=BLOCK, num_host_slots=4,
                       lower_tier=MemoryTier(8, policy="lru", admission=2, seen_limit=64))
     store_prompt(planner, "a", list(range(CHUNK_TOKENS + 1)))
-    assert not planner.take_plan().spills
+    assert not planner.take_plan().of(Move.SPILL)
     assert planner.counters["remote_admission_rejected"] == 1

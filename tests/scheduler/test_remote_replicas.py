@@ -23,6 +23,7 @@ from tests.remote.remote_helpers import FAST, wait_up
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, keys_for
 from tests.transfer.transfer_helpers import drain, layout_caches, run_step
 from tieredkv.config import TieredKVConfig
+from tieredkv.protocol import Move
 from tieredkv.remote.codec import HEADER_BYTES, remote_key
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.scheduler.planner import Planner
@@ -286,8 +287,8 @@ def test_a_probe_sent_on_arrival_saves_the_first_ask_again(make_replica, redis_s
     # The first lookup already knows what Redis holds: it reads the chunks at once.
     assert b.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) is None
     plan = b.planner.take_plan()
-    assert len(plan.remote_reads) == 5
-    b.engine.submit(plan.remote_reads)
+    assert len(plan.of(Move.REMOTE_READ)) == 5
+    b.engine.submit(plan.of(Move.REMOTE_READ))
     assert drain(b.engine, 10.0)
     b.planner.apply(b.engine.poll())
     assert b.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) == 5 * CHUNK_TOKENS

@@ -21,7 +21,7 @@ from tests.transfer.transfer_helpers import drain, layout_caches, run_step
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import FailureCause, JobResult, RemoteWriteJob
+from tieredkv.protocol import FailureCause, Job, JobResult
 from tieredkv.remote.codec import Verified, decode
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
@@ -198,7 +198,7 @@ def test_the_writer_refuses_a_job_that_does_not_cover_every_row(
     """Whatever the scheduler asks, the worker writes only values every row of which is the
     entry's: a write naming fewer rows than a slot holds is refused and counted."""
     harness.host.slot_memoryview(0)[:harness.host.payload_bytes] = b"\x5a" * harness.host.payload_bytes  # foreign rows
-    job = RemoteWriteJob(7, keys_for(A_TOKENS, "tenant-a").block_key(0), 0, rows=rows)
+    job = Job.remote_write(7, keys_for(A_TOKENS, "tenant-a").block_key(0), 0, rows=rows)
     harness.engine.submit([job])
     assert drain(harness.engine, 10.0)
     assert harness.engine.poll() == [JobResult.fail(7, FailureCause.WRONG_KEY)]
@@ -213,7 +213,7 @@ def test_the_writer_writes_a_job_that_covers_every_row(
 ) -> None:
     key = keys_for(A_TOKENS, "tenant-a")[0]
     harness.host.slot_memoryview(1)[:harness.host.payload_bytes] = b"\x33" * harness.host.payload_bytes
-    harness.engine.submit([RemoteWriteJob(8, key, 1, rows=CHUNK_BLOCKS)])
+    harness.engine.submit([Job.remote_write(8, key, 1, rows=CHUNK_BLOCKS)])
     assert drain(harness.engine, 10.0)
     assert harness.engine.poll() == [JobResult.done(8)]
     assert harness.jobs.flush_writes(10.0)

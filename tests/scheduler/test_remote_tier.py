@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from tieredkv.metrics.specs import Count, Counts
-from tieredkv.protocol import FailureCause, JobKind, RemoteReadJob, StepPlan, Tier
+from tieredkv.protocol import FailureCause, Job, Move, StepPlan, Tier
 from tieredkv.remote.codec import RemoteKeyNames
 from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.lower_tier import LowerTier
@@ -74,7 +74,7 @@ def answer(tier: RemoteTier, req_id: str, keys: Sequence[bytes]) -> int | None:
 def test_the_remote_tier_is_a_lower_tier_without_an_index():
     tier = remote_tier(Store())
     assert isinstance(tier, LowerTier)
-    assert (tier.name, tier.fill_kind, tier.fill_counter) == (Tier.REMOTE, JobKind.REMOTE_READ,
+    assert (tier.name, tier.fill_move, tier.fill_counter) == (Tier.REMOTE, Move.REMOTE_READ,
                                                               Count.REMOTE_READ_CHUNKS)
 
 
@@ -127,7 +127,7 @@ def test_a_fill_is_a_remote_read_and_its_outcome_keeps_or_forgets_the_hint():
     assert answer(tier, "r", K[:2]) == 2
     plan = StepPlan()
     tier.plan_fill(plan, 9, K[0], 4, "r")
-    assert plan.remote_reads == [RemoteReadJob(9, K[0], 4, req_id="r")]
+    assert plan.of(Move.REMOTE_READ) == [Job.remote_read(9, K[0], 4, req_id="r")]
     assert tier.fill_aliases(K[0]) is None  # the host entry takes the request's block keys
     tier.fill_done(K[0], ok=True)
     tier.fill_done(K[1], ok=False)  # gone or bad after all: not there, may be written again

@@ -26,7 +26,7 @@ from vllm_cuda_layouts import LayoutCase, build_kv_caches, kv_parts, layer_names
 
 from tests.helpers import full_attention_spec
 from tieredkv.config import TieredKVConfig
-from tieredkv.protocol import StepPlan, StoreJob
+from tieredkv.protocol import Job, StepPlan
 from tieredkv.transfer.backends.base import CopyBackend
 from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
 from tieredkv.transfer.kv_views import KVViews
@@ -228,8 +228,8 @@ class Rig:
         raise AssertionError(f"no outcome for jobs {[j for j in job_ids if j not in got]}")
 
     def store(self, blocks: Sequence[int], slot: int, req: str = "r") -> int:
-        job = StoreJob(self.job_id(), b"k%d" % slot, slot, tuple(blocks), req_id=req)
-        self.step(StepPlan(stores=[job]))
+        job = Job.store(self.job_id(), b"k%d" % slot, slot, tuple(blocks), req_id=req)
+        self.step(StepPlan(jobs=[job]))
         return job.job_id
 
     # -------------------------------------------------------------- checks

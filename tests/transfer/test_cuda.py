@@ -13,7 +13,7 @@ import torch
 from cuda_ordering import IssueProbe, assert_still_queued, busy, rehearse
 from transfer_helpers import layout_caches, make_key, results_by_id, slot_block
 
-from tieredkv.protocol import LoadChunk, LoadJob, StoreJob
+from tieredkv.protocol import Job, LoadChunk
 from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
 from tieredkv.transfer.backends.select import select_backend
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
@@ -148,7 +148,7 @@ def test_store_is_ordered_after_the_compute_stream(backend_name: str, cuda_warm:
         written = torch.cuda.Event()
         written.record()
         probe.forward = written
-        engine.submit([StoreJob(job_id, make_key(job_id), 2, (1, 2, 3, 4))])  # no sync before
+        engine.submit([Job.store(job_id, make_key(job_id), 2, (1, 2, 3, 4))])  # no sync before
         return written
 
     try:
@@ -170,9 +170,9 @@ def test_engine_store_then_load_on_cuda(backend_name: str) -> None:
     engine = TransferEngine(kv, host, None, backend=_backend(backend_name))
     try:
         want = [rows[[5, 9, 2, 40]].clone() for rows in kv.rows]
-        engine.submit([StoreJob(1, make_key(1), 3, (5, 9, 2, 40))])
+        engine.submit([Job.store(1, make_key(1), 3, (5, 9, 2, 40))])
         assert results_by_id(engine, 1)[1].ok
-        engine.submit([LoadJob(2, "r", (LoadChunk(make_key(1), 3, 1, (60, 61, 62)),))])
+        engine.submit([Job.load(2, "r", (LoadChunk(make_key(1), 3, 1, (60, 61, 62)),))])
         assert results_by_id(engine, 1)[2].ok
         for rows, expected in zip(kv.rows, want, strict=True):
             assert torch.equal(rows[[60, 61, 62]], expected[1:])

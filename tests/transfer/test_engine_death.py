@@ -27,7 +27,7 @@ from transfer_helpers import (
 
 from tests.helpers import HANG_S, finishes
 from tieredkv.daemon_calls import STOP
-from tieredkv.protocol import LoadChunk, LoadJob, PromoteJob, SpillJob, StoreJob
+from tieredkv.protocol import Job, LoadChunk, Move
 from tieredkv.transfer import lanes
 from tieredkv.transfer.engine import EngineDeadError, TransferEngine
 
@@ -46,7 +46,7 @@ class Boom(RuntimeError):
 
 
 def _store_ok(engine, kv, slots: dict[int, tuple[int, ...]], first_id: int) -> None:
-    jobs = [StoreJob(first_id + i, make_key(slot), slot, ids) for i, (slot, ids) in enumerate(slots.items())]
+    jobs = [Job.store(first_id + i, make_key(slot), slot, ids) for i, (slot, ids) in enumerate(slots.items())]
     engine.submit(jobs)
     assert all(r.ok for r in results_by_id(engine, len(jobs)).values())
 
@@ -62,7 +62,7 @@ def _assert_failed(results: dict, jobs) -> None:
         result = results[job.job_id]
         assert not result.ok, result
         assert result.failure == "cancelled", result
-        if isinstance(job, LoadJob):
+        if job.move is Move.LOAD:
             assert set(result.failed_block_ids) == set(job.block_ids), result
         else:
             assert result.failed_block_ids == ()
@@ -71,10 +71,10 @@ def _assert_failed(results: dict, jobs) -> None:
 def _assert_later_submits_fail_at_once(engine, kv, cause: BaseException) -> None:
     before = device_snapshot(kv)
     jobs = [
-        StoreJob(900, make_key(900), 7, (32, 33, 34, 35)),
-        LoadJob(901, "later-host", (LoadChunk(make_key(0), 0, 0, (36, 37, 38, 39)),)),
-        PromoteJob(903, make_key(1), 4, 9),
-        SpillJob(904, make_key(0), 0, 5),
+        Job.store(900, make_key(900), 7, (32, 33, 34, 35)),
+        Job.load(901, "later-host", (LoadChunk(make_key(0), 0, 0, (36, 37, 38, 39)),)),
+        Job.promote(903, make_key(1), 4, 9),
+        Job.spill(904, make_key(0), 0, 5),
     ]
     engine.submit(jobs, inline_max_bytes=1 << 30)
     results = {r.job_id: r for r in engine.poll()}  # no waiting: they are there already
@@ -108,15 +108,15 @@ def test_a_loop_that_cannot_start_fails_every_job_and_every_later_submit(
                 raise boom
             return real_lane(name, *args, **kwargs)
 
-        monkeypatch.setattr("tieredkv.transfer.engine.CopyLane", lane)
+        monkeypatch.setattr("tieredkv.transfer.device_jobs.CopyLane", lane)
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
     engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)
     jobs = [
-        StoreJob(1, make_key(1), 1, (1, 2, 3, 4)),
-        SpillJob(2, make_key(2), 2, 3),
-        PromoteJob(3, make_key(3), 3, 4),
-        LoadJob(4, "load-with-others", (LoadChunk(make_key(5), 5, 0, (8, 9, 10, 11)),)),
-        LoadJob(5, "load-alone", (LoadChunk(make_key(6), 6, 0, (12, 13, 14, 15)),)),
+        Job.store(1, make_key(1), 1, (1, 2, 3, 4)),
+        Job.spill(2, make_key(2), 2, 3),
+        Job.promote(3, make_key(3), 3, 4),
+        Job.load(4, "load-with-others", (LoadChunk(make_key(5), 5, 0, (8, 9, 10, 11)),)),
+        Job.load(5, "load-alone", (LoadChunk(make_key(6), 6, 0, (12, 13, 14, 15)),)),
     ]
     engine.submit(jobs[:4])
     results = results_by_id(engine, 4, timeout_s=HANG_S)
@@ -139,7 +139,7 @@ def test_the_loop_thread_dying_mid_serving_fails_every_pending_job(
     backend = SlowBackend()
     engine = make_engine(backend, load_timeout_s=LOAD_TIMEOUT_S)
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
-    engine.submit([SpillJob(3, make_key(1), 1, 4)])
+    engine.submit([Job.spill(3, make_key(1), 1, 4)])
     assert results_by_id(engine, 1)[3].ok
 
     # Jobs in flight on the loop: a store stuck in its d2h copy, a promotion stuck on disk.
@@ -147,8 +147,8 @@ def test_the_loop_thread_dying_mid_serving_fails_every_pending_job(
     hung = fio.hang("read")
     backend.started["d2h"].clear()
     in_flight = [
-        StoreJob(10, make_key(2), 2, (9, 10, 11, 12)),
-        PromoteJob(11, make_key(1), 4, 5),
+        Job.store(10, make_key(2), 2, (9, 10, 11, 12)),
+        Job.promote(11, make_key(1), 4, 5),
     ]
     engine.submit(in_flight)
     assert backend.started["d2h"].wait(5)
@@ -160,11 +160,11 @@ def test_the_loop_thread_dying_mid_serving_fails_every_pending_job(
     # The loop thread dies while handing out the next jobs.
     death = SystemExit("injected: the transfer loop thread dies")
 
-    def dying_dispatch(entries) -> None:
+    def dying_start(start, entries) -> None:
         raise death
 
-    monkeypatch.setattr(engine, "_dispatch", dying_dispatch)
-    lost = [StoreJob(13, make_key(3), 3, (21, 22, 23, 24)), SpillJob(14, make_key(0), 0, 6)]
+    monkeypatch.setattr(engine, "_start_on_loop", dying_start)
+    lost = [Job.store(13, make_key(3), 3, (21, 22, 23, 24)), Job.spill(14, make_key(0), 0, 6)]
     engine.submit(lost)
     results = results_by_id(engine, len(in_flight) + len(lost), timeout_s=HANG_S)
     _assert_failed(results, in_flight + lost)
@@ -206,12 +206,12 @@ def test_a_copy_lane_thread_crash_fails_every_pending_job(kv, host, slab, make_e
     engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
     want = expected_slot(kv, C, (1, 2, 3, 4))
-    engine.submit([LoadJob(3, "ok", (LoadChunk(make_key(0), 0, 0, (30, 31, 32, 33)),))])
+    engine.submit([Job.load(3, "ok", (LoadChunk(make_key(0), 0, 0, (30, 31, 32, 33)),))])
     assert results_by_id(engine, 1)[3].ok  # served normally up to here
     assert torch.equal(kv.rows[0][30], want[(0, 0)])
 
     crash.set()
-    jobs = [StoreJob(10, make_key(2), 2, (9, 10, 11, 12)), StoreJob(11, make_key(3), 3, (13, 14, 15, 16))]
+    jobs = [Job.store(10, make_key(2), 2, (9, 10, 11, 12)), Job.store(11, make_key(3), 3, (13, 14, 15, 16))]
     engine.submit(jobs)
     results = results_by_id(engine, len(jobs), timeout_s=HANG_S)
     _assert_failed(results, jobs)
@@ -228,11 +228,11 @@ def test_a_slab_io_thread_crash_fails_every_pending_job(kv, host, slab, make_eng
     monkeypatch.setattr("tieredkv.disk.async_io.serve_calls", _crashing_serve_calls("tieredkv-io", crash))
     engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)  # a lost read must not wait for it
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
-    engine.submit([SpillJob(3, make_key(1), 1, 4)])
+    engine.submit([Job.spill(3, make_key(1), 1, 4)])
     assert results_by_id(engine, 1)[3].ok
 
     crash.set()
-    jobs = [PromoteJob(10, make_key(1), 4, 5)]
+    jobs = [Job.promote(10, make_key(1), 4, 5)]
     engine.submit(jobs)
     results = results_by_id(engine, len(jobs), timeout_s=HANG_S)
     _assert_failed(results, jobs)
@@ -273,10 +273,10 @@ def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypa
     worker = WorkerHalf(vllm_config, kv_cache_config, config)
     worker.register_kv_caches(caches)
     try:
-        plan = StepPlan(
-            stores=[StoreJob(1, b"s" * 32, 0, (1, 2), req_id="stored")],
-            loads=[LoadJob(2, "loaded", (LoadChunk(b"x" * 32, 3, 0, (10, 11)),))],
-        )
+        plan = StepPlan(jobs=[
+            Job.store(1, b"s" * 32, 0, (1, 2), req_id="stored"),
+            Job.load(2, "loaded", (LoadChunk(b"x" * 32, 3, 0, (10, 11)),)),
+        ])
         metadata = TieredKVMetadata(plan=plan)
         worker.handle_preemptions(metadata)
         worker.start_jobs(metadata)

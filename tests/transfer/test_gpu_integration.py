@@ -57,7 +57,7 @@ from transfer_helpers import slot_block
 from vllm_cuda_layouts import CASE_BY_ID, CASES, LayoutCase
 
 from tests.helpers import finishes
-from tieredkv.protocol import FailureCause, LoadChunk, LoadJob, StepPlan, StoreJob
+from tieredkv.protocol import FailureCause, Job, LoadChunk, Move, StepPlan
 from tieredkv.vllm import sleep_hook
 
 HAS_CUDA = torch.cuda.is_available()
@@ -99,14 +99,14 @@ def test_store_copies_what_the_forward_wrote_even_while_it_is_queued(
     rig = rig_factory(case, device, backend)
     full, partial = (5, 9, 2, 17), (20, 21)
 
-    def stores() -> list[StoreJob]:
-        return [StoreJob(rig.job_id(), b"a", 3, full, req_id="req"),
-                StoreJob(rig.job_id(), b"b", 6, partial, req_id="req")]
+    def stores() -> list[Job]:
+        return [Job.store(rig.job_id(), b"a", 3, full, req_id="req"),
+                Job.store(rig.job_id(), b"b", 6, partial, req_id="req")]
 
     def rehearsal() -> None:
         rig.forward([*full, *partial], step=0, delay_ms=1.0)
         jobs = stores()
-        rig.step(StepPlan(stores=jobs))
+        rig.step(StepPlan(jobs=jobs))
         rig.results_until([j.job_id for j in jobs])
 
     rehearse(rig.device, rehearsal)
@@ -115,7 +115,7 @@ def test_store_copies_what_the_forward_wrote_even_while_it_is_queued(
     probe = IssueProbe(rig.engine.backend, done)
     rig.engine.backend = probe
     jobs = stores()
-    rig.step(StepPlan(stores=jobs))
+    rig.step(StepPlan(jobs=jobs))
     assert_still_queued(done, "the store")
     outcomes = rig.results_until([j.job_id for j in jobs])["outcomes"]
     assert all((outcomes[j.job_id].ok, outcomes[j.job_id].failed) == (1, 0) for j in jobs), outcomes
@@ -142,11 +142,11 @@ def test_load_is_complete_when_reported_and_touches_no_other_block(
     store = rig.store(source, slot=2)
     assert (lambda r: (r.ok, r.failed))(rig.results_until([store])["outcomes"][store]) == (1, 0)
 
-    def load_behind_tenant(step: int, delay_ms: float) -> tuple[Any, LoadJob, Any]:
+    def load_behind_tenant(step: int, delay_ms: float) -> tuple[Any, Job, Any]:
         tenant = rig.forward(targets, step=step, delay_ms=delay_ms)
-        load = LoadJob(rig.job_id(), "hit", (LoadChunk(b"k2", 2, 1, targets),))  # from mid-chunk
+        load = Job.load(rig.job_id(), "hit", (LoadChunk(b"k2", 2, 1, targets),))  # from mid-chunk
         probe.forward = tenant
-        return tenant, load, rig.step(StepPlan(loads=[load]))
+        return tenant, load, rig.step(StepPlan(jobs=[load]))
 
     def rehearsal() -> None:
         _, load, reported = load_behind_tenant(6, 1.0)
@@ -251,8 +251,8 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
 
         def sleep(self, level: int = 1) -> None:
             with engine._lock:
-                busy_jobs = [j for j in engine._pending.values() if isinstance(j, StoreJob | LoadJob)]
-            streams = [lane.stream for lane in (engine._d2h, engine._h2d) if lane is not None]
+                busy_jobs = [j for j in engine._pending.values() if j.move in (Move.STORE, Move.LOAD)]
+            streams = [lane.stream for lane in (engine._device.d2h, engine._device.h2d) if lane is not None]
             idle = all(s is None or s.query() for s in streams)
             seen.append(f"sleep device_jobs={len(busy_jobs)} streams_idle={idle}")
 
@@ -280,15 +280,15 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
     rig.assert_slot_holds(0, blocks)
 
     # Asleep: a load is refused at once, its blocks reported for recompute and left alone.
-    load = LoadJob(rig.job_id(), "q", (LoadChunk(b"k0", 0, 0, (30, 31)),))
-    _, recving = rig.step(StepPlan(loads=[load], compute_idle=True))
+    load = Job.load(rig.job_id(), "q", (LoadChunk(b"k0", 0, 0, (30, 31)),))
+    _, recving = rig.step(StepPlan(jobs=[load], compute_idle=True))
     assert recving == {"q"} and rig.worker.take_load_errors() == {30, 31}
     rig.assert_device_matches_replica()
 
     FakeGpuWorker().wake_up()
     assert seen[-1] == "wake_up"
-    load = LoadJob(rig.job_id(), "q2", (LoadChunk(b"k0", 0, 0, (30, 31)),))
-    reported = rig.step(StepPlan(loads=[load], compute_idle=True))
+    load = Job.load(rig.job_id(), "q2", (LoadChunk(b"k0", 0, 0, (30, 31)),))
+    reported = rig.step(StepPlan(jobs=[load], compute_idle=True))
     seen_load = rig.results_until([load.job_id], after=reported)
     assert seen_load["outcomes"][load.job_id].ok == 1 and seen_load["outcomes"][load.job_id].failed == 0 and "q2" in seen_load["recving"]
     assert rig.worker.take_load_errors() == set()
@@ -342,10 +342,10 @@ def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
     # (same shapes), which the forward below overwrites: the measured copies still move new bytes.
     flat_down = [b for ids in down for b in ids]
     rig.forward(flat_down, step=0)
-    warm_stores = [StoreJob(rig.job_id(), b"w%d" % i, i, ids, req_id="warm") for i, ids in enumerate(up)]
-    warm = LoadJob(rig.job_id(), "warm",
+    warm_stores = [Job.store(rig.job_id(), b"w%d" % i, i, ids, req_id="warm") for i, ids in enumerate(up)]
+    warm = Job.load(rig.job_id(), "warm",
                    tuple(LoadChunk(b"v%d" % i, chunks + i, 0, ids) for i, ids in enumerate(down)))
-    warm_reported = rig.step(StepPlan(stores=warm_stores, loads=[warm]))
+    warm_reported = rig.step(StepPlan(jobs=[*warm_stores, warm]))
     rig.results_until([*(s.job_id for s in warm_stores), warm.job_id], after=warm_reported)
     for i, ids in enumerate(down):
         rig.replica_load(chunks + i, 0, ids)
@@ -357,10 +357,10 @@ def test_d2h_and_h2d_overlap_each_other_and_the_next_forward(
     if cuda:
         ref = torch.cuda.Event(enable_timing=True)
         ref.record(rig.compute)
-    stores = [StoreJob(rig.job_id(), b"s%d" % i, i, ids, req_id="prev") for i, ids in enumerate(down)]
-    load = LoadJob(rig.job_id(), "next",
+    stores = [Job.store(rig.job_id(), b"s%d" % i, i, ids, req_id="prev") for i, ids in enumerate(down)]
+    load = Job.load(rig.job_id(), "next",
                    tuple(LoadChunk(b"l%d" % i, chunks + i, 0, ids) for i, ids in enumerate(up)))
-    reported = rig.step(StepPlan(stores=stores, loads=[load]))
+    reported = rig.step(StepPlan(jobs=[*stores, load]))
     compute_span = None
     if cuda:
         with rig.in_compute():

@@ -16,7 +16,7 @@ from transfer_helpers import CHUNK_BLOCKS, make_key, results_by_id
 from tieredkv.config import TieredKVConfig
 from tieredkv.disk.files import HEADER_BYTES
 from tieredkv.keys import chunk_keys
-from tieredkv.protocol import PromoteJob
+from tieredkv.protocol import Job, Move
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 
@@ -34,7 +34,7 @@ def keys_for(tokens: list[int]) -> list[bytes]:
 
 def run(engine, planner: Planner, plan) -> dict:
     """Execute a step's jobs on the engine and give the planner their real outcomes."""
-    jobs = [*plan.stores, *plan.spills, *plan.promotes, *plan.loads]
+    jobs = [*plan.of(Move.STORE), *plan.of(Move.SPILL), *plan.of(Move.PROMOTE), *plan.of(Move.LOAD)]
     engine.submit(jobs)
     results = results_by_id(engine, len(jobs))
     planner.apply(results.values())
@@ -48,11 +48,11 @@ def spilled_prompt(engine, host) -> tuple[Planner, torch.Tensor]:
     planner.set_block_ids("a", list(range(0, 5)), replace=True)
     planner.plan_stores("a", keys_for(PROMPT), len(PROMPT))
     plan = planner.take_plan()
-    (store,) = plan.stores
+    (store,) = plan.of(Move.STORE)
     run(engine, planner, plan)
     stored = host.slot(store.host_slot).clone()
     spills = planner.take_plan()
-    assert len(spills.spills) == 1
+    assert len(spills.of(Move.SPILL)) == 1
     run(engine, planner, spills)
     other = [t + 10_000 for t in range(2 * CHUNK_TOKENS + 1)]  # takes over both host slots
     planner.set_block_ids("b", list(range(10, 19)), replace=True)
@@ -66,7 +66,7 @@ def spilled_prompt(engine, host) -> tuple[Planner, torch.Tensor]:
 def promote(engine, planner: Planner):
     assert planner.lookup("c", keys_for(PROMPT), 0, len(PROMPT)) is None  # promoting first
     plan = planner.take_plan()
-    (job,) = plan.promotes
+    (job,) = plan.of(Move.PROMOTE)
     return job, plan
 
 
@@ -84,7 +84,7 @@ def test_one_transient_failure_is_read_again_and_the_promotion_succeeds(
     engine = make_engine()
     planner, stored = spilled_prompt(engine, host)
     job, plan = promote(engine, planner)
-    at = slab.slot_offset(job.disk_slot)
+    at = slab.slot_offset(job.src.slot)
     if fault == "io_error":
         fio.fail_reads(at=at, times=1)  # EIO
     else:
@@ -108,7 +108,7 @@ def test_two_failures_in_a_row_fail_the_promotion_and_drop_the_entry(host, slab,
     engine = make_engine()
     planner, _ = spilled_prompt(engine, host)
     job, plan = promote(engine, planner)
-    at = slab.slot_offset(job.disk_slot)
+    at = slab.slot_offset(job.src.slot)
     fio.fail_reads(at=at, times=2)
     engine.take_stats()
     before = reads_at(fio, at)
@@ -131,11 +131,12 @@ def test_a_wrong_byte_is_never_read_again(host, slab, fio, make_engine, fault) -
     engine = make_engine()
     planner, _ = spilled_prompt(engine, host)
     job, plan = promote(engine, planner)
-    at = slab.slot_offset(job.disk_slot)
+    at = slab.slot_offset(job.src.slot)
     if fault == "checksum":
         fio.flip_read_bit(HEADER_BYTES + 100, at=at, times=1)  # a payload byte: a second read would pass
     else:
-        plan.promotes[0] = job = PromoteJob(job.job_id, make_key(99), job.disk_slot, job.host_slot)
+        wrong = Job.promote(job.job_id, make_key(99), job.src.slot, job.host_slot)
+        plan.jobs[plan.jobs.index(job)] = job = wrong
     engine.take_stats()
     before = reads_at(fio, at)
 
@@ -154,7 +155,7 @@ def test_a_timed_out_read_is_read_again_once_its_stuck_call_returned(host, slab,
     engine = make_engine(load_timeout_s=0.5)
     planner, stored = spilled_prompt(engine, host)
     job, plan = promote(engine, planner)
-    at = slab.slot_offset(job.disk_slot)
+    at = slab.slot_offset(job.src.slot)
     stuck = fio.hang("read", at=at, times=1)
     # the device comes back after the read timed out: the slot is free to read into again
     threading.Timer(0.75, stuck.set).start()
@@ -173,7 +174,7 @@ def test_retries_reach_the_reported_stats(host, slab, fio, make_engine) -> None:
     engine = make_engine()
     planner, _ = spilled_prompt(engine, host)
     job, plan = promote(engine, planner)
-    fio.fail_reads(at=slab.slot_offset(job.disk_slot), times=2)
+    fio.fail_reads(at=slab.slot_offset(job.src.slot), times=2)
     engine.take_stats()
     run(engine, planner, plan)
     stats = TieredKVStats(data={"workers": {"0": engine.take_stats()}})

@@ -21,12 +21,9 @@ from transfer_helpers import (
 
 from tests.helpers import HANG_S, finishes
 from tieredkv.protocol import (
+    Job,
     JobResult,
     LoadChunk,
-    LoadJob,
-    PromoteJob,
-    SpillJob,
-    StoreJob,
 )
 
 C = CHUNK_BLOCKS
@@ -35,7 +32,7 @@ C = CHUNK_BLOCKS
 def _store_all(engine, kv, chunks: dict[int, tuple[int, ...]], first_id: int = 1) -> dict:
     """Store {host_slot: block ids}; returns the expected slot contents."""
     want = {slot: expected_slot(kv, C, ids) for slot, ids in chunks.items()}
-    jobs = [StoreJob(first_id + i, make_key(slot), slot, ids) for i, (slot, ids) in enumerate(chunks.items())]
+    jobs = [Job.store(first_id + i, make_key(slot), slot, ids) for i, (slot, ids) in enumerate(chunks.items())]
     engine.submit(jobs)
     results = results_by_id(engine, len(jobs))
     assert all(r.ok for r in results.values()), results
@@ -59,11 +56,11 @@ def test_every_job_type_moves_the_right_bytes(kv, host, make_engine) -> None:
         assert_slot_holds(kv, host, slot, ids, snapshot=want[slot])
 
     # spill two chunks, wreck their host copies, promote them back into other slots
-    engine.submit([SpillJob(10, make_key(0), 0, 3), SpillJob(11, make_key(5), 5, 7)])
+    engine.submit([Job.spill(10, make_key(0), 0, 3), Job.spill(11, make_key(5), 5, 7)])
     assert all(r.ok for r in results_by_id(engine, 2).values())
     host.slot(0).fill_(0xAA)
     host.slot(5).fill_(0x55)
-    engine.submit([PromoteJob(12, make_key(0), 3, 1), PromoteJob(13, make_key(5), 7, 2)])
+    engine.submit([Job.promote(12, make_key(0), 3, 1), Job.promote(13, make_key(5), 7, 2)])
     assert all(r.ok for r in results_by_id(engine, 2).values())
     assert_slot_holds(kv, host, 1, chunks[0], snapshot=want[0])
     assert_slot_holds(kv, host, 2, chunks[5], snapshot=want[5])
@@ -74,7 +71,7 @@ def test_every_job_type_moves_the_right_bytes(kv, host, make_engine) -> None:
     target_a, target_b = tuple(free[:C]), tuple(free[C : 2 * C])
     untouched = [b for b in range(kv.num_blocks) if b not in target_a + target_b]
     before = _device_blocks(kv, untouched)
-    engine.submit([LoadJob(14, "req", (
+    engine.submit([Job.load(14, "req", (
         LoadChunk(make_key(9), 9, 0, target_a),
         LoadChunk(make_key(0), 1, 0, target_b),
     ))])
@@ -99,16 +96,16 @@ def test_mid_chunk_load_copies_only_the_tail(kv, host, make_engine) -> None:
     engine = make_engine()
     ids = (3, 17, 8, 30)
     want = _store_all(engine, kv, {4: ids})
-    engine.submit([SpillJob(2, make_key(4), 4, 0)])
+    engine.submit([Job.spill(2, make_key(4), 4, 0)])
     assert results_by_id(engine, 1)[2].ok
-    engine.submit([PromoteJob(5, make_key(4), 0, 6)])
+    engine.submit([Job.promote(5, make_key(4), 0, 6)])
     assert results_by_id(engine, 1)[5].ok
     targets_host, targets_promoted = (20, 21, 22), (33, 11)
     other = [b for b in range(kv.num_blocks) if b not in targets_host + targets_promoted]
     before = device_snapshot(kv)
     engine.submit([
-        LoadJob(3, "a", (LoadChunk(make_key(4), 4, 1, targets_host),)),
-        LoadJob(4, "b", (LoadChunk(make_key(4), 6, 2, targets_promoted),)),
+        Job.load(3, "a", (LoadChunk(make_key(4), 4, 1, targets_host),)),
+        Job.load(4, "b", (LoadChunk(make_key(4), 6, 2, targets_promoted),)),
     ])
     results = results_by_id(engine, 2)
     assert results[3].ok and results[4].ok
@@ -129,7 +126,7 @@ def test_many_random_jobs_in_one_submit(kv, host, make_engine) -> None:
     for i, slot in enumerate(rng.sample(range(host.num_slots), 8)):
         ids = tuple(blocks[i * C : (i + 1) * C])
         want[slot] = (ids, expected_slot(kv, C, ids))
-        jobs.append(StoreJob(100 + i, make_key(slot), slot, ids))
+        jobs.append(Job.store(100 + i, make_key(slot), slot, ids))
     engine.submit(jobs)
     assert all(r.ok for r in results_by_id(engine, len(jobs)).values())
     for slot, (ids, snapshot) in want.items():
@@ -144,11 +141,11 @@ def test_independent_jobs_run_concurrently(kv, host, make_engine, fio) -> None:
     gate = backend.gate("h2d")
     engine = make_engine(backend)
     _store_all(engine, kv, {0: (1, 2, 3, 4)})
-    engine.submit([LoadJob(2, "r", (LoadChunk(make_key(0), 0, 0, (10, 11, 12, 13)),))])
+    engine.submit([Job.load(2, "r", (LoadChunk(make_key(0), 0, 0, (10, 11, 12, 13)),))])
     assert backend.started["h2d"].wait(5)
     # a store is not stuck behind a blocked load (separate lane, separate stream): it finishes
     # while the load is still held at its gate
-    engine.submit([StoreJob(3, make_key(1), 1, (5, 6, 7, 8))])
+    engine.submit([Job.store(3, make_key(1), 1, (5, 6, 7, 8))])
     got = results_by_id(engine, 1, timeout_s=HANG_S)
     assert set(got) == {3} and got[3].ok
     gate.set()
@@ -163,9 +160,9 @@ def test_fence_waits_for_running_store_and_cancels_queued(kv, host, make_engine)
     gate = backend.gate("d2h")
     engine = make_engine(backend)
     running = expected_slot(kv, C, (1, 2, 3, 4))
-    engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
+    engine.submit([Job.store(1, make_key(1), 1, (1, 2, 3, 4))])
     assert backend.started["d2h"].wait(5)
-    engine.submit([StoreJob(2, make_key(2), 2, (5, 6, 7, 8)), StoreJob(3, make_key(3), 3, (9, 10, 11, 12))])
+    engine.submit([Job.store(2, make_key(2), 2, (5, 6, 7, 8)), Job.store(3, make_key(3), 3, (9, 10, 11, 12))])
 
     # Nothing reads these: it returns at once, while the running store is still held (with a
     # timeout no run reaches, a fence that waited for that store would not return).
@@ -189,7 +186,7 @@ def test_fence_timeout_fails_the_store_it_gave_up_on(kv, host, make_engine) -> N
     backend = SlowBackend()
     gate = backend.gate("d2h")
     engine = make_engine(backend)
-    engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
+    engine.submit([Job.store(1, make_key(1), 1, (1, 2, 3, 4))])
     assert backend.started["d2h"].wait(5)
     # The store stays held at its gate until the fence has returned: only the fence's own
     # timeout can end it, and the store it gave up on is failed.
@@ -205,17 +202,17 @@ def test_shutdown_with_jobs_in_flight_is_bounded_and_reports_everything(kv, host
     backend = SlowBackend()
     engine = make_engine(backend)
     _store_all(engine, kv, {0: (1, 2, 3, 4)})
-    engine.submit([SpillJob(2, make_key(0), 0, 0)])
+    engine.submit([Job.spill(2, make_key(0), 0, 0)])
     assert results_by_id(engine, 1)[2].ok
     release = fio.hang("read")
     gate = backend.gate("d2h")
     h2d_gate = backend.gate("h2d")
     jobs = [
-        StoreJob(3, make_key(3), 3, (5, 6, 7, 8)),  # blocked in the copy
-        StoreJob(4, make_key(4), 4, (9, 10, 11, 12)),  # queued behind it
-        LoadJob(5, "r", (LoadChunk(make_key(0), 0, 0, (20, 21, 22, 23)),)),  # blocked in the copy
-        PromoteJob(6, make_key(0), 0, 7),  # hung read
-        *[SpillJob(10 + i, make_key(0), 0, 1 + i) for i in range(5)],  # behind the hung read
+        Job.store(3, make_key(3), 3, (5, 6, 7, 8)),  # blocked in the copy
+        Job.store(4, make_key(4), 4, (9, 10, 11, 12)),  # queued behind it
+        Job.load(5, "r", (LoadChunk(make_key(0), 0, 0, (20, 21, 22, 23)),)),  # blocked in the copy
+        Job.promote(6, make_key(0), 0, 7),  # hung read
+        *[Job.spill(10 + i, make_key(0), 0, 1 + i) for i in range(5)],  # behind the hung read
     ]
     engine.submit(jobs)
     assert backend.started["d2h"].wait(5) and backend.started["h2d"].wait(5)
@@ -226,7 +223,7 @@ def test_shutdown_with_jobs_in_flight_is_bounded_and_reports_everything(kv, host
     assert results[5] == JobResult.fail(5, "cancelled", (20, 21, 22, 23))
     assert results[4].failure == "cancelled"
     engine.shutdown()  # idempotent
-    engine.submit([StoreJob(99, make_key(9), 9, (1, 2, 3, 4))])
+    engine.submit([Job.store(99, make_key(9), 9, (1, 2, 3, 4))])
     assert results_by_id(engine, 1)[99] == JobResult.fail(99, "cancelled")
     gate.set()
     h2d_gate.set()
@@ -237,7 +234,7 @@ def test_shutdown_with_jobs_in_flight_is_bounded_and_reports_everything(kv, host
 def test_drain_and_poll_are_non_blocking(kv, host, make_engine) -> None:
     engine = make_engine()
     assert engine.poll() == [] and drain(engine, 0.1)
-    engine.submit([StoreJob(1, make_key(1), 1, (1, 2, 3, 4))])
+    engine.submit([Job.store(1, make_key(1), 1, (1, 2, 3, 4))])
     assert drain(engine, 5)
     assert [r.job_id for r in engine.poll()] == [1]
 
@@ -251,10 +248,10 @@ def test_slow_disk_drops_spills_and_never_delays_stores(kv, host, fio, make_engi
     engine.take_stats()
     writes = fio.calls["write"]
     fio.hang("write")  # a disk that does not answer until the test says so
-    engine.submit([SpillJob(10 + i, make_key(0), 0, i) for i in range(8)])
+    engine.submit([Job.spill(10 + i, make_key(0), 0, i) for i in range(8)])
     while fio.calls["write"] == writes:  # a spill is stuck on the disk
         time.sleep(0.002)
-    engine.submit([StoreJob(30 + i, make_key(30 + i), 1 + i, (5 + i, 10 + i, 20 + i, 30 + i)) for i in range(4)])
+    engine.submit([Job.store(30 + i, make_key(30 + i), 1 + i, (5 + i, 10 + i, 20 + i, 30 + i)) for i in range(4)])
     stores = {}
     deadline = time.monotonic() + HANG_S  # only so stores that wait for the disk fail, not hang
     while len(stores) < 4:
@@ -279,7 +276,7 @@ def test_slow_disk_drops_spills_and_never_delays_stores(kv, host, fio, make_engi
 def test_disk_jobs_without_a_slab_fail_missing(kv, host, make_engine) -> None:
     engine = make_engine(with_slab=False)
     _store_all(engine, kv, {0: (1, 2, 3, 4)})
-    engine.submit([SpillJob(2, make_key(0), 0, 4), PromoteJob(3, make_key(0), 4, 5)])
+    engine.submit([Job.spill(2, make_key(0), 0, 4), Job.promote(3, make_key(0), 4, 5)])
     results = results_by_id(engine, 2)
     assert results[2] == JobResult.fail(2, "missing")
     assert results[3] == JobResult.fail(3, "missing")
@@ -289,28 +286,28 @@ def test_disk_jobs_without_a_slab_fail_missing(kv, host, make_engine) -> None:
 def test_promote_timeout_keeps_the_slot_reserved_until_the_read_returns(kv, host, fio, make_engine) -> None:
     engine = make_engine(load_timeout_s=0.2)
     _store_all(engine, kv, {0: (1, 2, 3, 4)})
-    engine.submit([SpillJob(2, make_key(0), 0, 0)])
+    engine.submit([Job.spill(2, make_key(0), 0, 0)])
     assert results_by_id(engine, 1)[2].ok
     release = fio.hang("read", times=1)
-    engine.submit([PromoteJob(3, make_key(0), 0, 5)])
+    engine.submit([Job.promote(3, make_key(0), 0, 5)])
     assert results_by_id(engine, 1, timeout_s=3)[3] == JobResult.fail(3, "timeout")
     # the hung read still owns slot 5: a store into it is refused, not corrupted
-    engine.submit([StoreJob(4, make_key(4), 5, (5, 6, 7, 8))])
+    engine.submit([Job.store(4, make_key(4), 5, (5, 6, 7, 8))])
     assert results_by_id(engine, 1)[4] == JobResult.fail(4, "copy_error")
     release.set()
     deadline = time.monotonic() + 3
     while engine.take_stats()["queue_depths"]["host_slots_in_flight"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    engine.submit([StoreJob(6, make_key(4), 5, (5, 6, 7, 8))])
+    engine.submit([Job.store(6, make_key(4), 5, (5, 6, 7, 8))])
     assert results_by_id(engine, 1)[6].ok
 
 
 def test_bad_job_fails_alone(kv, host, make_engine) -> None:
     engine = make_engine()
     engine.submit([
-        StoreJob(1, make_key(1), 1, (1, 2, 3, 999)),
-        StoreJob(2, make_key(2), 2, (5, 6, 7, 8)),
-        LoadJob(3, "r", (LoadChunk(make_key(1), 1, 0, (10, 11)), LoadChunk(make_key(1), 99, 0, (12,)))),
+        Job.store(1, make_key(1), 1, (1, 2, 3, 999)),
+        Job.store(2, make_key(2), 2, (5, 6, 7, 8)),
+        Job.load(3, "r", (LoadChunk(make_key(1), 1, 0, (10, 11)), LoadChunk(make_key(1), 99, 0, (12,)))),
     ])
     results = results_by_id(engine, 3)
     assert results[1].failure == "copy_error" and results[2].ok
@@ -327,14 +324,14 @@ def test_slot_in_flight_is_never_reused(kv, host, make_engine) -> None:
     gate = backend.gate("d2h")
     engine = make_engine(backend)
     want = expected_slot(kv, C, (1, 2, 3, 4))
-    engine.submit([StoreJob(1, make_key(1), 3, (1, 2, 3, 4))])
+    engine.submit([Job.store(1, make_key(1), 3, (1, 2, 3, 4))])
     assert backend.started["d2h"].wait(5)
     # while the store still writes slot 3: no second writer, no reader
     engine.submit([
-        StoreJob(2, make_key(2), 3, (5, 6, 7, 8)),
-        SpillJob(3, make_key(1), 3, 0),
-        LoadJob(4, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),)),
-        PromoteJob(5, make_key(1), 0, 3),
+        Job.store(2, make_key(2), 3, (5, 6, 7, 8)),
+        Job.spill(3, make_key(1), 3, 0),
+        Job.load(4, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),)),
+        Job.promote(5, make_key(1), 0, 3),
     ])
     early = results_by_id(engine, 4)
     assert {i: r.failure for i, r in early.items()} == dict.fromkeys((2, 3, 4, 5), "copy_error")
@@ -347,13 +344,13 @@ def test_slot_in_flight_is_never_reused(kv, host, make_engine) -> None:
 def test_promote_into_a_slot_being_loaded_is_refused(kv, host, fio, make_engine) -> None:
     engine = make_engine()
     _store_all(engine, kv, {0: (1, 2, 3, 4)})
-    engine.submit([SpillJob(2, make_key(0), 0, 0)])
+    engine.submit([Job.spill(2, make_key(0), 0, 0)])
     assert results_by_id(engine, 1)[2].ok
     fio.delay("read", 0.3, times=1)
     before = device_snapshot(kv)
-    engine.submit([PromoteJob(3, make_key(0), 0, 6)])  # slow read writing slot 6
+    engine.submit([Job.promote(3, make_key(0), 0, 6)])  # slow read writing slot 6
     time.sleep(0.05)
-    engine.submit([LoadJob(4, "r", (LoadChunk(make_key(0), 6, 0, (30, 31, 32, 33)),))])
+    engine.submit([Job.load(4, "r", (LoadChunk(make_key(0), 6, 0, (30, 31, 32, 33)),))])
     results = results_by_id(engine, 2)
     assert results[3].ok
     assert results[4] == JobResult.fail(4, "copy_error", (30, 31, 32, 33))
@@ -382,7 +379,7 @@ def test_inline_host_load_is_done_when_submit_returns(kv, host, make_engine) -> 
     backend = _ThreadRecorder()
     engine = make_engine(backend)
     want = _store_all(engine, kv, {2: (1, 2, 3, 4)})
-    engine.submit([LoadJob(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
+    engine.submit([Job.load(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
                   inline_max_bytes=1 << 40)
     assert engine.poll() == [JobResult.done(7)]  # no wait: it already happened
     assert backend.h2d_threads == [threading.current_thread().name]
@@ -393,7 +390,7 @@ def test_host_load_outside_an_idle_step_runs_on_the_h2d_lane(kv, host, make_engi
     backend = _ThreadRecorder()
     engine = make_engine(backend)
     _store_all(engine, kv, {2: (1, 2, 3, 4)})
-    engine.submit([LoadJob(8, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))])
+    engine.submit([Job.load(8, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))])
     assert results_by_id(engine, 1)[8].ok
     assert backend.h2d_threads == ["tieredkv-h2d"]
 
@@ -402,10 +399,10 @@ def test_inline_load_from_a_slot_being_written_is_refused_untouched(kv, host, ma
     backend = SlowBackend()
     gate = backend.gate("d2h")
     engine = make_engine(backend)
-    engine.submit([StoreJob(1, make_key(1), 3, (1, 2, 3, 4))])
+    engine.submit([Job.store(1, make_key(1), 3, (1, 2, 3, 4))])
     assert backend.started["d2h"].wait(5)
     before = device_snapshot(kv)
-    engine.submit([LoadJob(2, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),))],
+    engine.submit([Job.load(2, "r", (LoadChunk(make_key(1), 3, 0, (20, 21, 22, 23)),))],
                   inline_max_bytes=1 << 40)
     assert engine.poll() == [JobResult.fail(2, "copy_error", (20, 21, 22, 23))]
     for layer in range(kv.num_layers):
@@ -421,7 +418,7 @@ def test_wait_for_results_sleeps_until_a_result_or_the_timeout(kv, host, make_en
     engine = make_engine(backend)
     _store_all(engine, kv, {2: (1, 2, 3, 4)})
     assert engine.wait_for_results(0.0)  # nothing in flight: returns at once
-    engine.submit([LoadJob(5, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))])
+    engine.submit([Job.load(5, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))])
     assert backend.started["h2d"].wait(5)
     start = time.monotonic()
     assert not engine.wait_for_results(0.1)
@@ -437,10 +434,10 @@ def test_a_load_bigger_than_the_inline_budget_goes_to_the_lane(kv, host, make_en
     engine = make_engine(backend)
     _store_all(engine, kv, {2: (1, 2, 3, 4)})
     one_chunk = C * kv.total_block_bytes
-    engine.submit([LoadJob(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
+    engine.submit([Job.load(7, "r", (LoadChunk(make_key(2), 2, 0, (30, 31, 32, 33)),))],
                   inline_max_bytes=one_chunk - 1)
     assert results_by_id(engine, 1)[7].ok
-    engine.submit([LoadJob(8, "r", (LoadChunk(make_key(2), 2, 0, (34, 35, 36, 37)),))],
+    engine.submit([Job.load(8, "r", (LoadChunk(make_key(2), 2, 0, (34, 35, 36, 37)),))],
                   inline_max_bytes=one_chunk)
     assert engine.poll() == [JobResult.done(8)]
     assert backend.h2d_threads == ["tieredkv-h2d", threading.current_thread().name]

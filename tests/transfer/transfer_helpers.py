@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tests.helpers import make_key  # noqa: F401 - re-exported to the transfer tests
+from tieredkv.protocol import Move
 from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine
@@ -150,8 +151,8 @@ def drain(engine: TransferEngine, timeout_s: float | None = None) -> bool:
 def run_step(planner: Any, engine: TransferEngine, timeout_s: float = 10.0) -> None:
     """One scheduler step on a real engine: the plan's jobs run, every result goes back."""
     plan = planner.take_plan()
-    jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.stores,
-            *plan.remote_writes]
+    jobs = [*plan.of(Move.REMOTE_READ), *plan.of(Move.PROMOTE), *plan.of(Move.LOAD), *plan.of(Move.SPILL), *plan.of(Move.STORE),
+            *plan.of(Move.REMOTE_WRITE)]
     if jobs:
         engine.submit(jobs)
     assert drain(engine, timeout_s), "a job never reported"

@@ -9,7 +9,7 @@ import pytest
 
 from tests.vllm.test_worker_side import fake_configs
 from tieredkv.config import ConfigError, TieredKVConfig
-from tieredkv.protocol import JobResult
+from tieredkv.protocol import JobResult, Move
 from tieredkv.vllm.scheduler_side import SchedulerHalf
 from tieredkv.vllm.stats import TieredKVStats
 
@@ -35,7 +35,7 @@ def test_scheduler_and_worker_counters_are_served_on_the_port():
         planner.set_block_ids("a", list(range(8)), replace=True)
         planner.plan_stores("a", [bytes([i]) * 32 for i in range(2)], 2 * 2 * 32)
         plan = planner.take_plan()
-        planner.apply([JobResult(job.job_id, ok=1) for job in plan.stores])
+        planner.apply([JobResult(job.job_id, ok=1) for job in plan.of(Move.STORE)])
         half.stats_snapshot()
         worker = {"workers": {"0": {"bytes": {"d2h": 4096}, "ops": {"d2h": 2}}}}
         half.update_connector_output(SimpleNamespace(

@@ -12,7 +12,7 @@ import threading
 import torch
 from test_worker_side import LAYERS, block, collect_until, make_worker, step
 
-from tieredkv.protocol import LoadChunk, LoadJob, StepPlan, StoreJob
+from tieredkv.protocol import Job, LoadChunk, Move, StepPlan
 from tieredkv.vllm import sleep_hook
 
 
@@ -41,7 +41,7 @@ def test_sleep_waits_for_running_stores_and_refuses_device_jobs_until_wake_up():
     class FakeWorker:
         def sleep(self, level: int = 1) -> None:
             with engine._lock:
-                busy = [j for j in engine._pending.values() if isinstance(j, StoreJob | LoadJob)]
+                busy = [j for j in engine._pending.values() if j.move in (Move.STORE, Move.LOAD)]
             events.append(f"sleep level={level} device_jobs={len(busy)}")
 
         def wake_up(self, tags=None) -> None:
@@ -52,7 +52,7 @@ def test_sleep_waits_for_running_stores_and_refuses_device_jobs_until_wake_up():
     try:
         gated = _GatedStores(engine.backend)
         engine.backend = gated
-        step(w, StepPlan(stores=[StoreJob(1, b"a" * 32, 0, (4, 5), req_id="r")]))
+        step(w, StepPlan(jobs=[Job.store(1, b"a" * 32, 0, (4, 5), req_id="r")]))
         assert gated.started.wait(5)
 
         def release_store() -> None:
@@ -68,17 +68,17 @@ def test_sleep_waits_for_running_stores_and_refuses_device_jobs_until_wake_up():
         assert (metas[-1].results[1].ok, metas[-1].results[1].failed) == (1, 0)  # the store completed before the sleep
 
         # asleep: a load is refused at once and its blocks are reported for recompute
-        load = LoadJob(2, "q", (LoadChunk(b"a" * 32, 0, 0, (30, 31)),))
+        load = Job.load(2, "q", (LoadChunk(b"a" * 32, 0, 0, (30, 31)),))
         before = [block(caches, layer, 30) for layer in range(LAYERS)]
-        _, recving = step(w, StepPlan(loads=[load], compute_idle=True))
+        _, recving = step(w, StepPlan(jobs=[load], compute_idle=True))
         assert recving == {"q"}
         assert w.take_load_errors() == {30, 31}
         assert all(torch.equal(block(caches, layer, 30), before[layer]) for layer in range(LAYERS))
 
         FakeWorker().wake_up()
         assert events[-1] == "wake_up"
-        load = LoadJob(3, "q2", (LoadChunk(b"a" * 32, 0, 0, (30, 31)),))
-        _, recving = step(w, StepPlan(loads=[load], compute_idle=True))
+        load = Job.load(3, "q2", (LoadChunk(b"a" * 32, 0, 0, (30, 31)),))
+        _, recving = step(w, StepPlan(jobs=[load], compute_idle=True))
         assert recving == {"q2"} and w.take_load_errors() == set()
         assert torch.equal(block(caches, 0, 30), block(caches, 0, 4))
     finally:

@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers import finishes, full_attention_spec
 from tieredkv.config import TieredKVConfig
-from tieredkv.protocol import LoadChunk, LoadJob, StepPlan, StoreJob
+from tieredkv.protocol import Job, LoadChunk, Move, StepPlan
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.fault_backend import FaultInjectingBackend
 from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
@@ -111,12 +111,12 @@ def worker():
 def test_store_then_load_moves_exact_bytes_and_reports_each_job(worker):
     w, caches = worker
     before = [block(caches, layer, b) for layer in range(LAYERS) for b in (4, 5)]
-    store = StoreJob(1, b"k" * 32, host_slot=3, block_ids=(4, 5), req_id="a")
-    step(w, StepPlan(stores=[store]))
+    store = Job.store(1, b"k" * 32, host_slot=3, block_ids=(4, 5), req_id="a")
+    step(w, StepPlan(jobs=[store]))
     _, _, metas = collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     assert (metas[-1].results[1].ok, metas[-1].results[1].failed) == (1, 0)
-    load = LoadJob(2, "b", (LoadChunk(b"k" * 32, host_slot=3, first_block=0, block_ids=(20, 21)),))
-    reported = step(w, StepPlan(loads=[load]))
+    load = Job.load(2, "b", (LoadChunk(b"k" * 32, host_slot=3, first_block=0, block_ids=(20, 21)),))
+    reported = step(w, StepPlan(jobs=[load]))
     _, recving, _ = collect_until(w, lambda s, r, m: "b" in r, after=reported)
     after = [block(caches, layer, b) for layer in range(LAYERS) for b in (20, 21)]
     for x, y in zip(before, after, strict=True):
@@ -155,8 +155,8 @@ def test_delayed_request_is_reported_sent_once_after_its_stores(monkeypatch):
 
 
 def _delayed_request_flow(w: WorkerHalf) -> None:
-    store = StoreJob(7, b"s" * 32, host_slot=0, block_ids=(1, 2), req_id="req")
-    sending, _ = step(w, StepPlan(stores=[store]))
+    store = Job.store(7, b"s" * 32, host_slot=0, block_ids=(1, 2), req_id="req")
+    sending, _ = step(w, StepPlan(jobs=[store]))
     assert not sending
     sending, _ = step(w, StepPlan(delayed_req_ids=["req"]), finished={"req"})
     assert "req" not in sending  # the store still reads the blocks
@@ -168,7 +168,7 @@ def _delayed_request_flow(w: WorkerHalf) -> None:
 
 def test_delay_announced_after_stores_finished_reports_at_once(worker):
     w, _ = worker
-    step(w, StepPlan(stores=[StoreJob(3, b"t" * 32, 1, (6, 7), req_id="r")]))
+    step(w, StepPlan(jobs=[Job.store(3, b"t" * 32, 1, (6, 7), req_id="r")]))
     collect_until(w, lambda s, r, m: any(3 in x.results for x in m))
     sending, _ = step(w, StepPlan(delayed_req_ids=["r"]), finished={"r"})
     assert sending == {"r"}
@@ -181,7 +181,7 @@ def test_a_last_store_in_the_same_step_as_the_delay_holds_the_blocks_until_it_is
     monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"store_delay_s": 0.5}))
     w, _ = make_worker()
     try:
-        plan = StepPlan(stores=[StoreJob(9, b"u" * 32, 2, (3,), req_id="tail")],
+        plan = StepPlan(jobs=[Job.store(9, b"u" * 32, 2, (3,), req_id="tail")],
                         delayed_req_ids=["tail"])
         sending, _ = step(w, plan, finished={"tail"})
         assert "tail" not in sending
@@ -202,11 +202,11 @@ def test_failed_load_reports_every_block_and_still_finishes_the_request(monkeypa
 
 
 def _failed_load_flow(w: WorkerHalf, caches) -> None:
-    step(w, StepPlan(stores=[StoreJob(1, b"x" * 32, 2, (8, 9), req_id="a")]))
+    step(w, StepPlan(jobs=[Job.store(1, b"x" * 32, 2, (8, 9), req_id="a")]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     untouched = block(caches, 0, 30)
-    load = LoadJob(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
-    reported = step(w, StepPlan(loads=[load]))
+    load = Job.load(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
+    reported = step(w, StepPlan(jobs=[load]))
     _, recving, metas = collect_until(w, lambda s, r, m: "b" in r, after=reported)
     assert w.take_load_errors() == {30, 31}
     assert w.take_load_errors() == set()  # reported once
@@ -230,8 +230,8 @@ def test_failed_load_with_a_sliding_window_fails_the_request(monkeypatch):
     w = WorkerHalf(vllm_config, kv_cache_config, config)
     w.register_kv_caches(kv_caches(0))
     try:
-        load = LoadJob(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
-        reported = step(w, StepPlan(loads=[load]))
+        load = Job.load(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),))
+        reported = step(w, StepPlan(jobs=[load]))
         _, recving, _ = collect_until(w, lambda s, r, m: "b" in r, after=reported)
         assert w.take_failed_recving() == {"b"}
         assert w.take_load_errors() == set()
@@ -242,7 +242,7 @@ def test_failed_load_with_a_sliding_window_fails_the_request(monkeypatch):
 def run_rank(worker: WorkerHalf, plan: StepPlan) -> TieredKVWorkerMetadata:
     """Run a plan's stores on one rank; its reports, aggregated as vLLM would within a step."""
     step(worker, plan)
-    _, _, metas = collect_until(worker, lambda s, r, m: sum(len(x.results) for x in m) >= len(plan.stores))
+    _, _, metas = collect_until(worker, lambda s, r, m: sum(len(x.results) for x in m) >= len(plan.of(Move.STORE)))
     merged = metas[0]
     for extra in metas[1:]:
         merged = merged.aggregate(extra)
@@ -259,7 +259,7 @@ def test_two_ranks_aggregate_into_the_planner_across_steps():
         planner.set_block_ids("a", list(range(10, 16)), replace=True)
         planner.plan_stores("a", tokens_keys, 3 * CHUNK_BLOCKS * BLOCK)
         plan = planner.take_plan()
-        assert len(plan.stores) == 3
+        assert len(plan.of(Move.STORE)) == 3
         # Rank 0 reports in one step, rank 1 in a later one.
         planner.apply(run_rank(ranks[0], plan).results.values())
         assert planner.host.ready_count == 0  # one rank is not enough
@@ -285,12 +285,12 @@ def test_cpu_host_load_runs_inline_and_is_reported_in_the_same_step(worker, comp
     get_finished of that very step reports it, busy step or not."""
     w, caches = worker
     before = [block(caches, layer, b) for layer in range(LAYERS) for b in (6, 7)]
-    store = StoreJob(1, b"s" * 32, host_slot=2, block_ids=(6, 7), req_id="a")
-    step(w, StepPlan(stores=[store]))
+    store = Job.store(1, b"s" * 32, host_slot=2, block_ids=(6, 7), req_id="a")
+    step(w, StepPlan(jobs=[store]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
-    load = LoadJob(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),))
+    load = Job.load(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),))
     assert w.inline_host_loads
-    _, recving = step(w, StepPlan(loads=[load], compute_idle=compute_idle))
+    _, recving = step(w, StepPlan(jobs=[load], compute_idle=compute_idle))
     assert recving == {"b"}  # a small load: inline in a busy step too
     after = [block(caches, layer, b) for layer in range(LAYERS) for b in (30, 31)]
     for x, y in zip(before, after, strict=True):
@@ -317,14 +317,14 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
     """Outside an idle step collect never blocks; in one it sleeps until its load lands
     (bounded), so vLLM's engine does not spin through empty steps holding the GIL."""
     w, _ = worker
-    store = StoreJob(1, b"t" * 32, host_slot=1, block_ids=(8, 9), req_id="a")
-    step(w, StepPlan(stores=[store]))
+    store = Job.store(1, b"t" * 32, host_slot=1, block_ids=(8, 9), req_id="a")
+    step(w, StepPlan(jobs=[store]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     w.engine.backend = gated = _GatedLoads(w.engine.backend)
     w.inline_host_loads = False  # as on CUDA: host loads go to the h2d lane
-    busy = LoadJob(2, "busy", (LoadChunk(b"t" * 32, 1, 0, (40, 41)),))
+    busy = Job.load(2, "busy", (LoadChunk(b"t" * 32, 1, 0, (40, 41)),))
     # A busy step returns while the load is held on the lane: it was not waited for.
-    _, recving = finishes(lambda: step(w, StepPlan(loads=[busy], compute_idle=False)))
+    _, recving = finishes(lambda: step(w, StepPlan(jobs=[busy], compute_idle=False)))
     assert recving == set()
     # The idle step's wait is bounded by IDLE_WAIT_S; with a bound no run reaches, it can only
     # return because the load landed. The load lands once the step is waiting.
@@ -346,15 +346,15 @@ def test_idle_step_sleeps_on_its_own_load_instead_of_returning_empty(worker, mon
 
 def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monkeypatch):
     w, _ = worker
-    store = StoreJob(1, b"u" * 32, host_slot=4, block_ids=(10, 11), req_id="a")
-    step(w, StepPlan(stores=[store]))
+    store = Job.store(1, b"u" * 32, host_slot=4, block_ids=(10, 11), req_id="a")
+    step(w, StepPlan(jobs=[store]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
     monkeypatch.setattr("tieredkv.vllm.worker_side.BUSY_INLINE_MAX_BYTES", 1)
     w.engine.backend = gated = _GatedLoads(w.engine.backend)
-    load = LoadJob(2, "big", (LoadChunk(b"u" * 32, 4, 0, (50, 51)),))
-    reported = step(w, StepPlan(loads=[load], compute_idle=False))
+    load = Job.load(2, "big", (LoadChunk(b"u" * 32, 4, 0, (50, 51)),))
+    reported = step(w, StepPlan(jobs=[load], compute_idle=False))
     assert "big" not in reported[1]  # on the lane, still copying
     gated.gate.set()
     collect_until(w, lambda s, r, m: "big" in r, after=reported)
-    load = LoadJob(3, "idle", (LoadChunk(b"u" * 32, 4, 0, (52, 53)),))
-    assert step(w, StepPlan(loads=[load], compute_idle=True))[1] == {"idle"}  # idle: inline
+    load = Job.load(3, "idle", (LoadChunk(b"u" * 32, 4, 0, (52, 53)),))
+    assert step(w, StepPlan(jobs=[load], compute_idle=True))[1] == {"idle"}  # idle: inline

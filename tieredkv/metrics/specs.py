@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tieredkv.protocol import FAILURE_CAUSES, FailureCause, Tier
+from tieredkv.protocol import FAILURE_CAUSES, FailureCause, Move, Tier
 
 __all__ = [
     "CHUNK_OPS",
@@ -41,8 +41,8 @@ __all__ = [
 ]
 
 TIERS = tuple(t.value for t in Tier)
-DIRECTIONS = ("d2h", "h2d", "spill", "restore", "remote_read", "remote_write")
-JOB_KINDS = ("store", "spill", "promote", "load", "remote_read", "remote_write")
+DIRECTIONS = tuple(move.direction for move in Move)  # the byte counters' label per move
+JOB_KINDS = tuple(move.value for move in Move)
 QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots_in_flight",
           "remote_write_queue")
 CHUNK_OPS = ("stored", "spilled", "promoted", "superseded", "remote_written", "remote_read")

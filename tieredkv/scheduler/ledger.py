@@ -5,7 +5,7 @@ being built; each request's state and the epoch that invalidates cached hits; an
 A job is issued once (an id, the keys it names, the request it serves, one report expected
 from every rank) and appended to this step's :class:`StepPlan`. :meth:`JobLedger.apply` folds
 the ranks' reports in; once every rank has reported a job, its completion handler, chosen by
-its :class:`JobKind` in the table the planner installs, brings the indexes up to date, and the
+its :class:`~tieredkv.protocol.Move` in the table the planner installs, brings the indexes up to date, and the
 job is detached from its request (which is forgotten when finished with nothing in flight).
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tieredkv.config import TieredKVConfig
 from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Counts
-from tieredkv.protocol import JobKind, JobResult, StepPlan
+from tieredkv.protocol import JobResult, Move, StepPlan
 from tieredkv.scheduler.tier_index import TierIndex
 
 if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) imports this
@@ -119,7 +119,7 @@ class HitEpoch:
 @dataclass
 class JobRecord:
     job_id: int
-    kind: JobKind
+    move: Move
     keys: tuple[bytes, ...]
     req_id: str | None
     remaining: int  # ranks yet to report
@@ -142,23 +142,23 @@ class JobLedger:
         self._requests = requests
         self._ids = itertools.count(1)
         self._jobs: dict[int, JobRecord] = {}
-        self._handlers: dict[JobKind, CompletionHandler] = {}
+        self._handlers: dict[Move, CompletionHandler] = {}
         self.plan = StepPlan()
         # Hybrid models: sliding-window blocks that in-flight stores read (block -> stores).
         self.sliding_sources: Counter[int] = Counter()
 
-    def set_handlers(self, handlers: Mapping[JobKind, CompletionHandler]) -> None:
-        """Install the completion table: one handler for every :class:`JobKind`."""
-        missing = [kind.value for kind in JobKind if kind not in handlers]
+    def set_handlers(self, handlers: Mapping[Move, CompletionHandler]) -> None:
+        """Install the completion table: one handler for every :class:`Move`."""
+        missing = [move.value for move in Move if move not in handlers]
         if missing:
-            raise ValueError(f"tieredkv: no completion handler for job kinds {missing}")
+            raise ValueError(f"tieredkv: no completion handler for moves {missing}")
         self._handlers = dict(handlers)
 
     # ------------------------------------------------------------------ issuing
 
     def issue(
         self,
-        kind: JobKind,
+        move: Move,
         keys: tuple[bytes, ...],
         req_id: str | None,
         chunk_blocks: tuple[tuple[int, ...], ...] = (),
@@ -168,7 +168,7 @@ class JobLedger:
         ``sliding``: a store's sliding-window source blocks (see :attr:`sliding_sources`)."""
         job_id = next(self._ids)
         self._jobs[job_id] = JobRecord(
-            job_id, kind, keys, req_id, remaining=self.world_size, chunk_blocks=chunk_blocks,
+            job_id, move, keys, req_id, remaining=self.world_size, chunk_blocks=chunk_blocks,
             sliding=sliding,
         )
         self.sliding_sources.update(sliding)
@@ -208,7 +208,7 @@ class JobLedger:
                     self.sliding_sources[block] = left
                 else:
                     del self.sliding_sources[block]
-            self._handlers[job.kind](job, job.outcome)
+            self._handlers[job.move](job, job.outcome)
             self._detach(job)
 
     def _detach(self, job: JobRecord) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tieredkv.metrics.specs import Count
-from tieredkv.protocol import NO_BLOCK, FailureCause, JobKind, JobResult, LoadChunk, LoadJob, Tier
+from tieredkv.protocol import NO_BLOCK, FailureCause, Job, JobResult, LoadChunk, Move, Tier
 from tieredkv.scheduler.ledger import JobRecord, PendingHit, PlannerParts, RequestState
 from tieredkv.scheduler.lower_tier import Fill
 from tieredkv.scheduler.placement import Placer
@@ -349,9 +349,9 @@ class Lookup:
             self.counters[Count.LOAD_ROWS_UNSERVED] += len(unserved)
             state.hit_chunk_limit = unserved_chunk
             chunk_blocks = tuple(() for _ in chunks)
-        job_id = self._ledger.issue(JobKind.LOAD, tuple(keep), req_id, chunk_blocks=chunk_blocks)
-        self._ledger.plan.loads.append(
-            LoadJob(job_id, req_id, tuple(chunks), unserved=not served)
+        job_id = self._ledger.issue(Move.LOAD, tuple(keep), req_id, chunk_blocks=chunk_blocks)
+        self._ledger.plan.jobs.append(
+            Job.load(job_id, req_id, tuple(chunks), unserved=not served)
         )
         state.load_job = job_id
         tokens = end_block * self.block_size - hit.start_token

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 from tieredkv.disk import aliases_kept
 from tieredkv.metrics.specs import READ_FAILED, Count, Counts
-from tieredkv.protocol import FailureCause, JobKind, JobResult, PromoteJob, StepPlan, Tier
+from tieredkv.protocol import FailureCause, Job, JobResult, Move, StepPlan, Tier
 from tieredkv.scheduler.ledger import JobRecord, PlannerParts, RequestState
 from tieredkv.scheduler.placement import Placer, count_evictions
 from tieredkv.scheduler.tier_index import TierIndex
@@ -55,8 +55,8 @@ class LowerTier(ABC):
     #: Names the tier in counters (``<name>_read_failed_<cause>``, ``hit_tokens_<name>``, ...)
     #: and in a request's hit sources.
     name: str
-    #: The job kind a fill from this tier is (its completion comes back under it).
-    fill_kind: JobKind
+    #: The move a fill from this tier is (its completion comes back under it).
+    fill_move: Move
     #: The counter of chunks this tier filled into host slots.
     fill_counter: Count
 
@@ -113,7 +113,7 @@ class DiskTier(TierIndex, LowerTier):
     """
 
     name = Tier.DISK
-    fill_kind = JobKind.PROMOTE
+    fill_move = Move.PROMOTE
     fill_counter = Count.PROMOTED_CHUNKS
 
     def __init__(self, num_slots: int, *, policy: str, admission: int, seen_limit: int,
@@ -209,7 +209,7 @@ class DiskTier(TierIndex, LowerTier):
         entry = self.get(key)
         assert entry is not None
         self.pin(key)
-        plan.promotes.append(PromoteJob(job_id, key, entry.slot, host_slot, req_id=req_id))
+        plan.jobs.append(Job.promote(job_id, key, entry.slot, host_slot, req_id=req_id))
 
     def fill_done(self, key: bytes, ok: bool) -> None:
         self.unpin(key)
@@ -241,8 +241,8 @@ class Fill:
         self.load_timeout_s = parts.config.load_timeout_s
         self._ledger = parts.ledger
         self._placer = placer
-        self._tiers: dict[JobKind, LowerTier] = {
-            tier.fill_kind: tier for tier in (parts.lower, parts.remote) if tier is not None
+        self._tiers: dict[Move, LowerTier] = {
+            tier.fill_move: tier for tier in (parts.lower, parts.remote) if tier is not None
         }
         # key -> its fill job in flight (any request, any tier): whoever finds it here waits.
         self.in_flight: dict[bytes, int] = {}
@@ -301,7 +301,7 @@ class Fill:
                 break
             host_slot, evicted = allocation
             count_evictions(self.counters, Tier.HOST, evicted)
-            job_id = self._ledger.issue(tier.fill_kind, (key,), state.req_id)
+            job_id = self._ledger.issue(tier.fill_move, (key,), state.req_id)
             tier.plan_fill(self._ledger.plan, job_id, key, host_slot, state.req_id)
             self.in_flight[key] = job_id
             state.promote_jobs.add(job_id)
@@ -317,7 +317,7 @@ class Fill:
         (key,) = job.keys
         if self.in_flight.get(key) == job.job_id:
             del self.in_flight[key]
-        tier = self._tiers[job.kind]
+        tier = self._tiers[job.move]
         tier.fill_done(key, not outcome.failed)
         if outcome.failed:
             self.host.abort(key)

@@ -23,15 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tieredkv.kv_groups import FULL
 from tieredkv.metrics.specs import ADMISSION_REJECTED, Count, Counts
-from tieredkv.protocol import (
-    FailureCause,
-    JobKind,
-    JobResult,
-    RemoteWriteJob,
-    SpillJob,
-    StoreJob,
-    Tier,
-)
+from tieredkv.protocol import FailureCause, Job, JobResult, Move, Tier
 from tieredkv.scheduler.ledger import JobRecord, PlannerParts, RequestState
 from tieredkv.scheduler.tier_index import Placement, TierIndex
 
@@ -151,9 +143,9 @@ class Placer:
         slot, evicted = allocation
         count_evictions(self.counters, Tier.HOST, evicted)
         blocks = tuple(blocks)
-        job_id = self._ledger.issue(JobKind.STORE, (key,), state.req_id, chunk_blocks=(blocks,),
+        job_id = self._ledger.issue(Move.STORE, (key,), state.req_id, chunk_blocks=(blocks,),
                                     sliding=sliding)
-        self._ledger.plan.stores.append(StoreJob(job_id, key, slot, blocks, req_id=state.req_id))
+        self._ledger.plan.jobs.append(Job.store(job_id, key, slot, blocks, req_id=state.req_id))
         state.store_jobs.add(job_id)
         self.note_seen(key)
 
@@ -242,10 +234,10 @@ class Placer:
                 self._remote_queue, lambda k: remote.holds_hint(k) or not self._whole(k)):
             host.pin(key)
             remote.remember(key)  # one write per chunk, even before the ranks report
-            job_id = self._ledger.issue(JobKind.REMOTE_WRITE, (key,), None)
-            self._ledger.plan.remote_writes.append(
-                RemoteWriteJob(job_id, key, placement.slot, rows=self._entry_rows(placement.blocks),
-                               holes=self._hole_rows)
+            job_id = self._ledger.issue(Move.REMOTE_WRITE, (key,), None)
+            self._ledger.plan.jobs.append(
+                Job.remote_write(job_id, key, placement.slot,
+                                 rows=self._entry_rows(placement.blocks), holes=self._hole_rows)
             )
 
     def complete_remote_write(self, job: JobRecord, outcome: JobResult) -> None:
@@ -278,10 +270,10 @@ class Placer:
             lower_slot, evicted = allocation
             count_evictions(self.counters, lower.name, evicted)
             host.pin(key)
-            job_id = self._ledger.issue(JobKind.SPILL, (key,), None)
+            job_id = self._ledger.issue(Move.SPILL, (key,), None)
             # The written copy lists the entry's block keys, so a restart finds them again
             # (beyond what the tier keeps, only the entry's own key survives it).
-            self._ledger.plan.spills.append(SpillJob(
+            self._ledger.plan.jobs.append(Job.spill(
                 job_id, key, placement.slot, lower_slot,
                 aliases=lower.kept_aliases(placement.aliases)))
 

@@ -41,7 +41,7 @@ from typing import Any
 from tieredkv.config import TieredKVConfig
 from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Count, CountKey, Counts
-from tieredkv.protocol import JobKind, JobResult, StepPlan, Tier
+from tieredkv.protocol import JobResult, Move, StepPlan, Tier
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import DiskTier, Fill
@@ -121,12 +121,12 @@ class Planner:
         self._lookup = Lookup(parts, placer=self._placer, fill=fill)
         self._epoch = epoch
         self._ledger.set_handlers({
-            JobKind.STORE: self._placer.complete_store,
-            JobKind.SPILL: self._placer.complete_spill,
-            JobKind.PROMOTE: fill.complete,
-            JobKind.LOAD: self._lookup.complete_load,
-            JobKind.REMOTE_READ: fill.complete,
-            JobKind.REMOTE_WRITE: self._placer.complete_remote_write,
+            Move.STORE: self._placer.complete_store,
+            Move.SPILL: self._placer.complete_spill,
+            Move.PROMOTE: fill.complete,
+            Move.LOAD: self._lookup.complete_load,
+            Move.REMOTE_READ: fill.complete,
+            Move.REMOTE_WRITE: self._placer.complete_remote_write,
         })
 
     @property

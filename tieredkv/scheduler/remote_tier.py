@@ -7,7 +7,7 @@ replicas write and Redis evicts at any moment), so it keeps no index of it, only
 * **Reads.** A lookup whose prefix continues past what host and disk hold asks
   :meth:`RemoteTier.poll` how many more chunks every rank's shard exists for. The answer comes
   from a non-blocking :class:`RemoteProbe` (``None``: ask again). Present chunks are read
-  into host slots by the workers (the fill path's ``RemoteReadJob``) and verified there
+  into host slots by the workers (the fill path's ``Move.REMOTE_READ`` jobs) and verified there
   before anything is promised; a chunk that turns out gone or bad is a miss, counted by
   cause, and forgotten.
 * **Writes.** A chunk stored in host memory (a whole chunk: the probe asks for chunk keys) is
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tieredkv.metrics.specs import Count, Counts
-from tieredkv.protocol import FailureCause, JobKind, RemoteReadJob, StepPlan, Tier
+from tieredkv.protocol import FailureCause, Job, Move, StepPlan, Tier
 from tieredkv.remote.codec import DEFAULT_PREFIX, RemoteKeyNames
 from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.lower_tier import LowerTier, Sightings
@@ -265,7 +265,7 @@ class RemoteTier(LowerTier):
     """Probes, fills and write admission for the shared tier (the scheduler's thread only)."""
 
     name = Tier.REMOTE
-    fill_kind = JobKind.REMOTE_READ
+    fill_move = Move.REMOTE_READ
     fill_counter = Count.REMOTE_READ_CHUNKS
 
     def __init__(
@@ -317,7 +317,7 @@ class RemoteTier(LowerTier):
 
     def plan_fill(self, plan: StepPlan, job_id: int, key: bytes, host_slot: int,
                   req_id: str) -> None:
-        plan.remote_reads.append(RemoteReadJob(job_id, key, host_slot, req_id=req_id))
+        plan.jobs.append(Job.remote_read(job_id, key, host_slot, req_id=req_id))
 
     def fill_done(self, key: bytes, ok: bool) -> None:
         if ok:

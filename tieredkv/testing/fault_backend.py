@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tieredkv.protocol import FailureCause
 from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -34,7 +35,7 @@ _KNOWN = {"fail_loads", "store_delay_s"}
 class InjectedFault(RuntimeError):
     """A deliberate failure; its ``kind`` is what the failure counters record."""
 
-    kind = "injected"
+    kind = FailureCause.INJECTED
 
 
 def faults_from_env() -> dict[str, float]:

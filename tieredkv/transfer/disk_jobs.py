@@ -1,6 +1,7 @@
 """Disk jobs: spill (host slot -> disk slot) and promote (disk slot -> host slot).
 
-Both run as coroutines on the engine's event loop, which awaits the slab executor's bounded
+The handlers of :attr:`Move.SPILL` and :attr:`Move.PROMOTE`. Both run as coroutines on the
+engine's event loop, which awaits the slab executor's bounded
 pool of I/O threads (``io_threads``), so a slow or hung disk never holds a copy lane or vLLM's
 thread. Spills go through a bounded queue in front of a few spill workers: a slow disk drops
 spills (counted) instead of delaying stores, loads or promotions.
@@ -16,36 +17,38 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from tieredkv.protocol import Direction, FailureCause, JobResult, PromoteJob, SpillJob
+from tieredkv.protocol import FailureCause, JobResult, Move
 from tieredkv.transfer.host_pool import HostPool, SlotGuard
-from tieredkv.transfer.transfer_stats import Finish, TransferStats
+from tieredkv.transfer.runtime import Entry, Runtime
 
 logger = logging.getLogger(__name__)
 
 # Disk read failures worth a second read: the bytes may well be there. A checksum, key or
 # namespace mismatch says they are not; so does a missing file.
-_TRANSIENT_READ_FAILURES = frozenset({"io_error", "short_read", "timeout"})
+_TRANSIENT_READ_FAILURES = frozenset(
+    {FailureCause.IO_ERROR, FailureCause.SHORT_READ, FailureCause.TIMEOUT})
 
 
-def failure_kind(exc: BaseException) -> str:
-    """The failure name of an exception: a SlabError's kind, else a best-effort kind."""
+def failure_kind(exc: BaseException) -> FailureCause:
+    """The failure cause of an exception: a SlabError's kind, else a best-effort cause."""
     kind = getattr(exc, "kind", None)
     if kind is not None:
-        return str(getattr(kind, "value", kind))
+        try:
+            return FailureCause(str(getattr(kind, "value", kind)))
+        except ValueError:
+            return FailureCause.IO_ERROR
     if isinstance(exc, TimeoutError):
-        return "timeout"
+        return FailureCause.TIMEOUT
     if isinstance(exc, FileNotFoundError):
-        return "missing"
-    return "io_error"
+        return FailureCause.MISSING
+    return FailureCause.IO_ERROR
 
 
 def _transient(exc: BaseException) -> bool:
     """A disk read failure that a second read may not hit again (a SlabError's kind says)."""
-    kind = getattr(exc, "kind", None)
-    return kind is not None and str(getattr(kind, "value", kind)) in _TRANSIENT_READ_FAILURES
+    return getattr(exc, "kind", None) is not None and failure_kind(exc) in _TRANSIENT_READ_FAILURES
 
 
 class DiskJobs:
@@ -56,13 +59,11 @@ class DiskJobs:
         host: HostPool,
         slab: Any | None,
         guard: SlotGuard,
-        stats: TransferStats,
-        finish: Finish,
+        runtime: Runtime,
         *,
         io_threads: int,
         spill_queue_depth: int,
         timeout_s: float,
-        on_death: Callable[[str, BaseException], None],
     ) -> None:
         self.host = host
         self.slab = slab
@@ -70,14 +71,13 @@ class DiskJobs:
         self.spill_queue_depth = spill_queue_depth
         self.timeout_s = timeout_s  # a spill's write; a promotion's read and its retry, each
         self._guard = guard
-        self._stats = stats
-        self._finish = finish
-        self._on_death = on_death
+        self._runtime = runtime
+        self._stats = runtime.stats
         # Leave one I/O thread to reads: a burst of spill writes never queues a promotion's
         # read behind more than one write.
         self._spill_workers_n = max(1, io_threads - 1)
         self._executor: Any | None = None
-        self._spill_queue: asyncio.Queue[tuple[int, SpillJob, float]] | None = None
+        self._spill_queue: asyncio.Queue[Entry] | None = None
         self._spill_workers: list[asyncio.Task[Any]] = []
 
     def start(self) -> None:
@@ -88,7 +88,7 @@ class DiskJobs:
         # Imported here: disk-tier modules stay out of GPU-only runs.
         from tieredkv.disk.async_io import SlabExecutor
 
-        self._executor = SlabExecutor(self.io_threads, on_death=self._on_death)
+        self._executor = SlabExecutor(self.io_threads, on_death=self._runtime.die)
         loop = asyncio.get_event_loop()
         self._spill_workers = [
             loop.create_task(self._spill_worker()) for _ in range(self._spill_workers_n)
@@ -109,9 +109,9 @@ class DiskJobs:
         if queue is None:
             return
         while not queue.empty():
-            seq, job, t0 = queue.get_nowait()
+            entry = queue.get_nowait()
             queue.task_done()
-            self._finish(seq, JobResult.fail(job.job_id, FailureCause.CANCELLED), t0)
+            self._runtime.finish(entry, JobResult.fail(entry.job.job_id, FailureCause.CANCELLED))
 
     def stop(self, wait_s: float) -> None:
         """Stop the I/O threads, waiting up to ``wait_s`` for calls still running."""
@@ -120,26 +120,34 @@ class DiskJobs:
 
     # ------------------------------------------------------------------ spills
 
-    def enqueue_spill(self, seq: int, job: SpillJob, t0: float) -> None:
-        if self.slab is None:
-            self._finish(seq, JobResult.fail(job.job_id, FailureCause.MISSING), t0)
-            return
-        assert self._spill_queue is not None
-        try:
-            self._spill_queue.put_nowait((seq, job, t0))
-        except asyncio.QueueFull:
-            self._finish(seq, JobResult.fail(job.job_id, FailureCause.DROPPED), t0)
+    def submit_spills(self, entries: list[Entry]) -> None:
+        self._runtime.on_loop(self._enqueue_spills, entries)
+
+    def _enqueue_spills(self, entries: list[Entry]) -> None:
+        """On the loop: into the bounded spill queue; a full queue drops the spill."""
+        for entry in entries:
+            job = entry.job
+            if self.slab is None:
+                self._runtime.finish(entry, JobResult.fail(job.job_id, FailureCause.MISSING))
+                continue
+            assert self._spill_queue is not None
+            try:
+                self._spill_queue.put_nowait(entry)
+            except asyncio.QueueFull:
+                self._runtime.finish(entry, JobResult.fail(job.job_id, FailureCause.DROPPED))
 
     async def _spill_worker(self) -> None:
         assert self._spill_queue is not None
         while True:
-            seq, job, t0 = await self._spill_queue.get()
+            entry = await self._spill_queue.get()
             try:
-                await self._spill(seq, job, t0)
+                await self._spill(entry)
             finally:
                 self._spill_queue.task_done()
 
-    async def _spill(self, seq: int, job: SpillJob, t0: float) -> None:
+    async def _spill(self, entry: Entry) -> None:
+        job = entry.job
+        disk = job.dst
         result = JobResult.fail(job.job_id, FailureCause.CANCELLED)
         holding, pending = False, None
         try:
@@ -152,10 +160,10 @@ class DiskJobs:
             holding = True
             assert self._executor is not None
             await self._executor.write(
-                self.slab, job.disk_slot, job.key, self.host.slot_memoryview(job.host_slot),
-                timeout=self.timeout_s, aliases=job.aliases,
+                self.slab, disk.slot, job.key, self.host.slot_memoryview(job.host_slot),
+                timeout=self.timeout_s, aliases=disk.aliases,  # type: ignore[union-attr]
             )
-            self._stats.moved(Direction.SPILL, self.host.payload_bytes)
+            self._stats.moved(Move.SPILL, self.host.payload_bytes)
             result = JobResult.done(job.job_id)
         except asyncio.CancelledError:
             raise
@@ -166,11 +174,19 @@ class DiskJobs:
         finally:
             if holding:
                 self._release_after(job.host_slot, False, pending)
-            self._finish(seq, result, t0)
+            self._runtime.finish(entry, result)
 
     # ------------------------------------------------------------------ promotions
 
-    async def promote(self, seq: int, job: PromoteJob, t0: float) -> None:
+    def submit_promotions(self, entries: list[Entry]) -> None:
+        self._runtime.on_loop(self._start_promotions, entries)
+
+    def _start_promotions(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._runtime.spawn(self._promote(entry))
+
+    async def _promote(self, entry: Entry) -> None:
+        job = entry.job
         result = JobResult.fail(job.job_id, FailureCause.CANCELLED)
         try:
             if self.slab is None:
@@ -186,18 +202,18 @@ class DiskJobs:
             # what is in memory), so a retry gets a budget of its own: a timed-out read can
             # be read again once its stuck call returned.
             deadline = asyncio.get_running_loop().time() + self.timeout_s
-            failure = await self._read_slot(job.key, job.disk_slot, job.host_slot, deadline,
-                                            retry_s=self.timeout_s)
+            failure = await self._read_slot(job.key, job.src.slot,  # type: ignore[union-attr]
+                                            job.host_slot, deadline, retry_s=self.timeout_s)
             if failure is None:
                 self._guard.release(job.host_slot, True)
                 result = JobResult.done(job.job_id)
             else:
                 result = JobResult.fail(job.job_id, failure)
         finally:
-            self._finish(seq, result, t0)
+            self._runtime.finish(entry, result)
 
     async def _read_slot(self, key: bytes, disk_slot: int, host_slot: int, deadline: float,
-                         retry_s: float | None = None) -> str | None:
+                         retry_s: float | None = None) -> FailureCause | None:
         """Read and verify a disk slot into a host slot the caller holds for writing, by
         ``deadline`` (loop time).
 
@@ -231,11 +247,11 @@ class DiskJobs:
         if failure is not None:
             self._release_after(host_slot, True, pending)
             return failure
-        self._stats.moved(Direction.RESTORE, self.host.payload_bytes)
+        self._stats.moved(Move.PROMOTE, self.host.payload_bytes)
         return None
 
     async def _read_once(self, key: bytes, disk_slot: int, host_slot: int,
-                         timeout: float) -> tuple[str | None, bool, Any]:
+                         timeout: float) -> tuple[FailureCause | None, bool, Any]:
         """One verified read: (failure or None, worth another read, the timed-out call that
         may still write into the slot or None)."""
         assert self._executor is not None

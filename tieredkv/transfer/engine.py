@@ -1,19 +1,22 @@
-"""The worker's transfer engine: executes store/spill/promote/load jobs and reports results.
+"""The worker's transfer engine: routes each job by its move to one handler, reports results.
 
 vLLM's worker thread only ever calls the non-blocking ``submit``/``poll`` (plus
-``fence_blocks`` before a forward that reuses freed blocks). Each job kind has one path:
+``fence_blocks`` before a forward that reuses freed blocks). A job's
+:class:`~tieredkv.protocol.Move` (its source and destination media) picks its one handler,
+and the handler picks the thread that runs it:
 
-- store (d2h, :mod:`~tieredkv.transfer.store_jobs`): a coroutine on the engine's event loop
-  (one daemon thread, started on the first submit) awaiting the d2h copy lane, which batches
-  whatever queued up while its previous batch ran;
-- spill (host -> disk) and promote (disk -> host, :mod:`~tieredkv.transfer.disk_jobs`):
+- store (device -> host) and load (host -> device), :mod:`~tieredkv.transfer.device_jobs`:
+  a store is a coroutine on the engine's event loop (one daemon thread, started on the first
+  job that needs it) awaiting the d2h copy lane, which batches whatever queued up while its
+  previous batch ran; a load never crosses the loop: start to end on the h2d lane thread, or
+  inline in the caller's thread on CPU (see ``device_jobs``);
+- spill (host -> disk) and promote (disk -> host), :mod:`~tieredkv.transfer.disk_jobs`:
   coroutines on the event loop awaiting the slab executor's bounded pool of I/O threads;
   spills pass a bounded queue, so a slow disk drops them (counted) instead of delaying others;
-- load (h2d, :mod:`~tieredkv.transfer.load_jobs`): never on the event loop (see
-  :meth:`TransferEngine.submit` for why): start to end on the h2d lane thread, or inline in
-  the caller's thread on CPU. A load's chunks are all in host slots;
-- remote read and write (:mod:`~tieredkv.transfer.remote_driver`): on the store's own thread.
+- remote read and write (host <-> remote), :mod:`~tieredkv.transfer.remote_driver`: on the
+  store's own thread.
 
+Handlers see the engine only as a :class:`~tieredkv.transfer.runtime.Runtime`.
 Every submitted job gets exactly one :class:`JobResult`, also when it is cancelled, fenced or
 shut down.
 
@@ -31,46 +34,26 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Sequence
-from functools import partial
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
-from tieredkv.protocol import (
-    FailureCause,
-    Job,
-    JobResult,
-    LoadJob,
-    PromoteJob,
-    SpillJob,
-    StoreJob,
-)
-from tieredkv.transfer.backends.base import CopyBackend, Pair
+from tieredkv.protocol import Job, JobResult, Medium, Move
+from tieredkv.transfer.backends.base import CopyBackend
+from tieredkv.transfer.device_jobs import DeviceJobs
 from tieredkv.transfer.disk_jobs import DiskJobs
 from tieredkv.transfer.host_pool import HostPool, SlotGuard
 from tieredkv.transfer.kv_views import KVViews
-from tieredkv.transfer.lanes import CopyLane, compute_mark
-from tieredkv.transfer.load_jobs import LoadJobs
+from tieredkv.transfer.lanes import compute_mark
 from tieredkv.transfer.remote_driver import RemoteDriver
 from tieredkv.transfer.remote_jobs import RemoteJobs
-from tieredkv.transfer.store_jobs import StoreJobs, StoreTicket
-from tieredkv.transfer.transfer_stats import TransferStats, job_kind
+from tieredkv.transfer.runtime import Entry, Handler, TransferStats, cancelled
 
 logger = logging.getLogger(__name__)
 
 _MAX_STAGING_BYTES = 256 * 1024 * 1024  # bounds one copy batch (the CUDA staging buffer)
 
-# (submission seq, job, store ticket or None, submit time, compute mark)
-_Entry = tuple[int, Job, StoreTicket | None, float, Any]
-
-
 class EngineDeadError(RuntimeError):
     """The transfer engine can no longer run jobs; ``__cause__`` is what killed it."""
-
-
-def _cancelled(job: Job) -> JobResult:
-    """A job that will not run; a load names every device block it leaves unloaded."""
-    block_ids = job.block_ids if isinstance(job, LoadJob) else ()
-    return JobResult.fail(job.job_id, FailureCause.CANCELLED, block_ids)
 
 
 def _noop() -> None:
@@ -78,7 +61,8 @@ def _noop() -> None:
 
 
 class TransferEngine:
-    """Moves KV bytes between device blocks, host slots and disk slots, as told."""
+    """Moves KV bytes between device blocks, host slots, disk slots and the shared store,
+    as told; it is the :class:`~tieredkv.transfer.runtime.Runtime` of its handlers."""
 
     def __init__(
         self,
@@ -101,12 +85,10 @@ class TransferEngine:
         self.kv = kv
         self.host = host
         self.slab = slab
-        self.backend = backend
         self.chunk_blocks = kv.chunk_blocks_for(host.payload_bytes)
         self.io_threads = io_threads
         self.spill_queue_depth = spill_queue_depth
         self.load_timeout_s = load_timeout_s
-        self._max_batch_pairs = max(1, min(512, _MAX_STAGING_BYTES // host.payload_bytes))
         self.stats = TransferStats()
 
         # Shared with the caller's threads, under _lock.
@@ -114,43 +96,54 @@ class TransferEngine:
         self._result_ready = threading.Condition(self._lock)
         self._start_lock = threading.Lock()
         self._seq = itertools.count(1)
-        self._pending: dict[int, Job] = {}
+        self._pending: dict[int, Job] = {}  # seq -> job
         self._results: list[JobResult] = []
         self._closed = False
         self._stopped = False
         self._error: EngineDeadError | None = None  # set once, when an engine thread died
         self._device_paused = False  # vLLM sleep mode: the device memory is going away
 
-        # One runner per job kind; all of them take host slots through one guard.
+        # One handler per move; every handler takes host slots through one guard.
         self._guard = SlotGuard()
-        self._stores = StoreJobs(kv, host, self._guard, self.stats, self._lock, self._finish)
-        self._loads = LoadJobs(kv, host, self._copy_h2d, self._guard, self.stats, self._finish,
-                               closed=self._is_closed)
-        self._disk = DiskJobs(host, slab, self._guard, self.stats, self._finish,
-                              io_threads=io_threads, spill_queue_depth=spill_queue_depth,
-                              timeout_s=load_timeout_s, on_death=self._die)
-        self._remote = RemoteDriver(remote, self._guard, self.stats, self._finish,
-                                    host.payload_bytes, chunk_rows=self.chunk_blocks, kv=kv)
+        self._device = DeviceJobs(
+            kv, host, backend, self._guard, self, self._lock,
+            max_batch_pairs=max(1, min(512, _MAX_STAGING_BYTES // host.payload_bytes)))
+        self._disk = DiskJobs(host, slab, self._guard, self, io_threads=io_threads,
+                              spill_queue_depth=spill_queue_depth, timeout_s=load_timeout_s)
+        self._remote = RemoteDriver(remote, self._guard, self, host.payload_bytes,
+                                    chunk_rows=self.chunk_blocks, kv=kv)
+        # Handlers that never block come first: an inline load holds the caller's thread.
+        self._routes: dict[Move, Handler] = {
+            Move.REMOTE_READ: self._remote.submit_reads,
+            Move.PROMOTE: self._disk.submit_promotions,
+            Move.SPILL: self._disk.submit_spills,
+            Move.REMOTE_WRITE: self._remote.submit_writes,
+            Move.STORE: self._device.submit_stores,
+            Move.LOAD: self._device.submit_loads,
+        }
 
-        # Threads, started with the event loop on the first submit.
+        # The event loop, started on the first job that needs it.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # stores and promotions (loop thread)
-        self._d2h: CopyLane | None = None
-        self._h2d: CopyLane | None = None
 
     # ================================================================== caller-side API
+
+    @property
+    def backend(self) -> CopyBackend:
+        """The device<->host copy backend (looked up per copy: tests swap it)."""
+        return self._device.backend
+
+    @backend.setter
+    def backend(self, backend: CopyBackend) -> None:
+        self._device.backend = backend
 
     def submit(self, jobs: Sequence[Job], *, inline_max_bytes: int = 0) -> None:
         """Queue jobs; returns at once. Thread-safe. Results arrive through :meth:`poll`.
 
-        Loads skip the event loop: they run on the h2d lane thread, or, on a CPU device when
-        they move at most ``inline_max_bytes``, here in the caller's thread. Why: while vLLM
-        waits for a load its engine thread spins on empty steps holding the GIL, and each
-        thread a job crosses waits up to a switch interval (5 ms) for it. On CPU vLLM calls
-        ``start_load_kv`` *after* the step's forward, so an inline copy (a memcpy, GIL
-        released) delays no computation and is reported by the same step's ``get_finished``,
-        a whole step earlier. A big load would hold the engine meanwhile: the caller bounds it.
+        Each job goes to its move's handler. ``inline_max_bytes``: on a CPU device, a load
+        that moves at most this much runs here in the caller's thread (see ``device_jobs``;
+        a big load would hold the engine meanwhile: the caller bounds it).
         """
         jobs = list(jobs)
         if not jobs:
@@ -159,59 +152,27 @@ class TransferEngine:
             if not isinstance(job, Job):
                 raise TypeError(f"not a transfer job: {job!r}")
         now = time.monotonic()
-        touches_device = any(isinstance(j, StoreJob | LoadJob) for j in jobs)
-        mark = compute_mark(self.kv.device) if touches_device else None
-        entries: list[_Entry] = []
+        mark = compute_mark(self.kv.device) if any(j.move.touches_device for j in jobs) else None
+        routed: dict[Move, list[Entry]] = {}
+        refused: list[Entry] = []
         with self._lock:
-            closed = self._closed
-            paused = self._device_paused
+            closed, paused = self._closed, self._device_paused
             for job in jobs:
                 seq = next(self._seq)
                 self._pending[seq] = job
-                ticket = None
-                if isinstance(job, StoreJob):
-                    ticket = self._stores.add_locked(seq, job, mark)
-                entries.append((seq, job, ticket, now, mark))
-        # Shut down: nothing runs. Paused for sleep mode: nothing touches the device.
-        accepted = []
-        for entry in entries:
-            seq, job, _, t0, _ = entry
-            if closed or (paused and isinstance(job, StoreJob | LoadJob)):
-                self._finish(seq, _cancelled(job), t0)
-            else:
-                accepted.append(entry)
-        accepted = self._remote.take(accepted)  # remote jobs: the store's thread, not the loop
-        if not accepted:
-            return
-        loop = self._ensure_started()
-        if self._closed:  # it died (perhaps just now, starting) or shut down: nothing runs
-            for seq, job, _, t0, _ in accepted:
-                self._finish(seq, _cancelled(job), t0)
-            return
-        inline_budget = inline_max_bytes if self.kv.device.type == "cpu" else 0
-        queued = []
-        for entry in accepted:
-            seq, job, _, t0, mark = entry
-            if not isinstance(job, LoadJob):
-                queued.append(entry)  # stores, spills, promotions: the event loop
-            elif inline_budget > 0 and self._loads.nbytes(job) <= inline_budget:
-                self._loads.run(seq, job, t0, mark, on_lane=False)
-            else:
-                assert self._h2d is not None
-                call = self._h2d.call(self._loads.run, seq, job, t0, mark, True)
-                call.add_done_callback(partial(self._lane_call_done, seq, job, t0))
-        if not queued:
-            return
-        try:
-            loop.call_soon_threadsafe(self._dispatch, queued)
-        except RuntimeError:  # the loop stopped under us (shutdown raced this submit)
-            for seq, job, _, t0, _ in queued:
-                self._finish(seq, _cancelled(job), t0)
-
-    def _lane_call_done(self, seq: int, job: LoadJob, t0: float, call: cf.Future[Any]) -> None:
-        """A load the h2d lane never ran (it died) still gets its result."""
-        if call.cancelled() or call.exception() is not None:
-            self._finish(seq, _cancelled(job), t0)
+                entry = Entry(seq, job, now, mark, inline_max_bytes)
+                # Shut down: nothing runs. Paused for sleep mode: nothing touches the device.
+                if closed or (paused and job.move.touches_device):
+                    refused.append(entry)
+                else:
+                    routed.setdefault(job.move, []).append(entry)
+        for entry in refused:
+            self.finish(entry, cancelled(entry.job))
+        if any(Medium.REMOTE not in (move.src, move.dst) for move in routed):
+            self.ensure_started()  # the loop, lanes and I/O threads; dead: these jobs fail
+        for move, handler in self._routes.items():
+            if move in routed:
+                handler(routed[move])
 
     def poll(self) -> list[JobResult]:
         """Results completed since the last poll (non-blocking)."""
@@ -233,7 +194,7 @@ class TransferEngine:
         for. A store still running at the timeout is reported failed (``cancelled``), since
         its bytes may come from the blocks' next tenant. Returns at once when none match.
         """
-        self._stores.fence(block_ids, timeout_s)
+        self._device.fence(block_ids, timeout_s)
 
     def pause_device_jobs(self, timeout_s: float = 10.0) -> bool:
         """Before vLLM releases the device memory (sleep mode): from now on stores and loads
@@ -247,7 +208,7 @@ class TransferEngine:
 
         with self._result_ready:
             quiet = self._result_ready.wait_for(
-                lambda: not any(isinstance(j, StoreJob | LoadJob) for j in self._pending.values()),
+                lambda: not any(j.move.touches_device for j in self._pending.values()),
                 max(0.0, deadline - time.monotonic()))
         if not quiet:
             logger.error("tieredkv: device copies still running %.1f s after sleep was "
@@ -270,8 +231,8 @@ class TransferEngine:
             in_flight = len(self._pending)
         gauges = {
             "spill_queue": self._disk.queued_spills,
-            "d2h_queue": self._d2h.queued if self._d2h is not None else 0,
-            "h2d_queue": self._h2d.queued if self._h2d is not None else 0,
+            "d2h_queue": self._device.d2h.queued if self._device.d2h is not None else 0,
+            "h2d_queue": self._device.h2d.queued if self._device.h2d is not None else 0,
             "jobs_in_flight": in_flight,
             "host_slots_in_flight": self._guard.in_flight,
             **self._remote.gauges(),
@@ -285,7 +246,7 @@ class TransferEngine:
             if self._stopped:
                 return
             self._stopped = self._closed = True
-            self._stores.cancel_queued_locked()
+            self._device.cancel_queued_locked()
         deadline = time.monotonic() + max(0.0, timeout_s)
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None:
@@ -302,37 +263,72 @@ class TransferEngine:
             thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
             if thread.is_alive():
                 logger.warning("tieredkv: transfer loop thread did not stop; abandoning it")
-            for lane in (self._d2h, self._h2d):
-                if lane is not None:
-                    lane.stop(0.0)
+            self._device.stop_lanes()
             self._disk.stop(wait_s=max(0.0, deadline - time.monotonic()))
         self._remote.close(max(0.1, deadline - time.monotonic()))
         with self._lock:
             leftovers = list(self._pending.items())
         for seq, job in leftovers:
-            self._finish(seq, _cancelled(job), None)
+            self._finish(seq, cancelled(job), None)
 
-    # ================================================================== bookkeeping
+    # ================================================================== the handlers' runtime
+
+    @property
+    def closed(self) -> bool:
+        """Shut down or dead: a job that has not started does not start."""
+        return self._closed
+
+    def finish(self, entry: Entry, result: JobResult) -> None:
+        """Record a job's one result (later attempts for the same job are ignored)."""
+        self._finish(entry.seq, result, entry.t0)
 
     def _finish(self, seq: int, result: JobResult, t0: float | None) -> None:
-        """Record a job's one result (later attempts for the same job are ignored)."""
         with self._lock:
             job = self._pending.pop(seq, None)
             if job is None:
                 return
             self._results.append(result)
             self._result_ready.notify_all()
-            self._stores.settle_locked(seq)
+            self._device.settle_locked(seq)
         seconds = None if t0 is None else time.monotonic() - t0
-        self.stats.finished(job_kind(job), result, seconds)
+        self.stats.finished(job.move, result, seconds)
 
-    def _is_closed(self) -> bool:
-        """Shut down or dead: a job that has not started does not start."""
-        return self._closed
+    def on_loop(self, start: Callable[[list[Entry]], None], entries: list[Entry]) -> None:
+        """Call ``start(entries)`` on the event loop thread (started now if need be); jobs it
+        cannot take (the engine closed first) get ``cancelled``."""
+        loop = self.ensure_started()
+        if self._closed:  # it died (perhaps just now, starting) or shut down: nothing runs
+            self._cancel(entries)
+            return
+        try:
+            loop.call_soon_threadsafe(self._start_on_loop, start, entries)
+        except RuntimeError:  # the loop stopped under us (shutdown raced this submit)
+            self._cancel(entries)
+
+    def _start_on_loop(self, start: Callable[[list[Entry]], None], entries: list[Entry]) -> None:
+        if self._closed:
+            self._cancel(entries)
+        else:
+            start(entries)
+
+    def _cancel(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self.finish(entry, cancelled(entry.job))
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """A task of the event loop, kept until it ends (call on the loop thread)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def check_alive(self) -> None:
+        error = self._error
+        if error is not None:
+            raise EngineDeadError(str(error)) from error.__cause__
 
     # ================================================================== death
 
-    def _die(self, where: str, cause: BaseException) -> None:
+    def die(self, where: str, cause: BaseException) -> None:
         """A thread of the engine died (any thread may call this): fail everything, once."""
         if self._mark_dead(where, cause):
             self._fail_pending()
@@ -346,7 +342,7 @@ class TransferEngine:
             error.__cause__ = cause
             self._error = error
             self._closed = True
-            self._stores.cancel_queued_locked()
+            self._device.cancel_queued_locked()
         logger.error(
             "tieredkv: the transfer engine is dead: %s died. Every pending and later job "
             "fails (loads are recomputed, stores are reported finished); KV offloading is off "
@@ -358,7 +354,7 @@ class TransferEngine:
         """Report every pending job failed; first let a running load end (bounded), so that
         no copy lands on blocks vLLM recomputes once their load is reported failed. (Loads
         queued behind it do not copy: they see the engine closed.)"""
-        lane = self._h2d
+        lane = self._device.h2d
         if lane is not None and lane.alive and not lane.on_lane_thread():
             try:
                 lane.call(_noop).result(timeout=self.load_timeout_s)
@@ -370,14 +366,12 @@ class TransferEngine:
         with self._lock:
             leftovers = list(self._pending.items())
         for seq, job in leftovers:
-            self._finish(seq, _cancelled(job), None)
-
-    def _lane_died(self, name: str, cause: BaseException) -> None:
-        self._die(f"the {name} copy lane thread", cause)
+            self._finish(seq, cancelled(job), None)
 
     # ================================================================== event loop
 
-    def _ensure_started(self) -> asyncio.AbstractEventLoop:
+    def ensure_started(self) -> asyncio.AbstractEventLoop:
+        """The event loop, and with it the handlers' threads (started once)."""
         if self._loop is not None:
             return self._loop
         with self._start_lock:
@@ -402,9 +396,7 @@ class TransferEngine:
             self._mark_dead("the transfer loop (starting)", exc)
             ready.set()  # submit() sees the error once this is set
             self._fail_pending()
-            for lane in (self._d2h, self._h2d):
-                if lane is not None:
-                    lane.stop(0.0)
+            self._device.stop_lanes()
             loop.close()
             return
         ready.set()
@@ -417,7 +409,7 @@ class TransferEngine:
             with self._lock:
                 stopping = self._stopped
             if not stopping:  # only shutdown() stops the loop
-                self._die("the transfer loop thread",
+                self.die("the transfer loop thread",
                           cause or RuntimeError("the transfer loop stopped without a shutdown"))
             leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]
             for task in leftovers:
@@ -430,51 +422,9 @@ class TransferEngine:
             loop.close()
 
     def _setup(self) -> None:
-        """On the loop thread: the two copy lanes, then each job kind's runner."""
-        device = self.kv.device
-        self._d2h = CopyLane("d2h", device, self._copy_d2h, self._max_batch_pairs,
-                             on_death=partial(self._lane_died, "d2h"))
-        # Loads call into the h2d lane's thread directly (LoadJobs.run): no batch function.
-        self._h2d = CopyLane("h2d", device, None, self._max_batch_pairs,
-                             on_death=partial(self._lane_died, "h2d"))
-        self._stores.start(self._d2h)
-        self._loads.start(self._h2d)
+        """On the loop thread: the device's copy lanes, then the disk's I/O threads."""
+        self._device.start()
         self._disk.start()
-
-    def _copy_d2h(self, pairs: list[Pair]) -> None:
-        """A batch of stores, on the d2h lane thread."""
-        self._refuse_if_dead()  # its stores are reported failed already
-        self.backend.d2h(self.kv, self.host, pairs)
-
-    def _copy_h2d(self, pairs: list[Pair]) -> None:
-        """A load's chunks, on the h2d lane thread or inline in the caller's (LoadJobs.run)."""
-        self.backend.h2d(self.kv, self.host, pairs)
-
-    def _refuse_if_dead(self) -> None:
-        error = self._error
-        if error is not None:
-            raise EngineDeadError(str(error)) from error.__cause__
-
-    def _dispatch(self, entries: list[_Entry]) -> None:
-        """On the loop thread: start each store, spill and promotion (loads never come here)."""
-        loop = asyncio.get_running_loop()
-        for seq, job, ticket, t0, _ in entries:
-            if self._closed:
-                self._finish(seq, _cancelled(job), t0)
-                continue
-            coro: Coroutine[Any, Any, None]
-            if isinstance(job, SpillJob):
-                self._disk.enqueue_spill(seq, job, t0)  # its worker runs it
-                continue
-            if isinstance(job, StoreJob):
-                assert ticket is not None
-                coro = self._stores.run(seq, job, ticket, t0)
-            else:
-                assert isinstance(job, PromoteJob), job
-                coro = self._disk.promote(seq, job, t0)
-            task = loop.create_task(coro)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     async def _shutdown_async(self, deadline: float) -> None:
         self._disk.cancel_queued_spills()

@@ -1,4 +1,4 @@
-"""The transfer engine's remote path: remote read and write jobs -> :class:`RemoteJobs`.
+"""The handlers of :attr:`Move.REMOTE_READ` and :attr:`Move.REMOTE_WRITE`: -> :class:`RemoteJobs`.
 
 Neither kind ever blocks the caller. A read takes its host slot for writing (the slot
 guard) from submit until its answer was polled and verified, so no load or spill reads a
@@ -15,33 +15,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
 
-from tieredkv.protocol import Direction, FailureCause, JobResult, RemoteReadJob, RemoteWriteJob
+from tieredkv.protocol import FailureCause, JobResult, Move
 from tieredkv.transfer.host_pool import SlotGuard
 from tieredkv.transfer.kv_views import KVViews
 from tieredkv.transfer.remote_jobs import RemoteJobs, WriteJob
-from tieredkv.transfer.transfer_stats import Finish, TransferStats
+from tieredkv.transfer.runtime import Entry, Runtime
 
 logger = logging.getLogger(__name__)
 
-RemoteJob = RemoteReadJob | RemoteWriteJob
-# (submission seq, job, submit time)
-RemoteEntry = tuple[int, RemoteJob, float]
-# The engine's entries: (submission seq, job, store ticket, submit time, compute mark).
-EngineEntry = tuple[int, Any, Any, float, Any]
-
 
 class RemoteDriver:
-    """Runs remote jobs for one engine; thread-safe (submit and pump may race)."""
+    """Runs remote jobs for one engine; thread-safe (submit and pump may race). Neither
+    handler needs the engine's event loop: the store has its own thread."""
 
     def __init__(
         self,
         jobs: RemoteJobs | None,
         guard: SlotGuard,
-        stats: TransferStats,
-        finish: Finish,
+        runtime: Runtime,
         payload_bytes: int,
         *,
         chunk_rows: int,
@@ -49,11 +41,10 @@ class RemoteDriver:
     ) -> None:
         self.jobs = jobs
         self._guard = guard
-        self._stats = stats
-        self._finish = finish
+        self._runtime = runtime
         self._payload_bytes = payload_bytes
         self._lock = threading.Lock()
-        self._reads: dict[int, tuple[int, RemoteReadJob, float]] = {}  # job id -> entry
+        self._reads: dict[int, Entry] = {}  # job id -> entry
         self._writes_failed_seen = 0
         if jobs is not None:
             jobs.on_answer = self.pump
@@ -62,50 +53,58 @@ class RemoteDriver:
                 jobs.row_spans = tuple(zip(kv.layer_offsets(chunk_rows), kv.block_bytes,
                                            strict=True))
 
-    def take(self, entries: list[EngineEntry]) -> list[EngineEntry]:
-        """Submit the remote jobs among the engine's ``entries``; return the others."""
-        remote = [(e[0], e[1], e[3]) for e in entries if isinstance(e[1], RemoteReadJob | RemoteWriteJob)]
-        if not remote:
-            return entries
-        self.submit(remote)  # type: ignore[arg-type]
-        return [e for e in entries if not isinstance(e[1], RemoteReadJob | RemoteWriteJob)]
+    def _unavailable(self, entries: list[Entry]) -> bool:
+        """No remote tier on this worker: every job fails ``unavailable`` (True)."""
+        if self.jobs is not None:
+            return False
+        for entry in entries:
+            self._runtime.finish(entry, JobResult.fail(entry.job.job_id, FailureCause.UNAVAILABLE))
+        return True
 
-    def submit(self, entries: Sequence[RemoteEntry]) -> None:
-        """Start the reads (one batch) and queue the writes; never waits on the network."""
-        if self.jobs is None:
-            for seq, job, t0 in entries:
-                self._finish(seq, JobResult.fail(job.job_id, FailureCause.UNAVAILABLE), t0)
+    def submit_reads(self, entries: list[Entry]) -> None:
+        """Start the reads, one batch; answers arrive through :meth:`pump`."""
+        if self._unavailable(entries):
             return
+        assert self.jobs is not None
         reads: list[tuple[int, bytes, int]] = []
-        writes: list[WriteJob] = []
-        write_entries: dict[int, tuple[int, RemoteWriteJob, float]] = {}
-        for seq, job, t0 in entries:
-            if isinstance(job, RemoteReadJob):
-                if not self._guard.try_write(job.host_slot):
-                    self._finish(seq, JobResult.fail(job.job_id, FailureCause.COPY_ERROR), t0)
-                    continue
-                with self._lock:
-                    self._reads[job.job_id] = (seq, job, t0)
-                reads.append((job.job_id, job.key, job.host_slot))
-            else:
-                if not self._guard.try_read(job.host_slot):
-                    self._finish(seq, JobResult.fail(job.job_id, FailureCause.COPY_ERROR), t0)
-                    continue
-                write_entries[job.job_id] = (seq, job, t0)
-                writes.append((job.job_id, job.key, job.host_slot, job.rows, job.holes))
+        for entry in entries:
+            job = entry.job
+            if not self._guard.try_write(job.host_slot):
+                self._runtime.finish(entry, JobResult.fail(job.job_id, FailureCause.COPY_ERROR))
+                continue
+            with self._lock:
+                self._reads[job.job_id] = entry
+            reads.append((job.job_id, job.key, job.host_slot))
         if reads:
-            self.jobs.start_reads(reads)  # answers arrive through pump (on_answer)
-        if writes:
-            try:
-                results = self.jobs.write(writes)
-            finally:
-                for _, _, slot, _, _ in writes:
-                    self._guard.release(slot, write=False)
-            for result in results:
-                seq, job, t0 = write_entries[result.job_id]
-                if result.ok:
-                    self._stats.moved(Direction.REMOTE_WRITE, self._payload_bytes)
-                self._finish(seq, result, t0)
+            self.jobs.start_reads(reads)
+
+    def submit_writes(self, entries: list[Entry]) -> None:
+        """Copy each write's slot into the store's bounded queue; reports at once."""
+        if self._unavailable(entries):
+            return
+        assert self.jobs is not None
+        writes: list[WriteJob] = []
+        by_id: dict[int, Entry] = {}
+        for entry in entries:
+            job = entry.job
+            if not self._guard.try_read(job.host_slot):
+                self._runtime.finish(entry, JobResult.fail(job.job_id, FailureCause.COPY_ERROR))
+                continue
+            by_id[job.job_id] = entry
+            shard = job.dst
+            writes.append((job.job_id, job.key, job.host_slot,
+                           shard.rows, shard.holes))  # type: ignore[union-attr]
+        if not writes:
+            return
+        try:
+            results = self.jobs.write(writes)
+        finally:
+            for _, _, slot, _, _ in writes:
+                self._guard.release(slot, write=False)
+        for result in results:
+            if result.ok:
+                self._runtime.stats.moved(Move.REMOTE_WRITE, self._payload_bytes)
+            self._runtime.finish(by_id[result.job_id], result)
 
     def pump(self) -> None:
         """Finish every read whose answer arrived (verified values are in their slots)."""
@@ -119,11 +118,10 @@ class RemoteDriver:
             entry = self._reads.pop(result.job_id, None)
         if entry is None:
             return
-        seq, job, t0 = entry
-        self._guard.release(job.host_slot, write=True)
+        self._guard.release(entry.job.host_slot, write=True)
         if result.ok:
-            self._stats.moved(Direction.REMOTE_READ, self._payload_bytes)
-        self._finish(seq, result, t0)
+            self._runtime.stats.moved(Move.REMOTE_READ, self._payload_bytes)
+        self._runtime.finish(entry, result)
 
     def gauges(self) -> dict[str, int]:
         """The store's write backlog (items), for the ``remote_write_queue`` gauge."""

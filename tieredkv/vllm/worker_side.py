@@ -16,7 +16,7 @@ import torch
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.disk.files import slot_counts
-from tieredkv.protocol import JobResult, merge_results
+from tieredkv.protocol import JobResult, Medium, Move, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm import sleep_hook
 from tieredkv.vllm.geometry import engine_geometry
@@ -71,7 +71,7 @@ class WorkerHalf:
         # reported as a failed request (failed_recving) and recomputed whole.
         self._errors_by_request = self.geometry.slot_rows.hybrid
         self._results: dict[int, JobResult] = {}
-        self._awaited: set[int] = set()  # loads and promotions in flight: someone waits on them
+        self._awaited: set[int] = set()  # loads and fills in flight: someone waits on them
         self._compute_idle = False
         # Host-tier loads copied inline in start_load_kv (CPU caches; set at registration).
         self.inline_host_loads = False
@@ -161,12 +161,12 @@ class WorkerHalf:
         if self.engine is None:
             return
         self._compute_idle = plan.compute_idle
-        for job in plan.loads:
-            self._load_reqs[job.job_id] = job.req_id
-            self._awaited.add(job.job_id)
-        self._awaited.update(job.job_id for job in plan.promotes)
-        self._awaited.update(job.job_id for job in plan.remote_reads)
-        jobs = [*plan.remote_reads, *plan.promotes, *plan.loads, *plan.spills, *plan.remote_writes]
+        jobs = [job for job in plan.jobs if job.move is not Move.STORE]  # stores: after the forward
+        for job in jobs:
+            if job.move is Move.LOAD:
+                self._load_reqs[job.job_id] = job.req_id
+            if job.move.dst is not Medium.DISK and job.move.dst is not Medium.REMOTE:
+                self._awaited.add(job.job_id)  # loads and fills bring bytes up: a request waits
         if jobs:
             if not self.inline_host_loads:
                 inline_max = 0
@@ -186,7 +186,7 @@ class WorkerHalf:
 
     def _register_stores(self, plan: Any) -> None:
         """Idempotent until the jobs are submitted (none can have finished before that)."""
-        for job in plan.stores:
+        for job in plan.of(Move.STORE):
             req_id = job.req_id
             if req_id is not None and job.job_id not in self._store_reqs:
                 self._store_reqs[job.job_id] = req_id
@@ -194,10 +194,11 @@ class WorkerHalf:
 
     def submit_stores(self, metadata: TieredKVMetadata) -> None:
         plan = metadata.plan
-        if self.engine is None or not plan.stores:
+        stores = plan.of(Move.STORE)
+        if self.engine is None or not stores:
             return
         self._register_stores(plan)
-        self.engine.submit(plan.stores)
+        self.engine.submit(stores)
 
     def _finish_sending(self, req_id: str) -> None:
         self._delayed.discard(req_id)
