@@ -143,6 +143,14 @@ def test_no_module_outgrows_one_job() -> None:
 BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 
+def test_the_scheduler_and_transfer_parts_stay_within_25_modules() -> None:
+    """One vocabulary and one handler per move keep the two busiest parts small (issue 24):
+    a new job kind or tier that needs new modules there has to make room first."""
+    modules = [f for f in _modules() if _part(_module_name(f)) in ("scheduler", "transfer")
+               and f.name != "__init__.py"]
+    assert 10 < len(modules) <= 25, sorted(str(f) for f in modules)
+
+
 def test_no_benchmark_module_outgrows_one_job() -> None:
     """The benchmarks too (their subpackages included): workload, runner, judging and report
     each in a module of their own, none over the package's limit."""
