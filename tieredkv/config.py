@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +230,27 @@ def _parse_admission(key: str, value: Any) -> int:
     return _parse_int(key, value, minimum=1, maximum=DISK_ADMISSION_MAX)
 
 
+def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of ``choices``, in any case (returned lower-cased)."""
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ConfigError(key, f"expected one of {', '.join(choices)}")
+    return value.lower()
+
+
+# The keys checked on their own, each by one parser, in the order they are checked (an error
+# names the first bad key in this order).
+_STANDALONE_KEYS: dict[str, Callable[[str, Any], Any]] = {
+    "eviction": partial(_parse_choice, choices=EVICTION_POLICIES),
+    "disk_admission": _parse_admission,
+    "chunk_blocks": partial(_parse_int, minimum=1, maximum=CHUNK_BLOCKS_MAX),
+    "io_threads": partial(_parse_int, minimum=1, maximum=IO_THREADS_MAX),
+    "copy_backend": partial(_parse_choice, choices=COPY_BACKENDS),
+    "store_generated": _parse_bool,
+    "load_timeout_s": partial(_parse_seconds, maximum=LOAD_TIMEOUT_MAX_S),
+    "spill_queue_depth": partial(_parse_int, minimum=1, maximum=SPILL_QUEUE_DEPTH_MAX),
+}
+
+
 def _check_disk_path(key: str, value: Any) -> Path:
     if not isinstance(value, str | os.PathLike) or not str(value).strip():
         raise ConfigError(key, "expected a directory path")
@@ -313,34 +336,9 @@ class TieredKVConfig:
             values["disk_bytes"] = _check_disk_bytes("disk_bytes", extra["disk_bytes"], values["disk_path"])
         elif "disk_path" in values:
             values["disk_bytes"] = 16 * GiB
-        if "eviction" in extra:
-            policy = extra["eviction"]
-            if not isinstance(policy, str) or policy.lower() not in EVICTION_POLICIES:
-                raise ConfigError("eviction", f"expected one of {', '.join(EVICTION_POLICIES)}")
-            values["eviction"] = policy.lower()
-        if "disk_admission" in extra:
-            values["disk_admission"] = _parse_admission("disk_admission", extra["disk_admission"])
-        if "chunk_blocks" in extra:
-            values["chunk_blocks"] = _parse_int(
-                "chunk_blocks", extra["chunk_blocks"], minimum=1, maximum=CHUNK_BLOCKS_MAX
-            )
-        if "io_threads" in extra:
-            values["io_threads"] = _parse_int("io_threads", extra["io_threads"], minimum=1, maximum=IO_THREADS_MAX)
-        if "copy_backend" in extra:
-            backend = extra["copy_backend"]
-            if not isinstance(backend, str) or backend.lower() not in COPY_BACKENDS:
-                raise ConfigError("copy_backend", f"expected one of {', '.join(COPY_BACKENDS)}")
-            values["copy_backend"] = backend.lower()
-        if "store_generated" in extra:
-            values["store_generated"] = _parse_bool("store_generated", extra["store_generated"])
-        if "load_timeout_s" in extra:
-            values["load_timeout_s"] = _parse_seconds(
-                "load_timeout_s", extra["load_timeout_s"], maximum=LOAD_TIMEOUT_MAX_S
-            )
-        if "spill_queue_depth" in extra:
-            values["spill_queue_depth"] = _parse_int(
-                "spill_queue_depth", extra["spill_queue_depth"], minimum=1, maximum=SPILL_QUEUE_DEPTH_MAX
-            )
+        for key, parse in _STANDALONE_KEYS.items():
+            if key in extra:
+                values[key] = parse(key, extra[key])
         if extra.get("metrics_port") is not None:
             values["metrics_port"] = _parse_int(
                 "metrics_port", extra["metrics_port"], minimum=0, maximum=METRICS_PORT_MAX
