@@ -36,6 +36,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -125,22 +126,10 @@ def _alias_part(alias: bytes, fingerprint: bytes) -> bytes:
     return key_part(alias)
 
 
-def pack_header(
-    *,
-    fingerprint: bytes,
-    key: bytes,
-    payload_len: int,
-    checksum: int,
-    sequence: int,
-    flags: int = 0,
-    aliases: tuple[bytes, ...] = (),
-) -> bytes:
-    """A complete ``HEADER_BYTES``-long header."""
+def pack_header(**fields: Any) -> bytes:
+    """A complete ``HEADER_BYTES``-long header; takes :func:`pack_header_into`'s keywords."""
     buf = bytearray(HEADER_BYTES)
-    pack_header_into(
-        buf, fingerprint=fingerprint, key=key, payload_len=payload_len,
-        checksum=checksum, sequence=sequence, flags=flags, aliases=aliases,
-    )
+    pack_header_into(buf, **fields)
     return bytes(buf)
 
 
