@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.client import RemoteClient, classify, close_client, handshake, make_client
@@ -24,32 +25,31 @@ from tieredkv.remote_url import RemoteURL
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class KeeperTimings:
+    """How long a keeper waits for what, in seconds; checked once, here."""
+
+    ping_timeout_s: float
+    connect_timeout_s: float
+    socket_timeout_s: float
+    backoff_initial_s: float
+    backoff_max_s: float
+    health_interval_s: float
+
+    def __post_init__(self) -> None:
+        if min(self.ping_timeout_s, self.connect_timeout_s, self.backoff_initial_s,
+               self.health_interval_s) <= 0:
+            raise ValueError("remote tier timeouts, backoff and health interval must be positive")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("remote tier: need backoff_max_s >= backoff_initial_s")
+
+
 class ConnectionKeeper:
     """Owns the current client, the ``up`` flag and the reconnect loop (one event loop)."""
 
-    def __init__(
-        self,
-        url: RemoteURL,
-        *,
-        ping_timeout_s: float,
-        connect_timeout_s: float,
-        socket_timeout_s: float,
-        backoff_initial_s: float,
-        backoff_max_s: float,
-        health_interval_s: float,
-        latency_samples: int = 256,
-    ) -> None:
-        if min(ping_timeout_s, connect_timeout_s, backoff_initial_s, health_interval_s) <= 0:
-            raise ValueError("remote tier timeouts, backoff and health interval must be positive")
-        if backoff_max_s < backoff_initial_s:
-            raise ValueError("remote tier: need backoff_max_s >= backoff_initial_s")
+    def __init__(self, url: RemoteURL, timings: KeeperTimings, *, latency_samples: int = 256) -> None:
         self.url = url
-        self._ping_timeout_s = ping_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._socket_timeout_s = socket_timeout_s
-        self._backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self._health_interval_s = health_interval_s
+        self.timings = timings
 
         self._client: RemoteClient | None = None
         self._gen = 0
@@ -102,7 +102,7 @@ class ConnectionKeeper:
         logger.warning(
             "tieredkv remote tier %s is down (%s: %s); lookups miss until it is back, "
             "retrying with backoff up to %.1fs",
-            self.url.redacted(), cause.value, self.describe(exc), self.backoff_max_s,
+            self.url.redacted(), cause.value, self.describe(exc), self.timings.backoff_max_s,
         )
         self._need_connect.set()
 
@@ -111,33 +111,33 @@ class ConnectionKeeper:
         return self.url.scrub(f"{type(exc).__name__}: {exc}")
 
     async def _connector(self) -> None:
-        delay = self._backoff_initial_s
+        delay = self.timings.backoff_initial_s
         failures = 0
         while not self._closing:
             if self._up:
                 try:
-                    await asyncio.wait_for(self._need_connect.wait(), self._health_interval_s)
+                    await asyncio.wait_for(self._need_connect.wait(), self.timings.health_interval_s)
                 except TimeoutError:
                     await self._health_check()
                 continue
             self._need_connect.clear()
             if await self._try_connect(log_failure=failures == 0):
-                delay, failures = self._backoff_initial_s, 0
+                delay, failures = self.timings.backoff_initial_s, 0
                 continue
             failures += 1
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, self.backoff_max_s)
+            delay = min(delay * 2, self.timings.backoff_max_s)
 
     async def _try_connect(self, *, log_failure: bool) -> bool:
         with self.lock:
             self.reconnect_attempts += 1
         client = make_client(
-            self.url, socket_timeout_s=self._socket_timeout_s,
-            connect_timeout_s=self._connect_timeout_s,
+            self.url, socket_timeout_s=self.timings.socket_timeout_s,
+            connect_timeout_s=self.timings.connect_timeout_s,
         )
         started = time.monotonic()
         try:
-            await asyncio.wait_for(handshake(client), self._connect_timeout_s)
+            await asyncio.wait_for(handshake(client), self.timings.connect_timeout_s)
         except asyncio.CancelledError:
             await close_client(client, 0.2)
             raise
@@ -169,7 +169,7 @@ class ConnectionKeeper:
             return
         started = time.monotonic()
         try:
-            await asyncio.wait_for(client.ping(), self._ping_timeout_s)
+            await asyncio.wait_for(client.ping(), self.timings.ping_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -180,6 +180,6 @@ class ConnectionKeeper:
             self.ping_latency.append(time.monotonic() - started)
 
     def _close_later(self, client: RemoteClient) -> None:
-        task = asyncio.create_task(close_client(client, self._connect_timeout_s))
+        task = asyncio.create_task(close_client(client, self.timings.connect_timeout_s))
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)

@@ -33,7 +33,7 @@ from redis.exceptions import ResponseError
 
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.client import RemoteClient, classify
-from tieredkv.remote.connection import ConnectionKeeper
+from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
 from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry
 from tieredkv.remote_url import RemoteURL
@@ -107,12 +107,11 @@ class RemoteStore:
     ) -> None:
         if min(timeout_s, write_timeout_s) <= 0 or writers < 1:
             raise ValueError("remote tier: timeouts must be positive and writers >= 1")
-        self._conn = ConnectionKeeper(
-            url, ping_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+        self._conn = ConnectionKeeper(url, KeeperTimings(
+            ping_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
             socket_timeout_s=socket_timeout_s, backoff_initial_s=backoff_initial_s,
             backoff_max_s=backoff_max_s, health_interval_s=health_interval_s,
-            latency_samples=latency_samples,
-        )
+        ), latency_samples=latency_samples)
         self._url = url
         self.timeout_s = timeout_s
         self._write_batch_items = write_batch_items
