@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
@@ -80,45 +81,46 @@ def _ttl_ms(ttl_s: float | None) -> int | None:
     return None if ttl_s is None else max(1, int(ttl_s * 1000))
 
 
+@dataclass(frozen=True)
+class StoreOptions:
+    """A store's deadlines, reconnect backoff and background writes (queue bounds, batches,
+    writer tasks), in seconds, items and bytes; :class:`RemoteStore` takes them as keywords."""
+
+    timeout_s: float = 0.5
+    connect_timeout_s: float = 1.0
+    socket_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 5.0
+    health_interval_s: float = 5.0
+    write_queue_items: int = 4096
+    write_queue_bytes: int = 256 << 20
+    write_batch_items: int = 64
+    write_batch_bytes: int = 32 << 20
+    write_timeout_s: float = 5.0
+    writers: int = 2
+    latency_samples: int = 256
+
+
 class RemoteStore:
     """Batched get/set/exists/delete against one Redis deployment; never raises, never hangs.
 
     Construct anywhere (no network), then ``await start()`` on the loop that will use it.
     Per-call deadlines default to ``timeout_s``; background writes use ``write_timeout_s``.
+    ``options`` are :class:`StoreOptions`' fields.
     """
 
-    def __init__(
-        self,
-        url: RemoteURL,
-        *,
-        timeout_s: float = 0.5,
-        connect_timeout_s: float = 1.0,
-        socket_timeout_s: float = 10.0,
-        backoff_initial_s: float = 0.05,
-        backoff_max_s: float = 5.0,
-        health_interval_s: float = 5.0,
-        write_queue_items: int = 4096,
-        write_queue_bytes: int = 256 << 20,
-        write_batch_items: int = 64,
-        write_batch_bytes: int = 32 << 20,
-        write_timeout_s: float = 5.0,
-        writers: int = 2,
-        latency_samples: int = 256,
-    ) -> None:
-        if min(timeout_s, write_timeout_s) <= 0 or writers < 1:
+    def __init__(self, url: RemoteURL, **options: Any) -> None:
+        opts = self._options = StoreOptions(**options)
+        if min(opts.timeout_s, opts.write_timeout_s) <= 0 or opts.writers < 1:
             raise ValueError("remote tier: timeouts must be positive and writers >= 1")
         self._conn = ConnectionKeeper(url, KeeperTimings(
-            ping_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-            socket_timeout_s=socket_timeout_s, backoff_initial_s=backoff_initial_s,
-            backoff_max_s=backoff_max_s, health_interval_s=health_interval_s,
-        ), latency_samples=latency_samples)
+            ping_timeout_s=opts.timeout_s, connect_timeout_s=opts.connect_timeout_s,
+            socket_timeout_s=opts.socket_timeout_s, backoff_initial_s=opts.backoff_initial_s,
+            backoff_max_s=opts.backoff_max_s, health_interval_s=opts.health_interval_s,
+        ), latency_samples=opts.latency_samples)
         self._url = url
-        self.timeout_s = timeout_s
-        self._write_batch_items = write_batch_items
-        self._write_batch_bytes = write_batch_bytes
-        self._write_timeout_s = write_timeout_s
-        self._writers = writers
-        self._queue = BoundedWriteQueue(write_queue_items, write_queue_bytes)
+        self.timeout_s = opts.timeout_s
+        self._queue = BoundedWriteQueue(opts.write_queue_items, opts.write_queue_bytes)
 
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,7 +134,7 @@ class RemoteStore:
         self._failures: Counter[str] = Counter()
         self._round_trips = 0
         self._writes = Counter[str]()
-        self._probe_latency: deque[float] = deque(maxlen=latency_samples)
+        self._probe_latency: deque[float] = deque(maxlen=opts.latency_samples)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -177,7 +179,7 @@ class RemoteStore:
             return
         self._loop = asyncio.get_running_loop()
         self._conn.start()
-        for i in range(self._writers):
+        for i in range(self._options.writers):
             self._tasks.append(asyncio.create_task(self._writer(), name=f"tieredkv-remote-write-{i}"))
         if len(self._queue):
             self._wake_writers.set()
@@ -422,7 +424,7 @@ class RemoteStore:
 
     async def _writer(self) -> None:
         while True:
-            batch = self._queue.take(self._write_batch_items, self._write_batch_bytes)
+            batch = self._queue.take(self._options.write_batch_items, self._options.write_batch_bytes)
             if not batch:
                 self._wake_writers.clear()
                 if not len(self._queue):  # re-check: an offer may have raced the clear
@@ -430,7 +432,7 @@ class RemoteStore:
                 continue
             self._inflight_writes += len(batch)
             try:
-                result = await self._set_entries("write", batch, self._write_timeout_s)
+                result = await self._set_entries("write", batch, self._options.write_timeout_s)
             finally:
                 self._inflight_writes -= len(batch)
             done = sum(result.values)
