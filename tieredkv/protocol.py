@@ -195,10 +195,12 @@ class RemoteShard:
     """This rank's shard of a chunk in the shared store, verified (key, namespace, rank,
     length, checksum) before a byte of a read lands.
 
-    For a write: ``rows`` the entry holds (rows 0..rows-1; the worker writes a slot only when
-    this is every row it has: other rows hold a previous tenant's bytes; 0: unknown,
-    refused), and ``holes``, rows among them the entry leaves empty (hybrid: a sliding
-    window's rows it does not keep), written as zeros, never as what the slot held."""
+    ``rows``: the rows the entry holds, rows 0..rows-1 of every layer (a prompt's tail holds
+    fewer than a slot's). A write sends exactly those rows, never the slot's others (they
+    hold a previous tenant's bytes; 0: unknown, refused); a read takes a value of exactly
+    that many rows (0: a whole slot's). ``holes`` (writes): rows among them the entry leaves
+    empty (hybrid: a sliding window's rows it does not keep), written as zeros, never as
+    what the slot held."""
 
     rows: int = 0
     holes: tuple[int, ...] = ()
@@ -273,9 +275,10 @@ class Job:
 
     @classmethod
     def remote_read(cls, job_id: int, key: bytes, host_slot: int,
-                    req_id: str | None = None) -> Job:
-        """Shared store -> host slot; promised only after every rank reported it done."""
-        return cls(job_id, RemoteShard(), HostSlot(host_slot), key, req_id)
+                    req_id: str | None = None, rows: int = 0) -> Job:
+        """Shared store -> host slot (``rows``: a tail's rows, 0: a whole chunk); promised
+        only after every rank reported it done."""
+        return cls(job_id, RemoteShard(rows), HostSlot(host_slot), key, req_id)
 
     @classmethod
     def remote_write(cls, job_id: int, key: bytes, host_slot: int, rows: int = 0,

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import HANG_S, finishes, make_key
 from tests.remote.remote_helpers import FAST, OTHER_FINGERPRINT, RedisServer, sent_bytes, wait_up
 from tieredkv.protocol import FailureCause, JobResult
-from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key
+from tieredkv.remote.codec import HEADER_BYTES, encode, remote_key, value_bytes
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.transfer.host_pool import HostPool
@@ -24,7 +24,7 @@ from tieredkv.transfer.remote_jobs import RemoteJobs
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/transfer remote namespace").digest()
 PAYLOAD = 5000  # not a 4 KiB multiple: slots carry padding a value must never reach
 SENTINEL = 0xAB
-ROWS = 4  # rows of a slot: a write covers all of them (a tail holds fewer)
+ROWS = 4  # rows of a slot (a tail's entry holds fewer)
 NEVER = (FailureCause.TIMEOUT, FailureCause.IO_ERROR, FailureCause.UNAVAILABLE)
 
 MakeJobs = Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]]
@@ -143,7 +143,7 @@ def test_round_trip_from_one_slot_into_another(
     assert jobs.flush_writes(5)
 
     calls = store.stats().calls.get("get", 0)
-    jobs.start_reads([(20 + i, k, 4 + i) for i, k in enumerate(keys)])
+    jobs.start_reads([(20 + i, k, 4 + i, 0) for i, k in enumerate(keys)])
     assert busy_slots(jobs) == {4, 5, 6, 7}
     results = settle(jobs, 4)
     assert store.stats().calls.get("get", 0) == calls + 1  # one batch_get for the batch
@@ -167,7 +167,7 @@ def test_each_rank_reads_only_its_own_shard(
     fill(host, 0, payload(1, rank=0))
     assert rank0.write(whole([(1, key, 0)])) == [JobResult.done(1)]
     assert rank0.flush_writes(5)
-    rank1.start_reads([(2, key, 1)])
+    rank1.start_reads([(2, key, 1, 0)])
     assert causes(settle(rank1, 1, 5)) == {2: FailureCause.MISSING}
     assert untouched(host, 1)
     assert rank1.take_stats().reads_failed == {"missing": 1}
@@ -207,7 +207,7 @@ def test_a_value_that_is_not_the_asked_for_shard_is_a_miss_and_the_slot_stays(
     good = encode(payload(7), fingerprint=FINGERPRINT, key=key, rank=0)
     value, cause = _corrupt(good, key)[case]
     assert store.batch_set([(name, value)]).result(5).ok
-    jobs.start_reads([(1, key, 2)])
+    jobs.start_reads([(1, key, 2, 0)])
     assert causes(settle(jobs, 1)) == {1: cause}
     assert all(untouched(host, slot) for slot in range(host.num_slots))
     assert jobs.take_stats().reads_failed == {cause.value: 1}
@@ -225,7 +225,7 @@ def test_one_byte_flipped_in_redis_is_a_checksum_miss(
     name = remote_key(FINGERPRINT, 0, key, jobs.prefix).decode()
     was = encode(payload(3), fingerprint=FINGERPRINT, key=key, rank=0)[offset]
     assert redis_server.cli("SETRANGE", name, str(offset), "A" if was != ord("A") else "B")
-    jobs.start_reads([(2, key, 1)])
+    jobs.start_reads([(2, key, 1, 0)])
     assert causes(settle(jobs, 1)) == {2: FailureCause.CHECKSUM}
     assert untouched(host, 1)
 
@@ -234,7 +234,7 @@ def test_a_missing_key_is_a_missing_miss(
     redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
 ) -> None:
     jobs, _ = make_jobs(redis_server.url)
-    jobs.start_reads([(1, make_key(100), 0), (2, make_key(101), 1)])
+    jobs.start_reads([(1, make_key(100), 0, 0), (2, make_key(101), 1, 0)])
     assert causes(settle(jobs, 2)) == {1: FailureCause.MISSING, 2: FailureCause.MISSING}
     assert untouched(host, 0) and untouched(host, 1)
     assert jobs.take_stats().reads_failed == {"missing": 2}
@@ -253,7 +253,7 @@ def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
     assert all(r.ok for r in jobs.write(whole([(i, k, i) for i, k in enumerate(keys)])))
     assert jobs.flush_writes(5)
     stall(own_server)
-    jobs.start_reads([(10 + i, k, 4 + i) for i, k in enumerate(keys)])
+    jobs.start_reads([(10 + i, k, 4 + i, 0) for i, k in enumerate(keys)])
     assert busy_slots(jobs) == {4, 5, 6}
     assert finishes(jobs.poll) == []  # in flight on a stalled server: a poll does not wait
     own_server.kill()  # SIGKILL ends a stopped process too: the reads lose their connection
@@ -268,7 +268,7 @@ def test_a_server_killed_mid_read_fails_the_reads_with_a_cause_and_writes_drop(
     fill(host, 7, payload(7))
     round_trips = store.stats().round_trips
     assert jobs.write(whole([(20, keys[0], 7)])) == [JobResult.fail(20, FailureCause.DROPPED)]
-    jobs.start_reads([(21, keys[0], 4)])
+    jobs.start_reads([(21, keys[0], 4, 0)])
     assert causes(settle(jobs, 1)) == {21: FailureCause.UNAVAILABLE}
     assert store.stats().round_trips == round_trips  # answered without asking the server
     assert untouched(host, 4)
@@ -286,10 +286,10 @@ def test_a_stalled_server_times_reads_out_and_their_slots_stay_busy_until_then(
     assert jobs.write(whole([(1, key, 0)])) == [JobResult.done(1)]
     assert jobs.flush_writes(5)
     stall(own_server)
-    jobs.start_reads([(2, key, 3), (3, make_key(2), 4)])
+    jobs.start_reads([(2, key, 3, 0), (3, make_key(2), 4, 0)])
     assert busy_slots(jobs) == {3, 4}
     # A busy slot is refused to a second read and to a write; the first read is unaffected.
-    jobs.start_reads([(4, key, 3), (5, key, 5), (6, key, 5), (7, key, 99)])
+    jobs.start_reads([(4, key, 3, 0), (5, key, 5, 0), (6, key, 5, 0), (7, key, 99, 0)])
     assert jobs.write(whole([(8, key, 4), (9, key, 99)])) == [
         JobResult.fail(8, FailureCause.COPY_ERROR), JobResult.fail(9, FailureCause.COPY_ERROR)
     ]
@@ -310,7 +310,7 @@ def test_close_cancels_reads_in_flight_without_touching_their_slots(
 ) -> None:
     jobs, store = make_jobs(own_server.url, timeout_s=30.0)
     stall(own_server)
-    jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1)])
+    jobs.start_reads([(1, make_key(1), 0, 0), (2, make_key(2), 1, 0)])
     assert busy_slots(jobs) == {0, 1}
     results = finishes(lambda: jobs.close(1.0))  # not the reads' 30 s deadline: cancelled
     assert results == [JobResult.fail(1, FailureCause.CANCELLED),
@@ -318,7 +318,7 @@ def test_close_cancels_reads_in_flight_without_touching_their_slots(
     assert busy_slots(jobs) == frozenset() and jobs.poll() == []
     assert untouched(host, 0) and untouched(host, 1)
     # After close: reads are cancelled at once and writes dropped.
-    jobs.start_reads([(3, make_key(1), 0)])
+    jobs.start_reads([(3, make_key(1), 0, 0)])
     assert causes(settle(jobs, 1)) == {3: FailureCause.CANCELLED}
     assert jobs.write(whole([(4, make_key(1), 2)])) == [JobResult.fail(4, FailureCause.DROPPED)]
     assert untouched(host, 0)
@@ -343,7 +343,7 @@ def test_writes_beyond_a_full_queue_are_dropped_and_counted(
     stats = jobs.take_stats()
     assert (stats.writes_ok, stats.writes_dropped, stats.bytes_written) == (2, 3, 2 * PAYLOAD)
     assert store.stats().writes_dropped == 3 and store.stats().writes_done == 2
-    jobs.start_reads([(10 + i, k, 5 + i % 3) for i, k in enumerate(keys[1:3])])
+    jobs.start_reads([(10 + i, k, 5 + i % 3, 0) for i, k in enumerate(keys[1:3])])
     assert causes(settle(jobs, 2)) == {10: None, 11: FailureCause.MISSING}
 
 
@@ -395,7 +395,7 @@ def test_a_planted_oversized_value_is_a_counted_miss_that_costs_one_values_bytes
     assert store.batch_set([(n, planted[k][0]) for n, k in zip(names, keys, strict=True)]).result(30).ok
 
     before = sent_bytes(servers)
-    jobs.start_reads([(i, k, i) for i, k in enumerate(keys)])
+    jobs.start_reads([(i, k, i, 0) for i, k in enumerate(keys)])
     results = settle(jobs, 3)
     sent = sent_bytes(servers) - before
 
@@ -422,7 +422,7 @@ def test_reads_past_the_batch_budget_wait_until_earlier_ones_landed(
     calls = store.stats().calls.get("get", 0)
 
     stall(own_server)
-    jobs.start_reads([(10 + i, k, i) for i, k in enumerate(keys)])
+    jobs.start_reads([(10 + i, k, i, 0) for i, k in enumerate(keys)])
     assert busy_slots(jobs) == {0, 1, 2, 3, 4}
     # One batch of two values is out; the other three reads wait for it to land.
     assert reads_waiting(jobs) == 3
@@ -444,7 +444,7 @@ def test_close_answers_reads_that_were_never_sent(
     jobs, _ = make_jobs(own_server.url, timeout_s=30.0,
                         jobs_options={"read_batch_bytes": HEADER_BYTES + PAYLOAD})
     stall(own_server)
-    jobs.start_reads([(1, make_key(1), 0), (2, make_key(2), 1), (3, make_key(3), 2)])
+    jobs.start_reads([(1, make_key(1), 0, 0), (2, make_key(2), 1, 0), (3, make_key(3), 2, 0)])
     assert reads_waiting(jobs) == 2
     results = finishes(lambda: jobs.close(1.0))
     assert sorted(results, key=lambda r: r.job_id) == [
@@ -464,7 +464,7 @@ def test_a_write_that_does_not_cover_its_slot_or_cannot_blank_its_holes_is_refus
     fill(host, 0, payload(70))
     key = make_key(70)
     results = jobs.write([
-        (1, key, 0, ROWS - 1, ()),  # a tail: the slot's last row is not the entry's
+        (1, key, 0, ROWS - 1, ()),  # a tail, but where its rows lie is not known
         (2, key, 0, ROWS, (1,)),  # an empty row, but where rows lie is not known
     ])
     jobs.row_spans = ((0, PAYLOAD // ROWS),)
@@ -487,9 +487,39 @@ def test_an_entrys_empty_rows_are_written_as_zeros(
     assert slot_bytes(host, 0)[:PAYLOAD] == payload(71)  # zeros in the value, not the slot
     assert jobs.flush_writes(5)
     host.buffer.fill_(SENTINEL)
-    jobs.start_reads([(2, key, 1)])
+    jobs.start_reads([(2, key, 1, 0)])
     assert causes(settle(jobs, 1)) == {2: None}
     want = bytearray(payload(71))
     want[0:row] = bytes(row)
     want[2 * row:3 * row] = bytes(row)
     assert slot_bytes(host, 1)[:PAYLOAD] == bytes(want)
+
+
+def test_a_tail_is_written_as_only_its_rows_and_read_back_into_them(
+    redis_server: RedisServer, host: HostPool, make_jobs: MakeJobs
+) -> None:
+    """A prompt's tail holds rows 0..n-1: its value carries those rows of every layer and
+    nothing of the slot's other rows (a previous tenant's bytes); a read expecting a tail
+    lands exactly those rows, and a value of another length is a miss."""
+    jobs, store = make_jobs(redis_server.url)
+    row = 500
+    jobs.row_spans = ((0, row), (2500, row))  # two layers of ROWS rows each
+    fill(host, 0, payload(72))
+    key, whole = make_key(72), make_key(73)
+    assert jobs.write([(1, key, 0, 2, ()), (2, whole, 0, ROWS, ())]) == [
+        JobResult.done(1), JobResult.done(2)]
+    assert jobs.flush_writes(5)
+    value = store.batch_get([remote_key(FINGERPRINT, 0, key, jobs.prefix)]).result(5).values[0]
+    assert value is not None and len(value) == value_bytes(2 * 2 * row)  # 2 rows x 2 layers
+    assert jobs.take_stats().bytes_written == 2 * 2 * row + PAYLOAD
+    host.buffer.fill_(SENTINEL)
+    jobs.start_reads([(3, key, 1, 2), (4, whole, 2, 2), (5, key, 3, 0), (6, key, 4, ROWS + 1)])
+    # A key names its last block, so it always holds the same rows: another length is
+    # another geometry (``wrong_namespace``), never bytes to land.
+    assert causes(settle(jobs, 4)) == {3: None, 4: FailureCause.WRONG_NAMESPACE,
+                                       5: FailureCause.WRONG_NAMESPACE, 6: FailureCause.COPY_ERROR}
+    want = bytearray([SENTINEL]) * PAYLOAD
+    want[0:2 * row] = payload(72)[0:2 * row]
+    want[2500:2500 + 2 * row] = payload(72)[2500:2500 + 2 * row]
+    assert slot_bytes(host, 1)[:PAYLOAD] == bytes(want)
+    assert slot_bytes(host, 2)[:PAYLOAD] == bytes([SENTINEL]) * PAYLOAD  # misses land nothing

@@ -48,7 +48,7 @@ class RemoteDriver:
         self._writes_failed_seen = 0
         if jobs is not None:
             jobs.on_answer = self.pump
-            jobs.slot_rows = chunk_rows  # a write must cover every row of its slot
+            jobs.slot_rows = chunk_rows
             if kv is not None:  # where each row lies, to blank an entry's empty rows
                 jobs.row_spans = tuple(zip(kv.layer_offsets(chunk_rows), kv.block_bytes,
                                            strict=True))
@@ -66,7 +66,7 @@ class RemoteDriver:
         if self._unavailable(entries):
             return
         assert self.jobs is not None
-        reads: list[tuple[int, bytes, int]] = []
+        reads: list[tuple[int, bytes, int, int]] = []
         for entry in entries:
             job = entry.job
             if not self._guard.try_write(job.host_slot):
@@ -74,7 +74,7 @@ class RemoteDriver:
                 continue
             with self._lock:
                 self._reads[job.job_id] = entry
-            reads.append((job.job_id, job.key, job.host_slot))
+            reads.append((job.job_id, job.key, job.host_slot, job.src.rows))  # type: ignore[union-attr]
         if reads:
             self.jobs.start_reads(reads)
 

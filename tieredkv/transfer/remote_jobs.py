@@ -8,13 +8,15 @@ batch cut to fit it): reads past that wait, in order, until earlier batches land
 ``codec.decode`` proved it is this rank's shard of this key in this namespace, of the exact
 payload length and checksum; anything else leaves the slot alone and is a miss with its
 cause. A slot stays *busy* until its read was polled, so the engine does not hand it to a
-new tenant that the late answer would overwrite.
+new tenant that the late answer would overwrite. A prompt's tail is a value of only its own
+rows (rows 0..n-1 of every layer): its read expects exactly that length and lands those rows.
 
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
 and offered to the store's bounded write queue. What does not fit, or arrives while the
 store is down or closing, is dropped and counted: the shared tier is a bonus, never a
-reason for the engine to wait on the network. A write whose entry does not hold every row
-of its slot is refused (``wrong_key``): the other rows hold a previous tenant's bytes.
+reason for the engine to wait on the network. A value holds only its entry's rows: a tail
+(fewer rows than a slot) is written as just its rows of every layer, never the slot's others,
+which hold a previous tenant's bytes.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# (job id, chunk key, host slot): one read into a host slot.
-SlotJob = tuple[int, bytes, int]
+# (job id, chunk key, host slot, rows the value holds; 0: a whole slot): one read.
+SlotJob = tuple[int, bytes, int, int]
 # (job id, chunk key, host slot, rows of the slot the entry holds, rows it leaves empty):
 # one write from a slot.
 WriteJob = tuple[int, bytes, int, int, tuple[int, ...]]
@@ -104,13 +106,14 @@ class RemoteJobs:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
-        # Rows of a host slot (the engine's geometry; set by its driver): a write must cover
-        # all of them. None: not known, every write is refused.
+        # Rows of a host slot (the engine's geometry; set by its driver). None: not known,
+        # every write is refused.
         self.slot_rows = slot_rows
         # (offset of row 0, bytes per row) of each layer's region in a slot: where an entry's
-        # empty rows lie, to write zeros there (set by the driver; () refuses such writes).
+        # rows lie, to send only a tail's rows and blank empty ones (set by the driver; ():
+        # tails and holes are refused).
         self.row_spans: tuple[tuple[int, int], ...] = ()
-        self.value_len = value_bytes(host.payload_bytes)  # the one length a read accepts
+        self.value_len = value_bytes(host.payload_bytes)  # the longest value a read accepts
         self._budget = read_batch_bytes
         self._batch_keys = max(1, read_batch_bytes // self.value_len)
         self._lock = threading.Lock()
@@ -143,14 +146,15 @@ class RemoteJobs:
     def start_reads(self, reads: Sequence[SlotJob]) -> None:
         """Ask for every ``(job_id, key, slot)`` in bounded batches; never blocks.
 
-        A slot out of range, busy with another read, or named twice fails ``copy_error``;
+        A slot out of range, busy with another read, or named twice, or rows no slot has,
+        fails ``copy_error``;
         a malformed key fails ``unknown`` (a bug upstream, logged). Results come from ``poll``.
         """
         jobs: list[SlotJob] = []
         names: list[bytes] = []
         with self._lock:
-            for job_id, key, slot in reads:
-                if not self._usable(slot):
+            for job_id, key, slot, rows in reads:
+                if not self._usable(slot) or self._rows_bytes(rows) is None:
                     self._ready.append(self._read_failed(job_id, FailureCause.COPY_ERROR))
                     continue
                 try:
@@ -160,7 +164,7 @@ class RemoteJobs:
                     self._ready.append(self._read_failed(job_id, FailureCause.UNKNOWN))
                     continue
                 self._busy.add(slot)
-                jobs.append((job_id, key, slot))
+                jobs.append((job_id, key, slot, rows))
             step = self._batch_keys
             for at in range(0, len(jobs), step):
                 self._unsent.append(_Batch(jobs[at:at + step], names[at:at + step]))
@@ -233,19 +237,30 @@ class RemoteJobs:
             logger.exception("tieredkv remote tier: a read batch went wrong")
             values, cause = [None] * len(batch.jobs), FailureCause.UNKNOWN
         out = []
-        for (job_id, key, slot), value in zip(batch.jobs, values, strict=True):
+        for (job_id, key, slot, rows), value in zip(batch.jobs, values, strict=True):
             self._busy.discard(slot)
-            out.append(self._land(job_id, key, slot, value, cause))
+            out.append(self._land(job_id, key, slot, rows, value, cause))
         return out
 
+    def _rows_bytes(self, rows: int) -> int | None:
+        """Payload bytes of a value holding rows 0..rows-1 of every layer (0 or every row: a
+        whole slot); None when no slot has that many rows or the row spans are unknown."""
+        if rows == 0 or rows == self.slot_rows:
+            return self.host.payload_bytes
+        if not self.row_spans or not 0 < rows < (self.slot_rows or 0):
+            return None
+        return rows * sum(row_bytes for _, row_bytes in self.row_spans)
+
     def _land(
-        self, job_id: int, key: bytes, slot: int, value: Head | None, cause: FailureCause | None
+        self, job_id: int, key: bytes, slot: int, rows: int, value: Head | None,
+        cause: FailureCause | None,
     ) -> JobResult:
         """Verify one value and copy it into its slot, or fail with the reason it is unusable."""
         if value is None and cause is not None:
             # The call (or its item) failed: a miss by the call's cause, not ``missing``.
             return self._read_failed(job_id, cause)
-        size = self.host.payload_bytes
+        size = self._rows_bytes(rows)
+        assert size is not None  # start_reads refused the others
         decoded = decode(
             None if value is None else value.data, fingerprint=self.fingerprint, key=key,
             rank=self.rank, expected_len=size, value_len=None if value is None else value.length,
@@ -255,7 +270,15 @@ class RemoteJobs:
             return self._read_failed(job_id, decoded.cause)
         if len(decoded.payload) != size:  # decode checked it; never copy more than a slot
             return self._read_failed(job_id, FailureCause.SHORT_READ)
-        self.host.slot_memoryview(slot)[:size] = decoded.payload
+        target = self.host.slot_memoryview(slot)
+        if size == self.host.payload_bytes:
+            target[:size] = decoded.payload
+        else:  # a tail: its rows of each layer, in layer order
+            at = 0
+            for offset, row_bytes in self.row_spans:
+                n = rows * row_bytes
+                target[offset:offset + n] = decoded.payload[at:at + n]
+                at += n
         self._reads_ok += 1
         self._bytes_read += size
         return JobResult.done(job_id)
@@ -269,20 +292,23 @@ class RemoteJobs:
         Accepted: ``done`` (queued, not yet stored); no room or store down/closing: ``dropped``.
         A slot out of range or still being read into fails ``copy_error``. Every row of a
         value is the entry's own: an entry that holds fewer than all ``slot_rows`` rows (a
-        prompt's tail) fails ``wrong_key``, since its other rows hold whatever the slot held
-        before, and the rows it leaves empty (``holes``) are written as zeros.
+        prompt's tail) sends only those rows of each layer (its slot's other rows hold
+        whatever the slot held before), the rows it leaves empty (``holes``) are written as
+        zeros, and a write naming rows the value cannot hold fails ``wrong_key``.
         """
         size = self.host.payload_bytes
         out: list[JobResult] = []
         queued: list[tuple[int, bytes, bytes]] = []
+        payload_bytes: list[int] = []
         with self._lock:
             for job_id, key, slot, rows, holes in writes:
                 if not self._usable(slot):
                     self._writes_failed[FailureCause.COPY_ERROR.value] += 1
                     out.append(JobResult.fail(job_id, FailureCause.COPY_ERROR))
                     continue
-                if (self.slot_rows is None or rows != self.slot_rows
-                        or (holes and not self._blankable(holes))):
+                tail = self.slot_rows is not None and 0 < rows < self.slot_rows
+                if (self._rows_bytes(rows) is None or rows == 0
+                        or (holes and (tail or not self._blankable(holes)))):
                     logger.error(
                         "tieredkv remote write %d refused: its entry holds %d of the slot's %s "
                         "rows (%d empty); the others are not its own", job_id, rows,
@@ -295,8 +321,11 @@ class RemoteJobs:
                     payload = self.host.slot_memoryview(slot)[:size]
                     if holes:
                         payload = self._blanked(payload, holes)
+                    elif tail:
+                        payload = self._rows_of(payload, rows)
                     value = encode(payload, fingerprint=self.fingerprint, key=key, rank=self.rank)
                     queued.append((job_id, self._redis_name(key), value))
+                    payload_bytes.append(len(payload))
                 except ValueError as exc:
                     logger.error("tieredkv remote write %d: %s", job_id, exc)
                     self._writes_failed[FailureCause.UNKNOWN.value] += 1
@@ -306,7 +335,7 @@ class RemoteJobs:
             accepted = self.store.submit_writes([(n, v) for _, n, v in queued], self.ttl_s)
         with self._lock:
             self._writes_ok += accepted
-            self._bytes_written += accepted * size
+            self._bytes_written += sum(payload_bytes[:accepted])
             self._writes_dropped += len(queued) - accepted
         # The queue keeps a prefix of each offer: the first ``accepted`` went in.
         out += [JobResult.done(j) for j, _, _ in queued[:accepted]]
@@ -317,6 +346,13 @@ class RemoteJobs:
         """Whether the rows ``holes`` can be blanked: rows of this slot, spans known."""
         rows = self.slot_rows or 0
         return bool(self.row_spans) and all(0 <= row < rows for row in holes)
+
+    def _rows_of(self, payload: memoryview, rows: int) -> bytearray:
+        """Rows 0..rows-1 of every layer of ``payload``, in layer order (a tail's value)."""
+        out = bytearray()
+        for offset, row_bytes in self.row_spans:
+            out += payload[offset:offset + rows * row_bytes]
+        return out
 
     def _blanked(self, payload: memoryview, holes: tuple[int, ...]) -> bytearray:
         """A copy of ``payload`` with every layer's bytes of rows ``holes`` zeroed."""
