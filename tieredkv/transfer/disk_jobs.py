@@ -145,16 +145,19 @@ class DiskJobs:
             finally:
                 self._spill_queue.task_done()
 
+    def _hold(self, slot: int, write: bool) -> bool:
+        """Take host ``slot`` for a job that reads it (a spill) or fills it (``write``: a
+        promotion); False when it is out of range or another job holds it: ``copy_error``."""
+        take = self._guard.try_write if write else self._guard.try_read
+        return 0 <= slot < self.host.num_slots and take(slot)
+
     async def _spill(self, entry: Entry) -> None:
         job = entry.job
         disk = job.dst
         result = JobResult.fail(job.job_id, FailureCause.CANCELLED)
         holding, pending = False, None
         try:
-            if not 0 <= job.host_slot < self.host.num_slots:
-                result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
-                return
-            if not self._guard.try_read(job.host_slot):
+            if not self._hold(job.host_slot, write=False):
                 result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
                 return
             holding = True
@@ -192,10 +195,7 @@ class DiskJobs:
             if self.slab is None:
                 result = JobResult.fail(job.job_id, FailureCause.MISSING)
                 return
-            if not 0 <= job.host_slot < self.host.num_slots:
-                result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
-                return
-            if not self._guard.try_write(job.host_slot):
+            if not self._hold(job.host_slot, write=True):
                 result = JobResult.fail(job.job_id, FailureCause.COPY_ERROR)
                 return
             # Nobody waits on a promotion past the scheduler's own deadline (it then serves
