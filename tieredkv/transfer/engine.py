@@ -83,12 +83,7 @@ class TransferEngine:
         if load_timeout_s <= 0:
             raise ValueError(f"load_timeout_s must be > 0, got {load_timeout_s}")
         self.kv = kv
-        self.host = host
-        self.slab = slab
-        self.chunk_blocks = kv.chunk_blocks_for(host.payload_bytes)
-        self.io_threads = io_threads
-        self.spill_queue_depth = spill_queue_depth
-        self.load_timeout_s = load_timeout_s
+        self.load_timeout_s = load_timeout_s  # the disk handler's deadline, and a fence's
         self.stats = TransferStats()
 
         # Shared with the caller's threads, under _lock.
@@ -111,7 +106,7 @@ class TransferEngine:
         self._disk = DiskJobs(host, slab, self._guard, self, io_threads=io_threads,
                               spill_queue_depth=spill_queue_depth, timeout_s=load_timeout_s)
         self._remote = RemoteDriver(remote, self._guard, self, host.payload_bytes,
-                                    chunk_rows=self.chunk_blocks, kv=kv)
+                                    chunk_rows=self._device.chunk_blocks, kv=kv)
         # Handlers that never block come first: an inline load holds the caller's thread.
         self._routes: dict[Move, Handler] = {
             Move.REMOTE_READ: self._remote.submit_reads,
