@@ -21,6 +21,7 @@ from transfer_helpers import (
 
 from tests.helpers import HANG_S, finishes
 from tieredkv.protocol import (
+    FailureCause,
     Job,
     JobResult,
     LoadChunk,
@@ -90,6 +91,22 @@ def test_every_job_type_moves_the_right_bytes(kv, host, make_engine) -> None:
     assert stats["failures"] == {} and len(stats["latency_s"]["store"]) == 3
     again = engine.take_stats()
     assert again["ops"] == dict.fromkeys(again["ops"], 0) and again["latency_s"]["store"] == []
+
+
+def test_without_a_remote_tier_remote_jobs_fail_unavailable_and_leave_their_slots_free(
+        kv, host, make_engine) -> None:
+    # No remote_url on this worker: the scheduler may still ship remote jobs (another rank
+    # has the tier); each fails ``unavailable`` at once, and no slot stays taken by it.
+    engine = make_engine()
+    engine.submit([Job.remote_read(1, make_key(1), 2), Job.remote_write(2, make_key(3), 3)])
+    assert results_by_id(engine, 2) == {1: JobResult.fail(1, FailureCause.UNAVAILABLE),
+                                        2: JobResult.fail(2, FailureCause.UNAVAILABLE)}
+    want = _store_all(engine, kv, {2: (0, 1, 2, 3), 3: (4, 5, 6, 7)}, first_id=3)
+    assert_slot_holds(kv, host, 2, (0, 1, 2, 3), snapshot=want[2])
+    stats = engine.take_stats()
+    assert stats["remote_writes_failed"] == 0
+    assert "remote_write_queue" not in stats["queue_depths"]
+    assert stats["ops"]["remote_read"] == stats["ops"]["remote_write"] == 0
 
 
 def test_mid_chunk_load_copies_only_the_tail(kv, host, make_engine) -> None:

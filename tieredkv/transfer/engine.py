@@ -14,7 +14,8 @@ and the handler picks the thread that runs it:
   coroutines on the event loop awaiting the slab executor's bounded pool of I/O threads;
   spills pass a bounded queue, so a slow disk drops them (counted) instead of delaying others;
 - remote read and write (host <-> remote), :mod:`~tieredkv.transfer.remote_driver`: on the
-  store's own thread.
+  store's own thread. Without a remote tier on this worker there is no driver: the engine
+  fails each remote job ``unavailable`` itself (the scheduler counts it and recomputes).
 
 Handlers see the engine only as a :class:`~tieredkv.transfer.runtime.Runtime`.
 Every submitted job gets exactly one :class:`JobResult`, also when it is cancelled, fenced or
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
-from tieredkv.protocol import Job, JobResult, Medium, Move
+from tieredkv.protocol import FailureCause, Job, JobResult, Medium, Move
 from tieredkv.transfer.backends.base import CopyBackend
 from tieredkv.transfer.device_jobs import DeviceJobs
 from tieredkv.transfer.disk_jobs import DiskJobs
@@ -105,14 +106,16 @@ class TransferEngine:
             max_batch_pairs=max(1, min(512, _MAX_STAGING_BYTES // host.payload_bytes)))
         self._disk = DiskJobs(host, slab, self._guard, self, io_threads=io_threads,
                               spill_queue_depth=spill_queue_depth, timeout_s=load_timeout_s)
-        self._remote = RemoteDriver(remote, self._guard, self, host.payload_bytes,
-                                    chunk_rows=self._device.chunk_blocks, kv=kv)
+        self._remote = None if remote is None else RemoteDriver(
+            remote, self._guard, self, host.payload_bytes, chunk_rows=self._device.chunk_blocks, kv=kv)
+        remote_reads = self._unavailable if self._remote is None else self._remote.submit_reads
+        remote_writes = self._unavailable if self._remote is None else self._remote.submit_writes
         # Handlers that never block come first: an inline load holds the caller's thread.
         self._routes: dict[Move, Handler] = {
-            Move.REMOTE_READ: self._remote.submit_reads,
+            Move.REMOTE_READ: remote_reads,
             Move.PROMOTE: self._disk.submit_promotions,
             Move.SPILL: self._disk.submit_spills,
-            Move.REMOTE_WRITE: self._remote.submit_writes,
+            Move.REMOTE_WRITE: remote_writes,
             Move.STORE: self._device.submit_stores,
             Move.LOAD: self._device.submit_loads,
         }
@@ -230,9 +233,10 @@ class TransferEngine:
             "h2d_queue": self._device.h2d.queued if self._device.h2d is not None else 0,
             "jobs_in_flight": in_flight,
             "host_slots_in_flight": self._guard.in_flight,
-            **self._remote.gauges(),
+            **(self._remote.gauges() if self._remote is not None else {}),
         }
-        return {**self.stats.take(gauges), "remote_writes_failed": self._remote.take_writes_failed()}
+        writes_failed = self._remote.take_writes_failed() if self._remote is not None else 0
+        return {**self.stats.take(gauges), "remote_writes_failed": writes_failed}
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Finish in-flight jobs for up to ``timeout_s``, cancel the rest (each gets a result),
@@ -260,11 +264,18 @@ class TransferEngine:
                 logger.warning("tieredkv: transfer loop thread did not stop; abandoning it")
             self._device.stop_lanes()
             self._disk.stop(wait_s=max(0.0, deadline - time.monotonic()))
-        self._remote.close(max(0.1, deadline - time.monotonic()))
+        if self._remote is not None:
+            self._remote.close(max(0.1, deadline - time.monotonic()))
         with self._lock:
             leftovers = list(self._pending.items())
         for seq, job in leftovers:
             self._finish(seq, cancelled(job), None)
+
+    def _unavailable(self, entries: list[Entry]) -> None:
+        """The remote moves' handler without a remote tier on this worker (no ``remote_url``,
+        or the store failed to build): each job fails ``unavailable``."""
+        for entry in entries:
+            self.finish(entry, JobResult.fail(entry.job.job_id, FailureCause.UNAVAILABLE))
 
     # ================================================================== the handlers' runtime
 
