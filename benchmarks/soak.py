@@ -20,7 +20,7 @@ What it does, in order:
    journaled disk slots *while the server runs* (slot ``s`` of ``rank0.slab`` starts at
    ``s * slot_stride``, from ``manifest.json``; the first 4096 bytes are the header; journaled
    slots from ``Journal.replay(<disk_path>/journal.bin).entries``; names and offsets from
-   ``tieredkv.disk.files``). tieredkv must detect every one it
+   ``tieredkv.disk.format``). tieredkv must detect every one it
    reads (payload checksum) and recompute: a wrong byte served shows up as a wrong output.
 6. Every ``sample_every_s`` seconds samples the server (its process and all children): RSS,
    open file descriptors, threads; from its /metrics: host slots in use, disk slots in use,
@@ -85,7 +85,7 @@ from benchmarks.endurance.workload import (
     working_set_chunks,
 )
 from benchmarks.serve.servers import apply_server_env
-from tieredkv.disk.files import slot_stride
+from tieredkv.disk.format import slot_stride
 from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
 
 HERE = Path(__file__).resolve().parent

@@ -31,7 +31,7 @@ from typing import Any
 
 from tieredkv.config import ConfigError
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import MANIFEST_NAME, journal_path, manifest_path, slab_files, slab_path
+from tieredkv.disk.format import MANIFEST_NAME, journal_path, manifest_path, slab_files, slab_path
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest

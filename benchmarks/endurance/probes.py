@@ -18,7 +18,7 @@ from typing import Any
 from benchmarks.endurance.workload import VOCAB
 from benchmarks.serve.client import stream_completion
 from benchmarks.serve.judging import metric_sum
-from tieredkv.disk.files import journal_path, manifest_path, payload_offset
+from tieredkv.disk.format import journal_path, manifest_path, payload_offset
 
 
 def tree_usage(pid: int) -> dict[str, float]:

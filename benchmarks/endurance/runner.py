@@ -30,7 +30,7 @@ from benchmarks.endurance.workload import ZipfChooser, first_difference
 from benchmarks.serve.client import stream_completion
 from benchmarks.serve.judging import metric_sum
 from benchmarks.serve.servers import start_servers
-from tieredkv.disk.files import journal_path, slab_path
+from tieredkv.disk.format import journal_path, slab_path
 from tieredkv.tools.vllm_server import Server
 
 

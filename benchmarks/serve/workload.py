@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import kv_bytes_per_token
-from tieredkv.disk.files import slot_stride
+from tieredkv.disk.format import slot_stride
 from tieredkv.tools.vllm_server import BLOCK_SIZE
 
 NAME = "serve_bench"

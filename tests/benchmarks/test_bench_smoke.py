@@ -17,7 +17,7 @@ from benchmarks.endurance import probes as soak_probes
 from benchmarks.endurance import report as soak_report
 from benchmarks.endurance import workload as soak_workload
 from benchmarks.serve import judging, workload
-from tieredkv.disk.files import payload_offset, slab_path, slot_stride
+from tieredkv.disk.format import payload_offset, slab_path, slot_stride
 
 # ---------------------------------------------------------------------------- serve_bench
 

@@ -13,7 +13,7 @@ import pytest
 
 from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import slab_path
+from tieredkv.disk.format import slab_path
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO

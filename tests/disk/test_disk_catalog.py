@@ -12,7 +12,7 @@ import pytest
 from tieredkv.config import ConfigError
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import (
+from tieredkv.disk.format import (
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,

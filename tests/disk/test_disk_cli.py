@@ -13,7 +13,7 @@ from tests.disk.test_disk_lock import SlowProbeFcntl
 from tieredkv import cli
 from tieredkv.disk import lock as lock_module
 from tieredkv.disk.catalog import DiskCatalog
-from tieredkv.disk.files import (
+from tieredkv.disk.format import (
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,

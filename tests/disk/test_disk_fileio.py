@@ -226,7 +226,7 @@ def test_the_slab_reaches_the_file_only_through_its_fileio(
 ) -> None:
     """Injected faults (FaultyFileIO) reach every read, write, sync and close of a slab only
     if the slab never calls the OS for them itself."""
-    from tieredkv.disk.files import slab_path
+    from tieredkv.disk.format import slab_path
     from tieredkv.disk.slab import SlabFile
 
     bypassed: list[str] = []

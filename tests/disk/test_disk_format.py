@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import HEADER_BYTES, slab_path
 from tieredkv.disk.format import (
     FORMAT_VERSION,
+    HEADER_BYTES,
     HEADER_USED,
     MAGIC,
     MAX_HEADER_ALIASES,
@@ -21,6 +21,7 @@ from tieredkv.disk.format import (
     pack_header,
     pack_header_into,
     payload_checksum,
+    slab_path,
     unpack_header,
 )
 from tieredkv.keys import KEY_PART_BYTES

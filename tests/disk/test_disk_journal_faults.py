@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import wide_key as k
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import JOURNAL_NAME, journal_path
+from tieredkv.disk.format import JOURNAL_NAME, journal_path
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES, JournalFiles
 from tieredkv.protocol import FailureCause

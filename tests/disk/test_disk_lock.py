@@ -15,7 +15,7 @@ import pytest
 
 from tieredkv.config import ConfigError
 from tieredkv.disk import lock as lock_module
-from tieredkv.disk.files import lock_path
+from tieredkv.disk.format import lock_path
 from tieredkv.disk.lock import DiskLock
 
 HOLD = """

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.disk.files import MANIFEST_NAME, manifest_path, slot_stride
-from tieredkv.disk.format import FORMAT_VERSION
+from tieredkv.disk.format import FORMAT_VERSION, MANIFEST_NAME, manifest_path, slot_stride
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from tieredkv.disk.catalog import DiskCatalog
-from tieredkv.disk.files import (
+from tieredkv.disk.format import (
     JOURNAL_NAME,
     LOCK_NAME,
     MANIFEST_NAME,

@@ -15,7 +15,7 @@ import torch
 
 from tieredkv.disk import slab as slab_mod
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import slab_name, slab_path, slot_stride
+from tieredkv.disk.format import slab_name, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO

@@ -32,7 +32,7 @@ from tieredkv.disk import journal as journal_mod
 from tieredkv.disk import journal_backlog
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import journal_path
+from tieredkv.disk.format import journal_path
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_backlog import RetryBackoff
 from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES

@@ -31,7 +31,7 @@ from tests.helpers import wide_key as k
 from tieredkv.disk import journal_backlog
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import journal_path, manifest_path
+from tieredkv.disk.format import journal_path, manifest_path
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_backlog import Cleared
 from tieredkv.scheduler.lower_tier import DiskTier

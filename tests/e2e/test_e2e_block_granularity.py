@@ -33,7 +33,7 @@ from tests.e2e.conftest import (
     run_engine,
     tieredkv_config,
 )
-from tieredkv.disk.files import slab_path
+from tieredkv.disk.format import slab_path
 
 pytestmark = pytest.mark.vllm
 

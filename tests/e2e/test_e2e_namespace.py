@@ -22,7 +22,7 @@ from tests.e2e.conftest import (
     run_engine_with_options,
     tieredkv_config,
 )
-from tieredkv.disk.files import journal_path
+from tieredkv.disk.format import journal_path
 
 pytestmark = pytest.mark.vllm
 

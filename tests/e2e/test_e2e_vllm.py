@@ -33,7 +33,7 @@ from tests.e2e.conftest import (
     tieredkv_config,
     tieredkv_tokens,
 )
-from tieredkv.disk.files import journal_path, manifest_path, payload_offset, slab_path
+from tieredkv.disk.format import journal_path, manifest_path, payload_offset, slab_path
 
 pytestmark = pytest.mark.vllm
 

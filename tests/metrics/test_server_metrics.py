@@ -32,8 +32,14 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.disk.files import manifest_path, payload_offset, slab_path, slot_offset, slot_stride
-from tieredkv.disk.format import MAGIC
+from tieredkv.disk.format import (
+    MAGIC,
+    manifest_path,
+    payload_offset,
+    slab_path,
+    slot_offset,
+    slot_stride,
+)
 from tieredkv.metrics.specs import METRIC_SPECS
 from tieredkv.protocol import FAILURE_CAUSES
 from tieredkv.tools.ports import free_port

@@ -49,8 +49,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tests.scheduler.index_checks import check_invariants
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.files import HEADER_BYTES
-from tieredkv.disk.format import HEADER_USED, payload_checksum, unpack_header
+from tieredkv.disk.format import HEADER_BYTES, HEADER_USED, payload_checksum, unpack_header
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.scheduler.tier_index import SlotState, TierIndex

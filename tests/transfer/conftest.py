@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transfer_helpers import CHUNK_BLOCKS, FINGERPRINT, layout_caches, recording_io
 
-from tieredkv.disk.files import slab_path
+from tieredkv.disk.format import slab_path
 from tieredkv.transfer.backends.base import CopyBackend
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.engine import TransferEngine

@@ -14,7 +14,7 @@ import torch
 from transfer_helpers import CHUNK_BLOCKS, make_key, results_by_id
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.files import HEADER_BYTES
+from tieredkv.disk.format import HEADER_BYTES
 from tieredkv.keys import chunk_keys
 from tieredkv.protocol import Job, Move
 from tieredkv.scheduler.planner import Planner

@@ -2,7 +2,7 @@
 
 Worker side: :class:`SlabFile` (one per rank) driven by :class:`SlabExecutor`. Scheduler
 side: :class:`DiskCatalog` (lock, manifest, journal, verified recovery). File names and slot
-geometry: :mod:`tieredkv.disk.files`. Every failure is a :class:`SlabError` with a
+geometry: :mod:`tieredkv.disk.format`. Every failure is a :class:`SlabError` with a
 :class:`tieredkv.protocol.FailureCause`.
 """
 
@@ -10,8 +10,7 @@ from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.files import HEADER_BYTES, slab_path, slot_stride
-from tieredkv.disk.format import SlotHeader, aliases_kept
+from tieredkv.disk.format import HEADER_BYTES, SlotHeader, aliases_kept, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 
 __all__ = [

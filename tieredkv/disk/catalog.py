@@ -45,7 +45,7 @@ from pathlib import Path
 
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.files import journal_path, manifest_path, slab_path, slab_rank, slot_stride
+from tieredkv.disk.format import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
 from tieredkv.disk.journal_records import JournalFiles, fsync_dir
 from tieredkv.disk.lock import DiskLock

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tieredkv.config import ConfigError
-from tieredkv.disk.files import LOCK_NAME, lock_path
+from tieredkv.disk.format import LOCK_NAME, lock_path
 from tieredkv.disk.private_files import ensure_private_dir, open_private
 
 # struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid; the kernel's

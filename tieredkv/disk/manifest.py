@@ -20,8 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tieredkv.disk.files import manifest_path
-from tieredkv.disk.format import FORMAT_VERSION
+from tieredkv.disk.format import FORMAT_VERSION, manifest_path
 from tieredkv.disk.private_files import UntrustedPathError, create_private_exclusive, open_private
 
 logger = logging.getLogger(__name__)

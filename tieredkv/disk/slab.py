@@ -25,8 +25,17 @@ from pathlib import Path
 
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
 from tieredkv.disk.fileio import FileIO
-from tieredkv.disk.files import HEADER_BYTES, PAGE_BYTES, align_up, slot_offset, slot_stride
-from tieredkv.disk.format import SlotHeader, pack_header_into, payload_checksum, unpack_header
+from tieredkv.disk.format import (
+    HEADER_BYTES,
+    PAGE_BYTES,
+    SlotHeader,
+    align_up,
+    pack_header_into,
+    payload_checksum,
+    slot_offset,
+    slot_stride,
+    unpack_header,
+)
 from tieredkv.disk.private_files import ensure_private_dir
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 from tieredkv.protocol import FailureCause

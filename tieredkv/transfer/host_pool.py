@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from tieredkv.config import ConfigError, format_size
-from tieredkv.disk.files import PAGE_BYTES, align_up  # disk pads slots alike (O_DIRECT)
+from tieredkv.disk.format import PAGE_BYTES, align_up  # disk pads slots alike (O_DIRECT)
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.files import align_up, slot_counts
+from tieredkv.disk.format import align_up, slot_counts
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.metrics.specs import Count
 from tieredkv.scheduler.planner import Planner

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.disk.files import slot_counts
+from tieredkv.disk.format import slot_counts
 from tieredkv.protocol import JobResult, Medium, Move, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm import sleep_hook
@@ -98,7 +98,7 @@ class WorkerHalf:
         host_slots, disk_slots = slot_counts(self.config, payload, self.geometry.world_size)
         self.host = HostPool(host_slots, payload)
         if disk_slots:
-            from tieredkv.disk.files import rank_lock_name, slab_path
+            from tieredkv.disk.format import rank_lock_name, slab_path
             from tieredkv.disk.lock import DiskLock
             from tieredkv.disk.slab import SlabFile
 
