@@ -14,8 +14,8 @@ import torch
 from test_copy_backends import C, _pairs, _views
 from transfer_helpers import layout_caches
 
+from tieredkv.transfer.backends.base import IndexUploader, StagingBuffer
 from tieredkv.transfer.backends.native_backend import NativeCopyBackend
-from tieredkv.transfer.backends.staging import IndexUploader, StagingBuffer
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews, layer_view

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from tieredkv.protocol import BackendName
-from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
-from tieredkv.transfer.backends.staging import IndexUploader
+from tieredkv.transfer.backends.base import CopyBackend, IndexUploader, Pair, check_pairs
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
 

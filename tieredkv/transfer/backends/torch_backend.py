@@ -14,8 +14,14 @@ import numpy as np
 import torch
 
 from tieredkv.protocol import BackendName
-from tieredkv.transfer.backends.base import CopyBackend, Pair, check_pairs
-from tieredkv.transfer.backends.staging import IndexUploader, RegistrationCache, StagingBuffer
+from tieredkv.transfer.backends.base import (
+    CopyBackend,
+    IndexUploader,
+    Pair,
+    RegistrationCache,
+    StagingBuffer,
+    check_pairs,
+)
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews, widest_item
 
