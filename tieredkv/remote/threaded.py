@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, TypeVar
 
 from tieredkv.protocol import FailureCause
@@ -88,16 +89,12 @@ class ThreadedRemoteStore:
     def batch_exists(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> Future[BatchResult[bool]]:
-        keys = list(keys)
-        return self._call(
-            lambda: self._store.batch_exists(keys, timeout_s=timeout_s), len(keys), False
-        )
+        return self._batch(self._store.batch_exists, keys, timeout_s, False)
 
     def batch_get(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> Future[BatchResult[bytes | None]]:
-        keys = list(keys)
-        return self._call(lambda: self._store.batch_get(keys, timeout_s=timeout_s), len(keys), None)
+        return self._batch(self._store.batch_get, keys, timeout_s, None)
 
     def batch_get_bounded(
         self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None
@@ -105,10 +102,7 @@ class ThreadedRemoteStore:
         """At most ``max_len`` bytes of each value (see :meth:`RemoteStore.batch_get_bounded`)."""
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
-        keys = list(keys)
-        return self._call(
-            lambda: self._store.batch_get_bounded(keys, max_len, timeout_s=timeout_s), len(keys), None
-        )
+        return self._batch(partial(self._store.batch_get_bounded, max_len=max_len), keys, timeout_s, None)
 
     def batch_set(
         self,
@@ -117,18 +111,21 @@ class ThreadedRemoteStore:
         ttl_s: float | None = None,
         timeout_s: float | None = None,
     ) -> Future[BatchResult[bool]]:
-        items = list(items)
-        return self._call(
-            lambda: self._store.batch_set(items, ttl_s=ttl_s, timeout_s=timeout_s), len(items), False
-        )
+        return self._batch(partial(self._store.batch_set, ttl_s=ttl_s), items, timeout_s, False)
 
     def batch_delete(
         self, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> Future[BatchResult[bool]]:
-        keys = list(keys)
-        return self._call(
-            lambda: self._store.batch_delete(keys, timeout_s=timeout_s), len(keys), False
-        )
+        return self._batch(self._store.batch_delete, keys, timeout_s, False)
+
+    def _batch(
+        self, call: Callable[..., Awaitable[BatchResult[T]]], items: Sequence[Any],
+        timeout_s: float | None, default: T,
+    ) -> Future[BatchResult[T]]:
+        """``call(items, timeout_s=...)`` on the store's loop; ``default`` per item, with the
+        cause, if it cannot finish. ``items`` is copied now: the caller may reuse its list."""
+        items = list(items)
+        return self._call(lambda: call(items, timeout_s=timeout_s), len(items), default)
 
     def submit_writes(self, items: Iterable[tuple[bytes, bytes]], ttl_s: float | None = None) -> int:
         """Queue writes without waiting; returns how many were accepted (the rest: dropped)."""
