@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from tieredkv.config import parse_size
-from tieredkv.disk.async_io import SlabExecutor
-from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.fileio import FileIO, SlabExecutor
 from tieredkv.disk.format import align_up
 from tieredkv.disk.slab import SlabFile, probe_direct
 from tieredkv.transfer.host_pool import HostPool

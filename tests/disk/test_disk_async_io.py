@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.errors import SlabError
+from tieredkv.disk.fileio import SlabExecutor
 from tieredkv.disk.format import slab_path
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause

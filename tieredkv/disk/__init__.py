@@ -6,10 +6,9 @@ geometry: :mod:`tieredkv.disk.format`. Every failure is a :class:`SlabError` wit
 :class:`tieredkv.protocol.FailureCause`.
 """
 
-from tieredkv.disk.async_io import SlabExecutor
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.fileio import FileIO, SlabExecutor
 from tieredkv.disk.format import HEADER_BYTES, SlotHeader, aliases_kept, slab_path, slot_stride
 from tieredkv.disk.slab import SlabFile
 

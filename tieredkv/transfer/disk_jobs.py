@@ -86,7 +86,7 @@ class DiskJobs:
         if self.slab is None:
             return
         # Imported here: disk-tier modules stay out of GPU-only runs.
-        from tieredkv.disk.async_io import SlabExecutor
+        from tieredkv.disk.fileio import SlabExecutor
 
         self._executor = SlabExecutor(self.io_threads, on_death=self._runtime.die)
         loop = asyncio.get_event_loop()
