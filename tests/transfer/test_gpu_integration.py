@@ -19,9 +19,9 @@ the ones vLLM serves tieredkv (``test_layouts_as_served.py``).
   loaded bytes), lands after the blocks' previous tenant's queued writes, and touches no
   other block of any layer (a hit may start mid-chunk);
 - ``handle_preemptions`` cancels a queued store and waits for a running one, so the next
-  tenant's writes never reach a slot; the sleep-mode pause (``tieredkv/vllm/sleep_hook.py``)
-  leaves no copy queued on any stream when the memory would go, refuses device jobs while
-  asleep, and resumes after wake-up;
+  tenant's writes never reach a slot; the sleep-mode pause (the sleep hook in
+  ``tieredkv/vllm/worker_side.py``) leaves no copy queued on any stream when the memory would
+  go, refuses device jobs while asleep, and resumes after wake-up;
 - d2h and h2d overlap each other and the next forward (CUDA: a timeline from CUDA events
   recorded by this test around every copy call on the lanes' streams; CPU: both complete
   and move the right bytes).
@@ -58,7 +58,7 @@ from vllm_cuda_layouts import CASE_BY_ID, CASES, LayoutCase
 
 from tests.helpers import finishes
 from tieredkv.protocol import FailureCause, Job, LoadChunk, Move, StepPlan
-from tieredkv.vllm import sleep_hook
+from tieredkv.vllm import worker_side
 
 HAS_CUDA = torch.cuda.is_available()
 _CUDA = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
@@ -246,8 +246,8 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
     seen: list[str] = []
 
     class FakeGpuWorker:
-        """vLLM's Worker.sleep/wake_up as sleep_hook wraps them; sleep notes what tieredkv
-        still had in flight at the moment the real one would unmap the KV cache."""
+        """vLLM's Worker.sleep/wake_up as worker_side's sleep hook wraps them; sleep notes what
+        tieredkv still had in flight at the moment the real one would unmap the KV cache."""
 
         def sleep(self, level: int = 1) -> None:
             with engine._lock:
@@ -259,7 +259,7 @@ def test_sleep_pause_leaves_no_copy_in_flight_and_resumes(
         def wake_up(self, tags: object = None) -> None:
             seen.append("wake_up")
 
-    sleep_hook.patch_worker_class(FakeGpuWorker)
+    worker_side.patch_worker_class(FakeGpuWorker)
     blocks = (4, 5, 6, 7)
     rig.forward(blocks, step=1)
     gated = GatedStores(engine.backend)

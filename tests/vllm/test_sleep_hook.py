@@ -13,7 +13,7 @@ import torch
 from test_worker_side import LAYERS, block, collect_until, make_worker, step
 
 from tieredkv.protocol import Job, LoadChunk, Move, StepPlan
-from tieredkv.vllm import sleep_hook
+from tieredkv.vllm import worker_side
 
 
 class _GatedStores:
@@ -47,8 +47,8 @@ def test_sleep_waits_for_running_stores_and_refuses_device_jobs_until_wake_up():
         def wake_up(self, tags=None) -> None:
             events.append("wake_up")
 
-    sleep_hook.patch_worker_class(FakeWorker)
-    sleep_hook.patch_worker_class(FakeWorker)  # idempotent: wrapped once
+    worker_side.patch_worker_class(FakeWorker)
+    worker_side.patch_worker_class(FakeWorker)  # idempotent: wrapped once
     try:
         gated = _GatedStores(engine.backend)
         engine.backend = gated
@@ -92,6 +92,6 @@ def test_the_hook_wraps_vllms_gpu_worker_when_a_worker_half_starts():
     try:
         assert getattr(gpu_worker.Worker.sleep, "_tieredkv_sleep_hook", False)
         assert getattr(gpu_worker.Worker.wake_up, "_tieredkv_sleep_hook", False)
-        assert w in set(sleep_hook._halves)
+        assert w in set(worker_side._halves)
     finally:
         w.shutdown()
