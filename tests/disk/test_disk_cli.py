@@ -11,7 +11,7 @@ import pytest
 
 from tests.disk.test_disk_lock import SlowProbeFcntl
 from tieredkv import cli
-from tieredkv.disk import lock as lock_module
+from tieredkv.disk import private_files as lock_module
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.format import (
     JOURNAL_NAME,
@@ -23,7 +23,7 @@ from tieredkv.disk.format import (
     slab_path,
     slot_stride,
 )
-from tieredkv.disk.lock import DiskLock
+from tieredkv.disk.private_files import DiskLock
 from tieredkv.disk.slab import SlabFile
 
 PAYLOAD = 40_000

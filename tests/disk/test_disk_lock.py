@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from tieredkv.config import ConfigError
-from tieredkv.disk import lock as lock_module
+from tieredkv.disk import private_files as lock_module
 from tieredkv.disk.format import lock_path
-from tieredkv.disk.lock import DiskLock
+from tieredkv.disk.private_files import DiskLock
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from tieredkv.disk.lock import DiskLock
+from tieredkv.disk.private_files import DiskLock
 lock = DiskLock(Path(sys.argv[1]))
 print("locked", flush=True)
 time.sleep(60)

@@ -30,9 +30,8 @@ from tieredkv.disk.format import (
     slot_stride,
 )
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
-from tieredkv.disk.private_files import UntrustedPathError
+from tieredkv.disk.private_files import DiskLock, UntrustedPathError
 from tieredkv.disk.slab import SlabFile
 
 PAYLOAD = 10_000

@@ -31,7 +31,7 @@ is cut back to its header, which needs no free space; failing that, the manifest
 ``disk_path`` must be a real directory owned by the engine's user and not writable by group
 or others (created 0700 if missing), and no file in it is opened through a symlink: see
 :mod:`tieredkv.disk.private_files`. The scheduler checks it here; each worker, which vLLM
-starts first, checks it in :class:`~tieredkv.disk.lock.DiskLock` (its ``rank{r}.lock``)
+starts first, checks it in :class:`~tieredkv.disk.private_files.DiskLock` (its ``rank{r}.lock``)
 before opening anything, and again in :meth:`SlabFile.open`.
 """
 
@@ -48,9 +48,8 @@ from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
 from tieredkv.disk.journal_records import JournalFiles, fsync_dir
-from tieredkv.disk.lock import DiskLock
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
-from tieredkv.disk.private_files import ensure_private_dir, restrict_dir
+from tieredkv.disk.private_files import DiskLock, ensure_private_dir, restrict_dir
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 

@@ -1,18 +1,40 @@
-"""Opening files under ``disk_path`` so that nothing planted there can redirect a write.
+"""Who may touch a disk tier's directory: only this user's private files, and one engine.
 
-The disk tier writes into a directory that someone else might have been able to touch before
-the engine started. Every open here refuses symlinks (``O_NOFOLLOW``), checks with ``fstat``
-that it got a regular file owned by this user, and the directory itself must be owned by this
-user and not writable by group or others. Temporary files are created with ``O_EXCL`` after
-unlinking whatever had their name, so a planted link is replaced, never followed.
+Opening files under ``disk_path`` so that nothing planted there can redirect a write. The disk
+tier writes into a directory that someone else might have been able to touch before the engine
+started. Every open here refuses symlinks (``O_NOFOLLOW``), checks with ``fstat`` that it got a
+regular file owned by this user, and the directory itself must be owned by this user and not
+writable by group or others. Temporary files are created with ``O_EXCL`` after unlinking
+whatever had their name, so a planted link is replaced, never followed.
+
+One engine per ``disk_path``: :class:`DiskLock`, an open-file-description lock on
+``<disk_path>/lock``. Two engines sharing slab files would overwrite each other's slots and
+journals. The lock is a Linux OFD lock (``F_OFD_SETLK``, a write lock on the whole file): like
+``flock`` it belongs to the open file, conflicts even within one process, and is released by
+the kernel when the holder dies (even on SIGKILL), so a crashed engine never leaves a stale
+lock behind. Unlike ``flock`` it can be *queried* without being taken (``F_OFD_GETLK``):
+:meth:`DiskLock.holder` (``tieredkv inspect``/``verify``) never holds a lock, so a tool looking
+at a tier can never make an engine starting at that moment fail. The pid written into the file
+lets the second engine say who holds it. The file itself is never deleted: unlinking a lock
+file races with its next taker. It is opened like every other file here (no symlink followed,
+only our own regular file), after ``disk_path`` itself was checked.
+
+Earlier builds locked with ``flock``, which does not see this lock nor it them: stop an old
+engine before starting a new one on the same directory.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+import struct
+import time
 from pathlib import Path
+
+from tieredkv.config import ConfigError
+from tieredkv.disk.format import LOCK_NAME, lock_path
 
 
 class UntrustedPathError(ValueError):
@@ -148,3 +170,128 @@ def create_private_exclusive(path: Path | str, flags: int = os.O_WRONLY, mode: i
     fd = open_private(path, flags | os.O_CREAT | os.O_EXCL, mode)
     os.fchmod(fd, mode)
     return fd
+
+
+# -- the one-engine lock --------------------------------------------------------------------
+
+# struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid; the kernel's
+# struct is padded to 32 bytes, so the argument buffer is passed that long.
+_FLOCK = struct.Struct("@hhqqi")
+_FLOCK_BYTES = 32
+# A lock held by someone whose pid is not (yet) in the file: an engine between taking the lock
+# and writing its pid. Waiting this long for it to appear costs nothing when the lock is free.
+_UNKNOWN_HOLDER_WAIT_S = 2.0
+_UNKNOWN_HOLDER_POLL_S = 0.02
+
+
+def _flock_arg(lock_type: int) -> bytes:
+    return _FLOCK.pack(lock_type, os.SEEK_SET, 0, 0, 0).ljust(_FLOCK_BYTES, b"\0")
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the whole-file OFD write lock without waiting; False if someone holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_arg(fcntl.F_WRLCK))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _is_locked(fd: int) -> bool:
+    """Whether anyone holds a lock on the file that would conflict with ours (takes none)."""
+    out = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock_arg(fcntl.F_WRLCK))
+    return _FLOCK.unpack_from(out)[0] != fcntl.F_UNLCK
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+class DiskLock:
+    """An exclusive lock on a disk tier, held until :meth:`close` (or process exit).
+
+    Raises :class:`~tieredkv.config.ConfigError` (naming ``disk_path`` and the holder's pid)
+    when another engine holds it, and
+    :class:`~tieredkv.disk.private_files.UntrustedPathError` when ``disk_path`` is not a
+    private directory of this user or the lock file is a link or not our own regular file.
+    """
+
+    def __init__(self, disk_path: Path, name: str = LOCK_NAME) -> None:
+        # Workers lock ``rank{r}.lock`` before opening their slab, so a second engine's
+        # workers (started before its scheduler) fail before they touch a live slab file.
+        # This is also each process's first open under disk_path: check the directory here.
+        self.disk_path = ensure_private_dir(Path(disk_path))
+        self.path = self.disk_path / name
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o600)
+        try:
+            self._acquire(fd)
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # drops the lock too, if it was taken
+            raise
+        self._fd: int | None = fd
+
+    def _acquire(self, fd: int) -> None:
+        deadline = time.monotonic() + _UNKNOWN_HOLDER_WAIT_S
+        while not _try_lock(fd):
+            pid = _read_pid(fd)
+            if pid is None and time.monotonic() < deadline:
+                time.sleep(_UNKNOWN_HOLDER_POLL_S)  # the holder has not written its pid yet
+                continue
+            who = f"pid {pid}" if pid is not None else "pid unknown"
+            raise ConfigError(
+                "disk_path", f"already in use by another engine ({who})", value=str(self.disk_path)
+            )
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def close(self) -> None:
+        """Release the lock (idempotent). The pid is cleared so tools do not report a ghost."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_arg(fcntl.F_UNLCK))
+        finally:
+            os.close(fd)
+
+    release = close
+
+    def __enter__(self) -> DiskLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def holder(disk_path: Path) -> int | None:
+        """The pid holding ``disk_path``'s lock, or None if it is free.
+
+        Only queries the lock (``F_OFD_GETLK``); it takes none, not even briefly, so it never
+        gets in the way of an engine taking the lock. Returns -1 when the lock is held but the
+        holder's pid is unreadable. Raises UntrustedPathError if the lock file is a link or not
+        our own regular file.
+        """
+        path = lock_path(disk_path)
+        try:
+            fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        try:
+            if not _is_locked(fd):
+                return None
+            pid = _read_pid(fd)
+            return pid if pid is not None else -1
+        finally:
+            os.close(fd)
