@@ -257,7 +257,8 @@ def test_disk_bytes_zero_still_means_no_disk_tier(tmp_path):
 def test_every_numeric_key_rejects_nan_and_infinity(tmp_path):
     numeric = ["host_bytes", "disk_bytes", "disk_admission", "chunk_blocks", "io_threads",
                "load_timeout_s", "spill_queue_depth", "metrics_port", "remote_timeout_s",
-               "remote_ttl_s", "remote_admission", "remote_write_queue_bytes"]
+               "remote_ttl_s", "remote_admission", "remote_write_queue_bytes",
+               "cost_model_margin"]
     # A numeric key added later must join this list (and get a stated range).
     assert {f.name for f in fields(TieredKVConfig) if f.type in ("int", "float", "int | None")} == set(numeric)
     for key in numeric:

@@ -54,6 +54,7 @@ IO_THREADS_MAX = 64  # io_threads in [1, 64]
 SPILL_QUEUE_DEPTH_MAX = 65536  # spill_queue_depth in [1, 65536]
 DISK_ADMISSION_MAX = 1000  # disk_admission in [1, 1000]
 METRICS_PORT_MAX = 65535  # metrics_port in [0, 65535]
+COST_MARGIN_MAX = 10.0  # cost_model_margin in [0, 10]
 REMOTE_TIMEOUT_MAX_S = 60.0  # remote_timeout_s in (0, 60]
 REMOTE_TTL_MAX_S = 365 * 24 * 3600.0  # remote_ttl_s in [0, one year]; 0: no expiry
 REMOTE_QUEUE_MIN_BYTES = 1 * 1024 * 1024  # remote_write_queue_bytes >= 1 MiB
@@ -213,6 +214,19 @@ def _parse_seconds(key: str, value: Any, maximum: float) -> float:
     return float(value)
 
 
+def _parse_margin(key: str, value: Any) -> float:
+    """A finite number in [0, COST_MARGIN_MAX]: how much faster than recomputing a read must
+    be predicted to be (0.2: 20 % faster)."""
+    expected = f"expected a number from 0 to {COST_MARGIN_MAX:g}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, expected)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, expected)
+    if not 0 <= value <= COST_MARGIN_MAX:
+        raise ConfigError(key, expected)
+    return float(value)
+
+
 def _parse_bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -248,6 +262,8 @@ _STANDALONE_KEYS: dict[str, Callable[[str, Any], Any]] = {
     "store_generated": _parse_bool,
     "load_timeout_s": partial(_parse_seconds, maximum=LOAD_TIMEOUT_MAX_S),
     "spill_queue_depth": partial(_parse_int, minimum=1, maximum=SPILL_QUEUE_DEPTH_MAX),
+    "cost_model": _parse_bool,
+    "cost_model_margin": _parse_margin,
 }
 
 
@@ -294,6 +310,10 @@ class TieredKVConfig:
     load_timeout_s: float = 30.0
     # [1, 65536]
     spill_queue_depth: int = 64
+    # Decline a disk or remote hit predicted slower than recomputing it (scheduler/cost_model.py).
+    cost_model: bool = True
+    # [0, 10]: a read must be predicted this much faster than recomputing (0.2: 20 %).
+    cost_model_margin: float = 0.2
     # None (off) or [0, 65535]; 0 picks a free port.
     metrics_port: int | None = None
     # The shared tier (Redis/Valkey, one node or a Cluster); None: no remote tier. The

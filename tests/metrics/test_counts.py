@@ -158,6 +158,8 @@ def test_every_counter_a_run_counts_is_exported_with_its_value(run: str) -> None
     for (spec_id, value), n in expected.items():
         spec = METRIC_SPECS[spec_id]
         labels = {"model_name": "m", **({spec.label: value} if spec.label else {})}
+        if spec.label2:  # two labels: the route's value is the pair
+            labels.update({spec.label: value[0], spec.label2: value[1]})
         assert registry.get_sample_value(spec.name + "_total", labels) == n, (spec_id, value)
 
 
@@ -195,7 +197,11 @@ def test_every_declared_counter_feeds_a_counter_metric() -> None:
     for count, route in COUNT_ROUTES.items():
         assert METRIC_SPECS[route.spec].kind == COUNTER, count
         label = "some_label" if route.by else None
-        assert route_counter(count, label) == (route.spec, route.value or label), count
+        value = route.value or label
+        if route.value2 is not None:  # a metric with two labels: the pair
+            assert route.value2 in METRIC_SPECS[route.spec].values2, count
+            value = (value, route.value2)
+        assert route_counter(count, label) == (route.spec, value), count
         # The other shape is not this counter: a newer peer's payload is skipped, not misfiled.
         assert route_counter(count, None if route.by else "x") is None, count
     assert route_counter("a_counter_from_the_future") is None

@@ -160,3 +160,13 @@ def test_no_metric_label_is_named_like_a_prometheus_target_label() -> None:
     assert exprs
     for expr in exprs:
         assert "kind" in expr and "exported_job" not in expr, expr
+
+
+def test_dashboard_shows_the_hits_the_cost_model_declined_by_tier_and_reason() -> None:
+    spec = METRIC_SPECS["hits_declined"]
+    assert (spec.label, spec.label2) == ("tier", "reason")
+    assert "slower_than_recompute" in spec.values2
+    panels = [p for p in all_panels(load_dashboard())
+              if any(spec.exposed_names[0] in t["expr"] for t in p.get("targets", []))]
+    assert panels, "no panel shows vllm:tieredkv_hits_declined_total"
+    assert any("by (tier, reason)" in t["expr"] for p in panels for t in p["targets"])

@@ -30,6 +30,17 @@ from tieredkv.protocol import FAILURE_CAUSES, Tier
 logger = logging.getLogger("tieredkv")
 
 MetricFactory = Callable[..., Any]
+# A child's own label values: none, one, or (a metric with two labels) a pair.
+LabelValue = str | tuple[str, str] | None
+
+
+def _label_values(spec: MetricSpec) -> list[LabelValue]:
+    """Every label value (pair) of ``spec`` that exists from the start at 0."""
+    if not spec.label:
+        return [None]
+    if not spec.label2:
+        return list(spec.values)
+    return [(v, v2) for v in spec.values for v2 in spec.values2]
 
 
 class TieredKVMetrics:
@@ -50,14 +61,14 @@ class TieredKVMetrics:
         self._labelnames = list(labelnames)
         self._families = {key: self._create(spec, classes) for key, spec in METRIC_SPECS.items()}
         self._labelvalues: dict[Any, list[str]] = {}
-        self._children: dict[tuple[Any, str, str | None], Any] = {}
+        self._children: dict[tuple[Any, str, LabelValue], Any] = {}
         self._queue_depths: dict[Any, dict[str, dict[str, float]]] = {}
         self._lock = threading.Lock()
         for engine, values in per_engine_labelvalues.items():
             self.add_engine(engine, values)
 
     def _create(self, spec: MetricSpec, classes: Mapping[str, MetricFactory]) -> Any:
-        labelnames = self._labelnames + ([spec.label] if spec.label else [])
+        labelnames = self._labelnames + [n for n in (spec.label, spec.label2) if n]
         kwargs: dict[str, Any] = {
             "name": spec.name, "documentation": spec.help, "labelnames": labelnames,
         }
@@ -73,17 +84,18 @@ class TieredKVMetrics:
         with self._lock:
             self._labelvalues[engine] = [str(v) for v in labelvalues]
             for key, spec in METRIC_SPECS.items():
-                for value in spec.values if spec.label else (None,):
+                for value in _label_values(spec):
                     self._child(engine, key, value)
 
-    def _child(self, engine: Any, key: str, value: str | None) -> Any:
+    def _child(self, engine: Any, key: str, value: LabelValue) -> Any:
         child = self._children.get((engine, key, value))
         if child is None:
-            values = self._labelvalues[engine] + ([value] if value is not None else [])
+            own = [] if value is None else [value] if isinstance(value, str) else list(value)
+            values = self._labelvalues[engine] + own
             child = self._children[(engine, key, value)] = self._families[key].labels(*values)
         return child
 
-    def child(self, engine: Any, key: str, value: str | None = None) -> Any:
+    def child(self, engine: Any, key: str, value: LabelValue = None) -> Any:
         """The labelled metric of one engine (for tests and callers that record directly)."""
         with self._lock:
             return self._child(engine, key, value)
@@ -105,7 +117,7 @@ class TieredKVMetrics:
             self._observe_scheduler(data.get("scheduler") or {}, engine)
             self._observe_workers(data.get("workers") or {}, engine)
 
-    def _inc(self, engine: Any, key: str, value: str | None, delta: float) -> None:
+    def _inc(self, engine: Any, key: str, value: LabelValue, delta: float) -> None:
         if delta > 0:
             self._child(engine, key, value).inc(delta)
         elif delta < 0:

@@ -26,6 +26,7 @@ __all__ = [
     "Counts",
     "COUNTER",
     "COUNT_ROUTES",
+    "DECLINE_REASONS",
     "DIRECTIONS",
     "GAUGE",
     "HISTOGRAM",
@@ -47,6 +48,8 @@ QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots
           "remote_write_queue")
 CHUNK_OPS = ("stored", "spilled", "promoted", "superseded", "remote_written", "remote_read")
 SKIP_REASONS = ("store_host_full", "spill_disk_full", "promote_no_host_slot")
+# Why a lower tier's hit was not taken (scheduler/cost_model.py).
+DECLINE_REASONS = ("slower_than_recompute", "probe_wait_over_saving")
 # The remote tier's failures add one cause: the store is known to be down, so no call was made.
 REMOTE_CAUSES = (*FAILURE_CAUSES, FailureCause.UNAVAILABLE.value)
 
@@ -62,10 +65,11 @@ COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric: its name, type, help text and (at most one) label with its known values.
+    """One metric: its name, type, help text and (at most two) labels with their known values.
 
     ``name`` is the family name; a counter is exposed as ``name + "_total"``, a histogram as
-    ``_bucket``/``_sum``/``_count`` series. Every value in ``values`` exists from the start at 0.
+    ``_bucket``/``_sum``/``_count`` series. Every value in ``values`` (times every one in
+    ``values2``, for a second label ``label2``) exists from the start at 0.
     """
 
     name: str
@@ -74,6 +78,8 @@ class MetricSpec:
     label: str | None = None
     values: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    label2: str | None = None
+    values2: tuple[str, ...] = ()
 
     @property
     def exposed_names(self) -> tuple[str, ...]:
@@ -85,8 +91,10 @@ class MetricSpec:
 
 
 def _spec(name: str, kind: str, help: str, label: str | None = None,
-          values: Iterable[str] = (), buckets: tuple[float, ...] | None = None) -> MetricSpec:
-    return MetricSpec("vllm:tieredkv_" + name, kind, help, label, tuple(values), buckets)
+          values: Iterable[str] = (), buckets: tuple[float, ...] | None = None,
+          label2: str | None = None, values2: Iterable[str] = ()) -> MetricSpec:
+    return MetricSpec("vllm:tieredkv_" + name, kind, help, label, tuple(values), buckets,
+                      label2, tuple(values2))
 
 
 # Keyed by a short id the recorder uses; every name is vllm:tieredkv_* (never vllm:kv_offload_*).
@@ -107,6 +115,12 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "load_latency_seconds", HISTOGRAM,
         "Time to load one request's hit from host slots into device blocks (h2d), per rank.",
         buckets=LATENCY_BUCKETS),
+    "hits_declined": _spec(
+        "hits_declined", COUNTER,
+        "Lower-tier hits not taken, once per request and tier: slower_than_recompute (its "
+        "read was predicted slower than recomputing its tokens: the request computes them), "
+        "probe_wait_over_saving (the remote probe took longer than the hit could save).",
+        "tier", TIERS, label2="reason", values2=DECLINE_REASONS),
     "partial_hits": _spec(
         "partial_hits", COUNTER,
         "Hits that ended inside a chunk: a prompt's tail (fewer blocks than a chunk) loaded."),
@@ -263,6 +277,8 @@ class Count(StrEnum):
     LOOKUP_TOKENS = "lookup_tokens"
     HIT_TOKENS = "hit_tokens"  # by tier
     PARTIAL_HITS = "partial_hits"
+    HITS_DECLINED_SLOWER = "hits_declined_slower_than_recompute"  # by tier
+    HITS_DECLINED_PROBE_WAIT = "hits_declined_probe_wait_over_saving"  # by tier
     EVICTIONS = "evictions"  # by tier
     SUPERSEDED = "superseded"  # by tier
     DISK_ADMISSION_REJECTED = "disk_admission_rejected"
@@ -299,11 +315,13 @@ class Count(StrEnum):
 class CountRoute:
     """Where a :class:`Count` goes: metric ``spec`` (a key of :data:`METRIC_SPECS`), with label
     value ``value``. ``by``: the count is keyed ``(count, label)``; with ``value`` None the
-    label is the metric's label value, otherwise a breakdown summed into ``value``."""
+    label is the metric's label value, otherwise a breakdown summed into ``value``.
+    ``value2``: the second label's value, for a metric with two (``label2``)."""
 
     spec: str
     value: str | None = None
     by: bool = False
+    value2: str | None = None
 
 
 COUNT_ROUTES: dict[Count, CountRoute] = {
@@ -311,6 +329,10 @@ COUNT_ROUTES: dict[Count, CountRoute] = {
     Count.LOOKUP_TOKENS: CountRoute("lookup_tokens"),
     Count.HIT_TOKENS: CountRoute("hit_tokens", by=True),
     Count.PARTIAL_HITS: CountRoute("partial_hits"),
+    Count.HITS_DECLINED_SLOWER: CountRoute("hits_declined", by=True,
+                                           value2="slower_than_recompute"),
+    Count.HITS_DECLINED_PROBE_WAIT: CountRoute("hits_declined", by=True,
+                                               value2="probe_wait_over_saving"),
     Count.EVICTIONS: CountRoute("evictions", by=True),
     Count.SUPERSEDED: CountRoute("chunks", "superseded", by=True),
     Count.DISK_ADMISSION_REJECTED: CountRoute("disk_admission_rejected"),
@@ -347,7 +369,8 @@ for _count in Count:
     _route = COUNT_ROUTES[_count]
     _spec_of = METRIC_SPECS[_route.spec]
     if _spec_of.kind != COUNTER or (_spec_of.label is None) != (_route.value is None
-                                                                  and not _route.by):
+                                                                  and not _route.by) or (
+            (_spec_of.label2 is None) != (_route.value2 not in _spec_of.values2)):
         raise AssertionError(f"tieredkv: counter {_count} routes to {_route.spec} wrongly")
 
 # Where code that serves any tier below host counts a tier's own counter.
@@ -394,13 +417,18 @@ class Counts(Counter):
         return out
 
 
-def route_counter(name: str, label: str | None = None) -> tuple[str, str | None] | None:
-    """The (spec id, label value) a scheduler counter of the snapshot feeds; None for a name no
-    :class:`Count` declares (a newer peer's) or a shape that does not match it."""
+def route_counter(name: str, label: str | None = None
+                  ) -> tuple[str, str | tuple[str, str] | None] | None:
+    """The (spec id, label value) a scheduler counter of the snapshot feeds (a metric with two
+    labels: the pair of values); None for a name no :class:`Count` declares (a newer peer's)
+    or a shape that does not match it."""
     try:
         route = COUNT_ROUTES[Count(name)]
     except ValueError:
         return None
     if route.by != (label is not None):
         return None
-    return route.spec, (label if route.value is None else route.value)
+    value = label if route.value is None else route.value
+    if route.value2 is not None and value is not None:
+        return route.spec, (value, route.value2)
+    return route.spec, value

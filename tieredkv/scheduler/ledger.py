@@ -26,6 +26,7 @@ from tieredkv.protocol import JobResult, Move, StepPlan
 from tieredkv.scheduler.tier_index import TierIndex
 
 if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) imports this
+    from tieredkv.scheduler.cost_model import CostModel
     from tieredkv.scheduler.lower_tier import DiskTier
     from tieredkv.scheduler.remote_tier import RemoteTier
 
@@ -238,3 +239,4 @@ class PlannerParts:
     counters: Counts
     remote: RemoteTier | None = None
     slot_rows: SlotRows | None = None  # None: one full-attention group
+    cost: CostModel | None = None  # None: every lower-tier hit is taken

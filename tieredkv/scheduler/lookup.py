@@ -64,6 +64,7 @@ class Lookup:
         # windows a sliding group stores are those that end there).
         self.unit = self.chunk_tokens if parts.slot_rows is not None else parts.block_size
         self._fill = fill
+        self._cost = parts.cost  # None: every lower-tier hit is taken
         self._in_flight = fill.in_flight  # read only: the fill path owns it
 
     def prefetch_remote(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> None:
@@ -149,6 +150,10 @@ class Lookup:
             # The probe asks from chunk 0 (as ``prefetch_remote`` did, when the request
             # arrived): its answer is the remote tier's leading run; past i it extends ours.
             found_remote = self.remote.poll(req_id, keys[:last])
+            if found_remote is None and self._cost is not None and not (
+                    self._cost.may_wait_for_probe(req_id, Tier.REMOTE,
+                                                  limit - i * self.chunk_tokens, last - i)):
+                found_remote = i  # waited longer than a remote hit could save: compute the rest
             if found_remote is None:
                 if not state.promote_deadline:
                     state.promote_deadline = time.monotonic() + self.load_timeout_s
@@ -172,6 +177,10 @@ class Lookup:
                     lower_chunks.append(partial_key)
                 elif kind == PENDING:
                     pending = True
+        if self._cost is not None and (lower_chunks or remote_chunks):
+            run, lower_chunks, remote_chunks, partial_key = self._affordable(
+                req_id, run, lower_chunks, remote_chunks, partial_key, first,
+                num_computed_tokens, limit)
         timed_out = False
         if state.promote_deadline or lower_chunks or pending or remote_chunks:
             now = time.monotonic()
@@ -218,6 +227,24 @@ class Lookup:
             num_tokens=num_tokens, epoch=self._epoch.value, partial=partial,
         )
         return hit
+
+    def _affordable(
+        self, req_id: str, run: list[bytes], lower_chunks: list[bytes],
+        remote_chunks: list[bytes], partial_key: bytes | None, first: int,
+        num_computed_tokens: int, limit: int,
+    ) -> tuple[list[bytes], list[bytes], list[bytes], bytes | None]:
+        """The run cut before a tier's chunks whose read the cost model predicts slower than
+        recomputing them (remote first: it lies past disk), and what is left of each list."""
+        assert self._cost is not None
+        keep = self._cost.affordable(
+            req_id, run, ((Tier.REMOTE, set(remote_chunks)), (self._lower_name, set(lower_chunks))),
+            first, num_computed_tokens, limit)
+        if keep == len(run):
+            return run, lower_chunks, remote_chunks, partial_key
+        run = run[:keep]
+        kept = set(run)
+        return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],
+                partial_key if partial_key in kept else None)
 
     def _partial_source(
         self, keys, chunk: int, num_computed_tokens: int, limit: int

@@ -241,6 +241,7 @@ class Fill:
         self.load_timeout_s = parts.config.load_timeout_s
         self._ledger = parts.ledger
         self._placer = placer
+        self._cost = parts.cost
         self._tiers: dict[Move, LowerTier] = {
             tier.fill_move: tier for tier in (parts.lower, parts.remote) if tier is not None
         }
@@ -282,7 +283,7 @@ class Fill:
         """Bring the ``wanted`` chunks of ``run`` into host slots from ``tier``; the run is cut
         at the first one that cannot get a slot or that someone else holds now."""
         host, C = self.host, self.chunk_blocks
-        issued = False
+        issued: list[int] = []
         for pos, key in enumerate(run):
             if key not in wanted:
                 continue
@@ -306,8 +307,10 @@ class Fill:
             self.in_flight[key] = job_id
             state.promote_jobs.add(job_id)
             state.filled[key] = tier.name
-            issued = True
+            issued.append(job_id)
         if issued:
+            if self._cost is not None:
+                self._cost.fills_started(tier.name, issued)  # one round, timed
             state.promote_rounds += 1
             state.promote_deadline = time.monotonic() + self.load_timeout_s
         return run
@@ -315,6 +318,8 @@ class Fill:
     def complete(self, job: JobRecord, outcome: JobResult) -> None:
         """Every rank reported a fill: the chunk is READY in host, or dropped and counted."""
         (key,) = job.keys
+        if self._cost is not None:
+            self._cost.fill_done(job.job_id)
         if self.in_flight.get(key) == job.job_id:
             del self.in_flight[key]
         tier = self._tiers[job.move]

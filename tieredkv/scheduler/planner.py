@@ -34,14 +34,16 @@ Rules it keeps:
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Count, CountKey, Counts
 from tieredkv.protocol import JobResult, Move, StepPlan, Tier
+from tieredkv.scheduler.cost_model import CostModel
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import DiskTier, Fill
@@ -75,6 +77,8 @@ class Planner:
         lower_tier: DiskTier | None = None,
         remote: RemoteTier | None = None,
         slot_rows: SlotRows | None = None,
+        chunk_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not config.chunk_blocks:
             raise ValueError(
@@ -108,13 +112,21 @@ class Planner:
             self.lower = disk
         self.remote = remote
         self.slot_rows = slot_rows if slot_rows is not None and slot_rows.hybrid else None
+        # The cost model (scheduler/cost_model.py) declines a lower tier's hit predicted slower
+        # than recomputing it. ``chunk_bytes``: one chunk, all ranks (0: unknown; bandwidth in
+        # chunks/s); ``clock``: its clock (tests pass a fake one).
+        self.cost = CostModel(
+            self.counters, chunk_tokens=self.chunk_tokens, chunk_bytes=chunk_bytes,
+            margin=config.cost_model_margin, enabled=config.cost_model,
+            probe_timeout_s=config.remote_timeout_s, clock=clock,
+        )
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()
         parts = PlannerParts(
             config=config, block_size=block_size, host=self.host, lower=self.lower,
             requests=self._requests, ledger=self._ledger, epoch=epoch, counters=self.counters,
-            remote=remote, slot_rows=self.slot_rows,
+            remote=remote, slot_rows=self.slot_rows, cost=self.cost,
         )
         self._placer = Placer(parts)
         fill = Fill(parts, placer=self._placer)
@@ -212,6 +224,7 @@ class Planner:
 
     def finished(self, req_id: str) -> bool:
         """The request finished; True when its blocks must wait for in-flight stores."""
+        self.cost.forget(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
         state = self._requests.get(req_id)
@@ -259,6 +272,14 @@ class Planner:
     def apply(self, results: Iterable[JobResult]) -> None:
         """Fold the ranks' reports in; a job completes once every rank has reported it."""
         self._ledger.apply(results)
+
+    def step_scheduled(self, tokens: int) -> None:
+        """vLLM scheduled a step of ``tokens`` tokens (the cost model's prefill rate)."""
+        self.cost.step_scheduled(tokens)
+
+    def step_done(self) -> None:
+        """That step's output came back (the cost model's prefill rate)."""
+        self.cost.step_done()
 
     # ------------------------------------------------------------------ metrics
 

@@ -93,6 +93,7 @@ class SchedulerHalf:
             catalog=catalog,
             remote=remote,
             slot_rows=geometry.slot_rows,
+            chunk_bytes=geometry.chunk_payload_bytes * geometry.world_size,
         )
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":
@@ -234,10 +235,13 @@ class SchedulerHalf:
             planner.plan_stores(req_id, self.keys_for(request), storable, tail=tail,
                                 computed_tokens=request.num_computed_tokens)
         plan = planner.take_plan()
-        plan.compute_idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        plan.compute_idle = not scheduled_tokens
+        planner.step_scheduled(scheduled_tokens)  # timed to its output: the prefill rate
         return TieredKVMetadata(plan=plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self.planner.step_done()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, TieredKVWorkerMetadata) and meta.results:
             self.planner.apply(meta.results.values())

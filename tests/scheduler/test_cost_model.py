@@ -1,0 +1,230 @@
+"""The cost model (issue 25 point 2): a lower tier's hit is taken only when reading it is
+predicted faster than recomputing its tokens. A fake clock drives every estimate: nothing here
+times anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from tieredkv.metrics.specs import Count, Counts
+from tieredkv.protocol import Tier
+from tieredkv.scheduler.cost_model import (
+    EXPLORE_INTERVAL_S,
+    MIN_SAMPLES,
+    CostModel,
+    ReadEstimate,
+)
+
+CHUNK_TOKENS = 64
+DISK, REMOTE = Tier.DISK.value, Tier.REMOTE.value
+SLOWER = Count.HITS_DECLINED_SLOWER
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def model(clock: Clock, counters: Counts | None = None, **kw) -> CostModel:
+    return CostModel(counters if counters is not None else Counts(), chunk_tokens=CHUNK_TOKENS,
+                     chunk_bytes=1 << 20, clock=clock, **kw)
+
+
+def learn_rate(cost: CostModel, clock: Clock, tokens_per_s: float) -> None:
+    """Prefill steps of ten chunks at ``tokens_per_s``."""
+    for _ in range(MIN_SAMPLES):
+        cost.step_scheduled(10 * CHUNK_TOKENS)
+        clock.now += 10 * CHUNK_TOKENS / tokens_per_s
+        cost.step_done()
+
+
+_job_ids = iter(range(1, 1 << 30))
+
+
+def learn_reads(cost: CostModel, clock: Clock, tier: str, seconds: float, chunks: int = 2,
+                rounds: int = MIN_SAMPLES) -> None:
+    """``rounds`` fill rounds of ``chunks`` chunks of ``tier``, each taking ``seconds``."""
+    for _ in range(rounds):
+        ids = [next(_job_ids) for _ in range(chunks)]
+        cost.fills_started(tier, ids)
+        clock.now += seconds
+        for job_id in ids:
+            cost.fill_done(job_id)
+
+
+RUN = [b"h0", b"d1", b"d2", b"r3", b"r4"]  # host, disk, disk, remote, remote (chunks 0..4)
+TIERS = ((REMOTE, {b"r3", b"r4"}), (DISK, {b"d1", b"d2"}))
+
+
+def keep(cost: CostModel, req: str = "r", run=RUN, tiers=TIERS, limit=5 * CHUNK_TOKENS) -> int:
+    return cost.affordable(req, run, tiers, 0, 0, limit)
+
+
+def test_the_read_estimate_fits_latency_and_bandwidth_and_ignores_an_outlier():
+    reads = ReadEstimate()
+    for chunks, seconds in ((1, 0.11), (2, 0.12), (4, 0.14), (8, 0.18), (4, 9.0), (2, 0.12)):
+        reads.add(chunks, seconds)
+    latency, per_chunk = reads.fit()
+    assert latency == pytest.approx(0.10, abs=1e-6)
+    assert per_chunk == pytest.approx(0.01, abs=1e-6)
+    assert reads.predict(10) == pytest.approx(0.20, abs=1e-6)
+
+
+def test_rounds_of_one_size_give_a_per_chunk_time():
+    reads = ReadEstimate()
+    for seconds in (0.4, 0.5, 0.6):
+        reads.add(4, seconds)
+    assert reads.fit() == (0.0, pytest.approx(0.125))
+
+
+def test_bandwidth_is_bytes_per_second_from_the_chunk_size():
+    clock = Clock()
+    cost = model(clock)
+    assert cost.bandwidth(DISK) is None
+    learn_reads(cost, clock, DISK, 0.5, chunks=2)
+    assert cost.bandwidth(DISK) == pytest.approx((1 << 20) / 0.25)
+
+
+def test_without_samples_every_hit_is_taken():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters)
+    assert keep(cost) == len(RUN)  # nothing known
+    learn_reads(cost, clock, DISK, 100.0)
+    assert keep(cost) == len(RUN)  # a slow disk, but no prefill rate yet
+    cost2 = model(clock, counters)
+    learn_rate(cost2, clock, 1e6)
+    learn_reads(cost2, clock, DISK, 100.0, rounds=MIN_SAMPLES - 1)
+    assert keep(cost2) == len(RUN)  # too few rounds
+    assert not counters
+
+
+def test_the_prefill_rate_counts_only_prefill_sized_steps():
+    clock = Clock()
+    cost = model(clock)
+    for _ in range(10):  # decode steps: a few tokens over a long step
+        cost.step_scheduled(4)
+        clock.now += 1.0
+        cost.step_done()
+    assert cost.prefill_tokens_per_s is None
+    learn_rate(cost, clock, 10_000)
+    cost.step_scheduled(10 * CHUNK_TOKENS)  # a step whose output never came back: no sample
+    cost.step_scheduled(10 * CHUNK_TOKENS)
+    clock.now += 10 * CHUNK_TOKENS / 10_000
+    cost.step_done()
+    cost.step_done()
+    assert cost.prefill_tokens_per_s == pytest.approx(10_000)
+    assert cost.recompute_seconds(1000) == pytest.approx(0.1)
+
+
+def test_a_slow_tier_is_declined_once_per_request_and_explored_one_chunk_at_a_time():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters)
+    learn_rate(cost, clock, 64_000)  # a chunk recomputes in 1 ms
+    learn_reads(cost, clock, DISK, 1.0)  # two chunks read in 1 s
+    # First decline: one disk chunk explored (the run keeps h0 and d1), the rest computed.
+    assert keep(cost, "a") == 2
+    assert counters[SLOWER, DISK] == 1
+    # Asked again, the same request gets the same answer, counted once.
+    assert keep(cost, "a") == 1 and keep(cost, "a") == 1
+    assert counters[SLOWER, DISK] == 1
+    # Another request within the exploration interval: no chunk of the disk at all.
+    assert keep(cost, "b") == 1
+    assert counters[SLOWER, DISK] == 2
+    # After the interval, one more chunk is explored.
+    clock.now += EXPLORE_INTERVAL_S
+    assert keep(cost, "c") == 2
+    assert counters == Counts({(SLOWER, DISK): 3})
+
+
+def test_a_fast_tier_is_taken_and_the_margin_decides_a_close_call():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters, margin=0.2)
+    learn_rate(cost, clock, 1000)  # 4 chunks (256 tokens) recompute in 0.256 s
+    learn_reads(cost, clock, DISK, 0.001)
+    assert keep(cost, "fast", RUN[:3], TIERS[1:], 3 * CHUNK_TOKENS) == 3
+    close = model(clock, counters, margin=0.2)
+    learn_rate(close, clock, 1000)
+    learn_reads(close, clock, DISK, 0.06)  # 2 chunks: 0.06 s against 0.128 s x 0.5
+    assert keep(close, "x", RUN[:3], TIERS[1:], 3 * CHUNK_TOKENS) == 3
+    learn_reads(close, clock, DISK, 0.12, rounds=2 * MIN_SAMPLES)  # 0.12 x 1.2 > 0.128
+    assert keep(close, "y", RUN[:3], TIERS[1:], 3 * CHUNK_TOKENS) < 3
+    no_margin = model(clock, Counts(), margin=0.0)
+    learn_rate(no_margin, clock, 1000)
+    learn_reads(no_margin, clock, DISK, 0.12)
+    assert keep(no_margin, "z", RUN[:3], TIERS[1:], 3 * CHUNK_TOKENS) == 3
+
+
+def test_a_slow_remote_tier_is_cut_before_a_fast_disk_one():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters)
+    learn_rate(cost, clock, 64_000)
+    learn_reads(cost, clock, DISK, 0.0001)
+    learn_reads(cost, clock, REMOTE, 2.0)
+    assert keep(cost, "a") == 4  # disk kept, one remote chunk explored
+    assert keep(cost, "b") == 3  # disk kept, remote declined
+    assert counters == Counts({(SLOWER, REMOTE): 2})
+
+
+def test_the_model_turned_off_takes_every_hit():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters, enabled=False)
+    learn_rate(cost, clock, 64_000)
+    learn_reads(cost, clock, DISK, 10.0)
+    assert keep(cost) == len(RUN)
+    assert cost.may_wait_for_probe("a", REMOTE, 64, 1)
+    clock.now += 100
+    assert cost.may_wait_for_probe("a", REMOTE, 64, 1)
+    assert not counters
+
+
+def test_a_recovered_tier_is_used_again_after_one_fast_exploration():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters)
+    learn_rate(cost, clock, 64_000)
+    learn_reads(cost, clock, DISK, 1.0)
+    assert keep(cost, "a") == 2  # explores d1
+    learn_reads(cost, clock, DISK, 0.0001, chunks=1, rounds=1)  # the exploration was fast
+    assert keep(cost, "a") == 1  # "a" keeps its answer
+    assert keep(cost, "b") == len(RUN)  # a new request takes the whole hit again
+    cost.forget("a")
+    assert keep(cost, "a") == len(RUN)
+
+
+def test_the_probe_wait_is_bounded_by_what_the_remote_hit_could_save():
+    clock = Clock()
+    counters = Counts()
+    cost = model(clock, counters, probe_timeout_s=0.5)
+    # No prefill rate: the probe's own deadline applies.
+    assert cost.may_wait_for_probe("a", REMOTE, 640, 10)
+    clock.now += 10.0
+    assert cost.may_wait_for_probe("a", REMOTE, 640, 10)
+    learn_rate(cost, clock, 6400)  # 640 tokens recompute in 0.1 s
+    start = clock.now
+    assert cost.may_wait_for_probe("b", REMOTE, 640, 10)
+    clock.now = start + 0.1
+    assert cost.may_wait_for_probe("b", REMOTE, 640, 10)
+    clock.now = start + 0.11
+    assert not cost.may_wait_for_probe("b", REMOTE, 640, 10)
+    assert counters[Count.HITS_DECLINED_PROBE_WAIT, REMOTE] == 1
+    # The known read time comes off the saving.
+    learn_reads(cost, clock, REMOTE, 0.05, chunks=10)
+    start = clock.now
+    assert cost.may_wait_for_probe("c", REMOTE, 640, 10)
+    clock.now = start + 0.06
+    assert not cost.may_wait_for_probe("c", REMOTE, 640, 10)
+    # Never longer than remote_timeout_s, however much the hit could save.
+    start = clock.now
+    assert cost.may_wait_for_probe("d", REMOTE, 640_000, 10)
+    clock.now = start + 0.5
+    assert cost.may_wait_for_probe("d", REMOTE, 640_000, 10)
+    clock.now = start + 0.51
+    assert not cost.may_wait_for_probe("d", REMOTE, 640_000, 10)

@@ -1,0 +1,152 @@
+"""The cost model inside the planner: a disk that reads slower than the engine recomputes has
+its hits declined (the lookup answers without them) and counted; once it reads fast again,
+its hits return. A fake clock drives the model: nothing here times anything."""
+
+from __future__ import annotations
+
+from test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, keys_for, ok_all, store_prompt
+from test_remote_tier import Store
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.metrics.specs import Count
+from tieredkv.protocol import Move, Tier
+from tieredkv.scheduler.cost_model import EXPLORE_INTERVAL_S, MIN_SAMPLES
+from tieredkv.scheduler.planner import Planner
+from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
+
+DECLINED_DISK = (Count.HITS_DECLINED_SLOWER, Tier.DISK)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: Clock, remote: RemoteTier | None = None, host_slots: int = 2, **extra) -> Planner:
+    cfg = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, **extra})
+    return Planner(cfg, block_size=BLOCK, num_host_slots=host_slots, num_disk_slots=64,
+                   clock=clock, remote=remote)
+
+
+def prompt(n: int) -> list[int]:
+    """Two whole chunks and one token: a hit of two chunks."""
+    return [t + 100_000 * n for t in range(2 * CHUNK_TOKENS + 1)]
+
+
+def on_disk_only(planner: Planner, n: int) -> list[int]:
+    """Prompt ``n`` spilled to disk, then pushed out of the two host slots."""
+    tokens = prompt(n)
+    store_prompt(planner, f"w{n}", tokens)
+    ok_all(planner, planner.take_plan())  # its spills
+    store_prompt(planner, f"f{n}", prompt(1000 + n))  # a filler takes the host slots
+    ok_all(planner, planner.take_plan())
+    assert not any(planner.host.is_ready(k) for k in keys_for(tokens))
+    assert planner.disk is not None and all(planner.disk.is_ready(k) for k in keys_for(tokens))
+    return tokens
+
+
+def fast_engine(planner: Planner, clock: Clock) -> None:
+    """Prefill steps at 64,000 tokens/s: a chunk recomputes in 1 ms."""
+    for _ in range(MIN_SAMPLES):
+        planner.step_scheduled(10 * CHUNK_TOKENS)
+        clock.now += 10 * CHUNK_TOKENS / 64_000
+        planner.step_done()
+
+
+def hit_after_fills(planner: Planner, clock: Clock, req: str, tokens: list[int],
+                    read_s: float) -> tuple[int, int]:
+    """Look ``tokens`` up; fills take ``read_s``. Returns (promotions issued, the hit)."""
+    keys = keys_for(tokens)
+    answer = planner.lookup(req, keys, 0, len(tokens))
+    promotions = 0
+    while answer is None:
+        plan = planner.take_plan()
+        promotions += len(plan.of(Move.PROMOTE))
+        clock.now += read_s
+        ok_all(planner, plan)
+        answer = planner.lookup(req, keys, 0, len(tokens))
+    planner.finished(req)
+    return promotions, answer
+
+
+def test_a_slow_disk_hit_is_declined_and_counted_and_returns_once_the_disk_is_fast():
+    clock = Clock()
+    planner = make(clock)
+    fast_engine(planner, clock)
+    full = 2 * CHUNK_TOKENS
+    # Learning: no estimate yet, every disk hit is taken (each read takes 1 s).
+    for n in range(MIN_SAMPLES):
+        assert hit_after_fills(planner, clock, f"learn{n}", on_disk_only(planner, n), 1.0) == (2, full)
+    assert planner.counters[DECLINED_DISK] == 0
+    # The disk reads 2 chunks in 1 s, the engine recomputes them in 2 ms: declined. The first
+    # decline explores one chunk (its hit ends after it); the next request gets no disk chunk.
+    assert hit_after_fills(planner, clock, "explore", on_disk_only(planner, 10), 1.0) == (
+        1, CHUNK_TOKENS)
+    assert hit_after_fills(planner, clock, "declined", on_disk_only(planner, 11), 1.0) == (0, 0)
+    assert planner.counters[DECLINED_DISK] == 2
+    deltas = planner.take_counter_deltas()
+    assert deltas["hits_declined_slower_than_recompute"] == {"disk": 2}
+    # The disk recovers: the next exploration reads fast, and hits return in full.
+    clock.now += EXPLORE_INTERVAL_S
+    assert hit_after_fills(planner, clock, "recovering", on_disk_only(planner, 12), 0.0001) == (
+        1, CHUNK_TOKENS)
+    assert hit_after_fills(planner, clock, "back", on_disk_only(planner, 13), 0.0001) == (2, full)
+    assert planner.counters[DECLINED_DISK] == 3
+
+
+def test_with_the_cost_model_off_a_slow_disk_is_still_used():
+    clock = Clock()
+    planner = make(clock, cost_model=False)
+    fast_engine(planner, clock)
+    for n in range(MIN_SAMPLES + 2):
+        assert hit_after_fills(planner, clock, f"r{n}", on_disk_only(planner, n), 1.0) == (
+            2, 2 * CHUNK_TOKENS)
+    assert planner.counters[DECLINED_DISK] == 0
+
+
+def slow_probe_planner(clock: Clock, **extra) -> tuple[Planner, Store, list[int]]:
+    """A planner whose remote tier holds a ten-chunk prompt and answers probes only when the
+    test releases them (the probe's own deadline: 10 s)."""
+    store = Store()
+    store.hold = True
+    probe = RemoteProbe(store, FP, 1, deadline_s=10.0, clock=clock)
+    remote = RemoteTier(probe, is_up=lambda: True, writes=False, admission=1, seen_limit=64,
+                        clock=clock)
+    planner = make(clock, remote=remote, host_slots=16, **extra)
+    tokens = [t + 7 for t in range(10 * CHUNK_TOKENS + 1)]
+    for key in keys_for(tokens).materialize(10):
+        store.put(key)
+    fast_engine(planner, clock)
+    return planner, store, tokens
+
+
+def test_a_request_waits_for_the_remote_probe_no_longer_than_the_hit_could_save():
+    clock = Clock()
+    planner, store, tokens = slow_probe_planner(clock)
+    keys = keys_for(tokens)
+    # Ten chunks recompute in 10 ms: the request waits for the probe that long, then computes.
+    assert planner.lookup("a", keys, 0, len(tokens)) is None
+    clock.now += 0.009
+    assert planner.lookup("a", keys, 0, len(tokens)) is None
+    clock.now += 0.002
+    assert planner.lookup("a", keys, 0, len(tokens)) == 0
+    assert not planner.take_plan().of(Move.REMOTE_READ)
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
+    # A prompt host already covers is never made to wait for the probe: no probe is sent.
+    store_prompt(planner, "w", tokens)
+    sent = len(store.calls)
+    assert planner.lookup("b", keys, 0, len(tokens)) == 10 * CHUNK_TOKENS
+    assert len(store.calls) == sent
+
+
+def test_with_the_cost_model_off_the_probe_deadline_alone_bounds_the_wait():
+    clock = Clock()
+    planner, _store, tokens = slow_probe_planner(clock, cost_model=False)
+    keys = keys_for(tokens)
+    assert planner.lookup("a", keys, 0, len(tokens)) is None
+    clock.now += 1.0
+    assert planner.lookup("a", keys, 0, len(tokens)) is None
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 0
