@@ -22,7 +22,7 @@ from tieredkv.disk.format import (
     slot_stride,
 )
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES
+from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES
 from tieredkv.disk.manifest import load_manifest
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause

@@ -15,7 +15,7 @@ from tests.helpers import wide_key as k
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import JOURNAL_NAME, journal_path
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_records import (
+from tieredkv.disk.journal_file import (
     FILE_HEADER_BYTES,
     RECORD_BYTES,
     JournalFiles,

@@ -35,7 +35,7 @@ from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import journal_path
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_backlog import RetryBackoff
-from tieredkv.disk.journal_records import FILE_HEADER_BYTES, RECORD_BYTES
+from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES
 from tieredkv.disk.slab import SlabFile
 from tieredkv.metrics.exporter import build_exporter_metrics
 from tieredkv.protocol import FailureCause

@@ -47,7 +47,7 @@ from tieredkv.disk.errors import SlabError
 from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import journal_path, manifest_path, slab_path, slab_rank, slot_stride
 from tieredkv.disk.journal import Journal, JournalReplay
-from tieredkv.disk.journal_records import JournalFiles, fsync_dir
+from tieredkv.disk.journal_file import JournalFiles, fsync_dir
 from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import DiskLock, ensure_private_dir, restrict_dir
 from tieredkv.disk.slab import SlabFile

@@ -41,7 +41,7 @@ rebuild), so:
   whatever had its name), so a planted link makes the journal refuse with
   :class:`~tieredkv.disk.private_files.UntrustedPathError` instead of writing elsewhere.
 
-The file format and its replay are in :mod:`tieredkv.disk.journal_records`; a torn or corrupt
+The file format and its replay are in :mod:`tieredkv.disk.journal_file`; a torn or corrupt
 tail that replay ignored is cut off the next time the journal is opened for writing.
 """
 
@@ -58,8 +58,8 @@ from typing import Any, TypeVar
 from tieredkv.disk import journal_backlog
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
 from tieredkv.disk.journal_backlog import Backlog, Cleared, Compaction, RetryBackoff
-from tieredkv.disk.journal_file import JournalFile
-from tieredkv.disk.journal_records import (
+from tieredkv.disk.journal_file import (
+    JournalFile,
     JournalFiles,
     JournalReplay,
     Op,
