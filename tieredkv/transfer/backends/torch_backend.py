@@ -7,7 +7,7 @@ piece by piece when the batch is larger than the buffer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,15 +112,29 @@ class TorchCopyBackend(CopyBackend):
     def registered(self, dev: KVViews, host: HostPool) -> _RegisteredViews:
         return self._registered.get(dev, host)
 
-    # ------------------------------------------------------------------ CPU
-
     def d2h(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+        self._copy(dev, host, pairs, self._d2h_cpu, self._d2h_staged)
+
+    def h2d(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
+        self._copy(dev, host, pairs, self._h2d_cpu, self._h2d_staged)
+
+    def _copy(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair],
+              cpu: Callable[[_RegisteredViews, Sequence[Pair]], None],
+              staged: Callable[[_RegisteredViews, KVViews, HostPool, Sequence[Pair]], None]) -> None:
+        """Check every pair before any byte moves, then copy in one direction: here for
+        caches in CPU memory, else through the device staging buffer."""
         if not pairs:
             return
         reg = self.registered(dev, host)
         check_pairs(dev, host, reg.chunk_blocks, pairs)
-        if not reg.on_cpu:
-            return self._d2h_staged(reg, dev, host, pairs)
+        if reg.on_cpu:
+            cpu(reg, pairs)
+        else:
+            staged(reg, dev, host, pairs)
+
+    # ------------------------------------------------------------------ CPU
+
+    def _d2h_cpu(self, reg: _RegisteredViews, pairs: Sequence[Pair]) -> None:
         stacked, pool, take = reg.np_stacked, reg.np_pool, reg.take_stacked
         for slot, first, ids in pairs:
             n = len(ids)
@@ -150,13 +164,7 @@ class TorchCopyBackend(CopyBackend):
                     torch.index_select(reg.rows[layer], 0, index,
                                        out=reg.pools[layer][slot, first : first + n])
 
-    def h2d(self, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
-        if not pairs:
-            return
-        reg = self.registered(dev, host)
-        check_pairs(dev, host, reg.chunk_blocks, pairs)
-        if not reg.on_cpu:
-            return self._h2d_staged(reg, dev, host, pairs)
+    def _h2d_cpu(self, reg: _RegisteredViews, pairs: Sequence[Pair]) -> None:
         stacked, pool = reg.np_stacked, reg.np_pool
         for slot, first, ids in pairs:
             n = len(ids)
