@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from tieredkv.config import ConfigError
+from tieredkv.disk.catalog import Manifest, load_manifest
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import MANIFEST_NAME, journal_path, manifest_path, slab_files, slab_path
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.manifest import Manifest, load_manifest
 from tieredkv.disk.private_files import DiskLock, UntrustedPathError, ensure_private_dir
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tieredkv.config import ConfigError
-from tieredkv.disk.catalog import DiskCatalog
+from tieredkv.disk.catalog import DiskCatalog, load_manifest
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import (
     JOURNAL_NAME,
@@ -23,7 +23,6 @@ from tieredkv.disk.format import (
 )
 from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES
-from tieredkv.disk.manifest import load_manifest
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tieredkv.disk.catalog import Manifest, load_manifest, write_manifest
 from tieredkv.disk.format import FORMAT_VERSION, MANIFEST_NAME, manifest_path, slot_stride
-from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 
 
 def make(fp: bytes, **kw: object) -> Manifest:

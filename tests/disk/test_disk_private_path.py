@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tieredkv.disk.catalog import DiskCatalog
+from tieredkv.disk.catalog import DiskCatalog, Manifest, load_manifest, write_manifest
 from tieredkv.disk.format import (
     JOURNAL_NAME,
     LOCK_NAME,
@@ -30,7 +30,6 @@ from tieredkv.disk.format import (
     slot_stride,
 )
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.manifest import Manifest, load_manifest, write_manifest
 from tieredkv.disk.private_files import DiskLock, UntrustedPathError
 from tieredkv.disk.slab import SlabFile
 
