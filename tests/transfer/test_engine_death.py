@@ -26,7 +26,7 @@ from transfer_helpers import (
 )
 
 from tests.helpers import HANG_S, finishes
-from tieredkv.daemon_calls import STOP
+from tieredkv.disk.fileio import STOP
 from tieredkv.protocol import Job, LoadChunk, Move
 from tieredkv.transfer import lanes
 from tieredkv.transfer.engine import EngineDeadError, TransferEngine

@@ -18,7 +18,9 @@ This pool is the only place the hot path's disk syscalls run.
 The pool is a few lines of our own rather than ``concurrent.futures.ThreadPoolExecutor``
 because that one joins its threads at interpreter exit: a single NVMe read stuck in the
 kernel would then hang the engine's shutdown. These threads are daemons, a timed-out call
-returns to its caller at once, and ``shutdown`` waits only as long as it is told to.
+returns to its caller at once, and ``shutdown`` waits only as long as it is told to. Their
+loop, :func:`serve_calls`, also runs the worker's copy lanes (:mod:`tieredkv.transfer.lanes`),
+for the same reason: a copy stuck on a wedged device must not hang the shutdown either.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tieredkv.daemon_calls import STOP, serve_calls
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import SlotHeader
 from tieredkv.disk.private_files import open_private
@@ -141,6 +142,28 @@ class FileIO:
 
 
 # -- the executor threads -------------------------------------------------------------------
+
+
+STOP = object()
+"""Put on a :func:`serve_calls` queue to end one thread (after the calls queued before it)."""
+
+
+def serve_calls(calls: queue.SimpleQueue[Any]) -> None:
+    """Run ``(future, fn, args)`` items until :data:`STOP`; every outcome lands in its future.
+    The loop of every daemon thread that serves calls: the slab I/O pool and the copy lanes."""
+    while True:
+        item = calls.get()
+        if item is STOP:
+            return
+        future, fn, args = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the waiter, never lost in the thread
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
 
 class SlabExecutor:

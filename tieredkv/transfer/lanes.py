@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tieredkv.daemon_calls import STOP, serve_calls
+from tieredkv.disk.fileio import STOP, serve_calls  # the slab I/O pool's daemon-thread loop
 from tieredkv.protocol import FailureCause
 from tieredkv.transfer.backends.base import Pair
 
