@@ -203,6 +203,10 @@ def main() -> None:
             record["ok"] = llm.reset_prefix_cache(reset_connector=True)
         elif kind == "drain":
             record["drained"] = drain(llm, phase.get("timeout_s", 30.0))
+        elif kind == "remove_file":  # e.g. a fault's flag file: the fault is removed
+            os.remove(phase["path"])
+        elif kind == "sleep":  # let the engine's clock pass (the cost model's exploration)
+            time.sleep(phase["seconds"])
         elif kind == "wait_for_file":
             open(phase["touch"], "w").close()
             deadline = time.monotonic() + phase.get("timeout_s", 120.0)

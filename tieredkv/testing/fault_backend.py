@@ -7,7 +7,10 @@ one environment variable holding JSON, for example::
 
 * ``fail_loads``: the next N host -> device copies of load jobs fail (after their promise);
 * ``store_delay_s``: every device -> host store copy first sleeps this long (stores in flight
-  at preemption time).
+  at preemption time);
+* ``disk_read_delay_s``: every read of the worker's slab file first sleeps this long (a slow
+  disk), while the file ``disk_read_delay_while`` exists when that is given (the fault is
+  removed by deleting it).
 
 Disk faults are injected with :class:`tieredkv.testing.faulty_fileio.FaultyFileIO` instead.
 """
@@ -20,7 +23,9 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
+from tieredkv.disk.fileio import FileIO
 from tieredkv.protocol import FailureCause
 from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.host_pool import HostPool
@@ -29,7 +34,7 @@ from tieredkv.transfer.kv_views import KVViews
 logger = logging.getLogger("tieredkv")
 
 ENV_VAR = "TIEREDKV_FAULTS"
-_KNOWN = {"fail_loads", "store_delay_s"}
+_KNOWN = {"fail_loads", "store_delay_s", "disk_read_delay_s", "disk_read_delay_while"}
 
 
 class InjectedFault(RuntimeError):
@@ -38,7 +43,7 @@ class InjectedFault(RuntimeError):
     kind = FailureCause.INJECTED
 
 
-def faults_from_env() -> dict[str, float]:
+def faults_from_env() -> dict[str, Any]:
     raw = os.environ.get(ENV_VAR)
     if not raw:
         return {}
@@ -75,9 +80,31 @@ class FaultInjectingBackend(CopyBackend):
         self.inner.h2d(dev, host, pairs)
 
 
+class SlowReads(FileIO):
+    """The slab file's reads throttled: each first sleeps ``seconds`` (while ``flag`` exists,
+    when given)."""
+
+    def __init__(self, seconds: float, flag: str | None = None) -> None:
+        super().__init__()
+        self._seconds = seconds
+        self._flag = flag
+
+    def pread_into(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        if self._flag is None or os.path.exists(self._flag):
+            time.sleep(self._seconds)
+        return super().pread_into(fd, bufs, offset)
+
+
+def disk_io_from_env() -> FileIO | None:
+    """The slab file's I/O with ``disk_read_delay_s`` applied, or None (no disk fault)."""
+    faults = faults_from_env()
+    seconds = float(faults.get("disk_read_delay_s", 0.0))
+    return SlowReads(seconds, faults.get("disk_read_delay_while")) if seconds > 0 else None
+
+
 def maybe_inject(backend: CopyBackend) -> CopyBackend:
     faults = faults_from_env()
-    if not faults:
+    if not faults.get("fail_loads") and not faults.get("store_delay_s"):
         return backend
     return FaultInjectingBackend(
         backend, fail_loads=int(faults.get("fail_loads", 0)),

@@ -115,11 +115,17 @@ class WorkerHalf:
             assert self.config.disk_path is not None
             # DiskLock checks (and creates 0700) disk_path before this worker opens any file.
             self._slab_lock = DiskLock(self.config.disk_path, name=rank_lock_name(self.rank))
+            io = None
+            if os.environ.get("TIEREDKV_FAULTS"):  # e2e tests and soak runs only: a slow disk
+                from tieredkv.testing.fault_backend import disk_io_from_env
+
+                io = disk_io_from_env()
             self.slab = SlabFile.open(
                 slab_path(self.config.disk_path, self.rank),
                 num_slots=disk_slots,
                 payload_bytes=payload,
                 fingerprint=self.geometry.fingerprint,
+                io=io,
             )
         backend = select_backend(
             self.config.copy_backend, kv=views, host=self.host, vllm_copy_op=self._vllm_copy_op
