@@ -22,9 +22,8 @@ Configurations (same workload, same seed, same host tier per replica):
    can read;
 2. ``separate``: both replicas with tieredkv's host tier only, each on its own.
 
-The remote tier holds whole chunks only (a prompt's partial last chunk stays in the replica
-that computed it): a hit from the other replica ends at a chunk boundary and the rest of the
-prompt is computed.
+A prompt's tail is in Redis too (a value of its own rows): a hit from the other replica is as
+long as vLLM's prefix cache would give.
 
 Figures per configuration and level (and pooled over levels): TTFT p50/p99 (client side, first
 streamed token), throughput (requests/s, output and prompt tokens/s over the level's wall time,

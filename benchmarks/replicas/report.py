@@ -129,10 +129,8 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"{payload.get('redis', {}).get('timeout_s', 0.5):g} s). `separate`: nothing shared. "
         f"Layout: {payload['layout']}. " + load_note(payload.get("schedule", [])),
         "Hit % = tokens / prompt tokens sent, summed over both replicas' `/metrics`: device = "
-        "vLLM's own prefix cache; host / remote = `vllm:tieredkv_hit_tokens{tier}`. **A remote "
-        "hit is chunk-aligned**: the remote tier holds whole chunks only (a prompt's partial "
-        "last chunk stays in the replica that computed it), so what one replica reads of the "
-        "other's work ends at a chunk boundary and the rest is computed. Throughput counts "
+        "vLLM's own prefix cache; host / remote = `vllm:tieredkv_hit_tokens{tier}`. A remote "
+        "hit includes the prompt's tail (a value of its own rows in Redis). Throughput counts "
         "think time (closed loop); `all` pools every level's requests.",
         common.markdown_table(table_rows(results), TABLE_COLUMNS),
         "### shared_remote / separate (no target named; below 1 favours the shared tier for "
@@ -182,7 +180,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
             ],
             title=f"Two vLLM replicas, round-robin multi-turn chat: shared Redis tier vs separate — {machine}",
             footnote=f"CPU build ({DTYPE}); host tier {host_mib:,.0f} MiB per replica in both "
-                     "configurations; a remote hit is whole chunks only. Not GPU figures.",
+                     "configurations. Not GPU figures.",
         )
     return json_path, md_path, png_path
 

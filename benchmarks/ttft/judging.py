@@ -74,7 +74,7 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
               expected_lmcache: dict[str, int] | None = None) -> dict[str, Any]:
     """The measured runs of one configuration, with the proof that each hit hit.
 
-    ``expected_remote``: the remote row's chunk-aligned hit per prompt (:func:`remote_hit`);
+    ``expected_remote``: the remote row's expected hit per prompt (:func:`remote_hit`);
     ``expected_hybrid``: the hybrid tieredkv rows' (:func:`hybrid_hit`);
     ``expected_lmcache``: the LMCache row's whole-chunk hit (:func:`lmcache_hit`)."""
     hybrid_tieredkv = config.startswith("hybrid_tieredkv")

@@ -93,7 +93,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     remote_note = ""
     if "tieredkv_remote" in rows:
         expected = p["expected_remote_hit_tokens"]
-        remote_note = (" Remote: a fresh replica's hit from Redis, whole chunks only ("
+        full = all(v == p["expected_hit_tokens"][k] for k, v in expected.items())
+        remote_note = (" Remote: a fresh replica's hit from Redis, its tail included." if full
+                       else " Remote: a fresh replica's hit from Redis, whole chunks only ("
                        + ", ".join(f"{k} {v:,} of {p['expected_hit_tokens'][k]:,} tokens"
                                    for k, v in expected.items())
                        + "): it computes the tail blocks too.")

@@ -333,11 +333,15 @@ def remote_markdown(payload: dict[str, Any]) -> str:
         "tier by the other and is read from Redis (chunks read per hit: "
         f"{', '.join(str(x) for x in read_chunks) or 'n/a'}).",
         "",
-        "**The remote hit is chunk-aligned, shorter than the floor's.** The remote tier stores "
-        "whole chunks only (a prompt's partial last chunk stays in the replica that computed "
-        "it), so replica B's hit ends at the last whole chunk: "
-        + "; ".join(f"{k} {expected[k]:,} tokens, against vLLM's prefix-cache hit of "
-                    f"{floor_hit[k]:,}" for k in lengths)
+        (("**The remote hit is as long as the floor's.** A prompt's tail is in Redis as a "
+          "value of its own rows, so replica B's hit ends where vLLM's prefix cache ends: "
+          + "; ".join(f"{k} {expected[k]:,} tokens" for k in lengths) + ".")
+         if all(expected[k] == floor_hit[k] for k in lengths) else
+         "**The remote hit is chunk-aligned, shorter than the floor's.** The remote tier stored "
+         "whole chunks only then (a prompt's partial last chunk stayed in the replica that "
+         "computed it), so replica B's hit ends at the last whole chunk: "
+         + "; ".join(f"{k} {expected[k]:,} tokens, against vLLM's prefix-cache hit of "
+                     f"{floor_hit[k]:,}" for k in lengths)
         + ". B computes the rest of the prompt ("
         + " and ".join(f"{lengths[k] - expected[k]} tokens for {k}" for k in lengths)
         + ", against "
@@ -347,7 +351,7 @@ def remote_markdown(payload: dict[str, Any]) -> str:
         "user sees them. Its \"at equal compute\" figure in the table above is the floor's "
         "forward plus this row's TTFT − compute (what the Redis read and load cost). The "
         "↳ host-tier row under it is the same prompt hit again in replica B's host tier "
-        "(tail included) right after.",
+        "(tail included) right after."),
         "",
         "\n".join(table),
     ])

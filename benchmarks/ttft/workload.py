@@ -86,9 +86,9 @@ def host_entries(tokens: int) -> int:
 
 def remote_hit(tokens: int) -> int:
     """The hit a fresh replica gets from the remote tier for a prompt another replica
-    computed: the prompt's whole chunks only (the partial last chunk is never written to the
-    remote tier), and never more than vLLM takes from any cache (:func:`prefix_hit`)."""
-    return min(tokens // CHUNK_TOKENS * CHUNK_TOKENS, prefix_hit(tokens))
+    computed: what vLLM's own prefix cache would give (:func:`prefix_hit`), since the
+    prompt's tail is in Redis as a value of its own rows (issue #25)."""
+    return prefix_hit(tokens)
 
 
 # Hybrid rows: the same geometry, layers alternating sliding-window (window < chunk) and full.

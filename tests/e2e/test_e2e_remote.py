@@ -3,8 +3,9 @@
 Every engine is its own process, so a hit in a second engine can only come from Redis: it
 never shared host memory or a disk tier with the engine that wrote the chunks. Outputs are
 compared token for token and logprob for logprob with an engine without tieredkv, and every
-prompt's hit is checked against the exact number of tokens the remote tier can serve: its
-whole chunks (the remote tier never holds a prompt's partial tail), up to vLLM's limit.
+prompt's hit is checked against the exact number of tokens the remote tier can serve: as
+many as vLLM's own prefix cache would (its whole chunks and its tail, a value of the tail's
+own rows, issue #25).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import (
+    BLOCK_SIZE,
+    CHUNK_BLOCKS,
     CHUNK_TOKENS,
     MAX_TOKENS,
     PROMPTS,
@@ -47,11 +50,28 @@ def whole_chunks(name: str) -> int:
     return len(PROMPTS[name]) // CHUNK_TOKENS
 
 
+def has_tail(name: str) -> bool:
+    """Whether the prompt has full blocks past its last whole chunk (a tail the writer
+    stores, and writes to Redis as its own value)."""
+    return len(PROMPTS[name]) // BLOCK_SIZE > whole_chunks(name) * CHUNK_BLOCKS
+
+
+def written_values(name: str) -> int:
+    """Values the writer puts in Redis for a prompt: its whole chunks and its tail."""
+    return whole_chunks(name) + has_tail(name)
+
+
 def remote_hit_tokens(name: str) -> int:
     """Tokens a fresh engine serves from the remote tier for a prompt another engine saw:
-    the prompt's whole chunks, up to what vLLM takes from any cache (it computes at least
-    the last token, so a prompt ending on a chunk boundary uses 3 of its last chunk's 4 blocks)."""
-    return min(whole_chunks(name) * CHUNK_TOKENS, expected_hit_tokens(len(PROMPTS[name])))
+    what vLLM's own prefix cache would serve (every full block but the one holding the last
+    token), whole chunks and tail alike."""
+    return expected_hit_tokens(len(PROMPTS[name]))
+
+
+def remote_reads(name: str) -> int:
+    """Values a fresh engine reads for the prompt: the whole chunks, and the tail when the
+    hit goes past them."""
+    return whole_chunks(name) + (remote_hit_tokens(name) > whole_chunks(name) * CHUNK_TOKENS)
 
 
 def spec(model: str, phases: list[dict], url: str, **kv) -> dict:
@@ -85,7 +105,7 @@ def assert_served_from_remote(phases: list[dict], index: int, names: list[str], 
     assert_same_as_reference(phase, names, reference)
     expected = {name: remote_hit_tokens(name) for name in names}
     assert_hits(phases, index, expected, tiers={"remote": sum(expected.values())})
-    assert delta(phases, index, "remote_read_chunks") == sum(whole_chunks(n) for n in names)
+    assert delta(phases, index, "remote_read_chunks") == sum(remote_reads(n) for n in names)
     failed = {k: v for k, v in phase["counters"].items() if k.startswith("remote_read_failed_")}
     assert not failed, failed
 
@@ -120,8 +140,8 @@ def test_second_engine_serves_what_only_the_first_saw(writer, reader, reference)
     written = writer["phases"]
     assert_same_as_reference(written[0], NAMES, reference)
     assert [out["num_cached_tokens"] for out in written[0]["outputs"]] == [0] * len(NAMES)
-    # Every whole chunk the writer computed went to Redis, and nothing else (no tails).
-    expected_chunks = sum(whole_chunks(n) for n in NAMES) + whole_chunks(SALTED)
+    # Every whole chunk and tail the writer computed went to Redis, and nothing else.
+    expected_chunks = sum(written_values(n) for n in NAMES) + written_values(SALTED)
     assert written[2]["counters"].get("remote_written_chunks", 0) == expected_chunks, written[2]["counters"]
     assert_served_from_remote(reader, 0, NAMES, reference)
     # Chunks read from Redis are not written back.
@@ -144,7 +164,7 @@ def test_reset_with_connector_does_not_flush_the_shared_tier(writer, reader, ref
     # After the writer's reset_all and exit: one shard (rank 0) of every chunk it wrote, in
     # one namespace...
     keys = writer["keys"]
-    assert len(keys) == sum(whole_chunks(n) for n in NAMES) + whole_chunks(SALTED), keys
+    assert len(keys) == sum(written_values(n) for n in NAMES) + written_values(SALTED), keys
     assert len({key.split(":")[1] for key in keys}) == 1, keys
     assert {key.split(":")[2] for key in keys} == {"r0"}
     # ... which the next engine hits.
@@ -163,7 +183,7 @@ def test_two_engines_on_a_three_master_cluster(tiny_model, reference, redis_clus
     assert_served_from_remote(read, 0, names, reference)
     # The shards really are spread over the masters (each chunk key is its own hash tag).
     per_node = [len(redis_keys(node, "tkv")) for node in redis_cluster.servers]
-    assert sum(per_node) == sum(whole_chunks(n) for n in names), per_node
+    assert sum(per_node) == sum(written_values(n) for n in names), per_node
     assert sum(1 for count in per_node if count) >= 2, per_node
 
 
@@ -228,7 +248,7 @@ def test_redis_killed_mid_run_never_hangs_or_corrupts(tiny_model, reference, fre
     phases = result["phases"]
     before, _, _, reset, both, fresh, end = phases
     assert reset["ok"] is True
-    assert result["phases"][1]["counters"].get("remote_written_chunks", 0) == whole_chunks("p1")
+    assert result["phases"][1]["counters"].get("remote_written_chunks", 0) == written_values("p1")
     # p1 was in Redis before the kill, p2 and p3 never were: all recomputed, all correct.
     assert_same_as_reference(before, ["p1"], reference)
     assert_same_as_reference(both, ["p1", "p2"], reference)
@@ -246,7 +266,7 @@ def test_redis_killed_mid_run_never_hangs_or_corrupts(tiny_model, reference, fre
     assert delta(phases, 5, "remote_probes") == 0, (fresh["counters"], both["counters"])
     assert end["gauges"]["remote_up"] == 0
     # p3 came after the engine knew: its chunks were never queued for the dead server.
-    assert end["counters"].get("remote_writes_dropped", 0) >= whole_chunks("p3"), end["counters"]
+    assert end["counters"].get("remote_writes_dropped", 0) >= written_values("p3"), end["counters"]
 
 
 def test_redis_down_at_startup_engine_serves_without_it(tiny_model, reference, fresh_server):
@@ -278,7 +298,7 @@ def test_tensor_parallel_two_ranks_share_the_tier(tiny_model, reference, redis_s
     assert_same_as_reference(written[0], names, reference)
     keys = redis_keys(redis_server, "tp2")
     per_rank = {rank: sum(1 for k in keys if k.split(":")[2] == rank) for rank in ("r0", "r1")}
-    chunks = sum(whole_chunks(n) for n in names)
+    chunks = sum(written_values(n) for n in names)
     assert per_rank == {"r0": chunks, "r1": chunks}, per_rank  # each rank wrote its shard
     read = ok(run_engine({**spec(tiny_model, [generate(*names)], redis_server.url, **kv), **tp},
                          env=env))["phases"]

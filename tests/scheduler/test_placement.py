@@ -243,19 +243,22 @@ def test_clearing_the_queue_drops_the_spills_not_yet_planned():
     assert not r.placer.spills_queued and take(r).of(Move.SPILL) == []
 
 
-def test_a_whole_chunk_is_written_to_the_remote_tier_once_and_a_tail_never():
+def test_a_chunk_and_a_tail_are_written_to_the_remote_tier_once_each_with_their_own_rows():
     tier = remote_tier(Store())
     r = rig(remote=tier)
     tokens = prompt(CHUNK_TOKENS + 2 * BLOCK)
-    key = keys_for(tokens)[0]
+    keys = keys_for(tokens)
+    key, tail = keys[0], keys.block_key(CHUNK_BLOCKS + 1)
     report(r, computed(r, "a", tokens, tail=True))
     plan = take(r)
-    (write,) = plan.of(Move.REMOTE_WRITE)  # the tail's slot holds another tenant's rows past its own
-    assert (write.key, write.host_slot, write.dst.rows, write.dst.holes) == (
-        key, r.host.get(key).slot, CHUNK_BLOCKS, ())  # type: ignore[union-attr]
-    assert r.host.get(key).pins == 1 and tier.holds_hint(key)  # type: ignore[union-attr]
+    writes = {w.key: w for w in plan.of(Move.REMOTE_WRITE)}
+    assert set(writes) == {key, tail}
+    for k, rows in ((key, CHUNK_BLOCKS), (tail, 2)):  # a tail names only its own rows
+        w = writes[k]
+        assert (w.host_slot, w.dst.rows, w.dst.holes) == (r.host.get(k).slot, rows, ())  # type: ignore[union-attr]
+        assert r.host.get(k).pins == 1 and tier.holds_hint(k)  # type: ignore[union-attr]
     report(r, plan)
-    assert r.host.get(key).pins == 0 and r.counters[Count.REMOTE_WRITTEN_CHUNKS] == 1  # type: ignore[union-attr]
+    assert r.host.get(key).pins == 0 and r.counters[Count.REMOTE_WRITTEN_CHUNKS] == 2  # type: ignore[union-attr]
     assert computed(r, "b", tokens).of(Move.REMOTE_WRITE) == []  # seen again: known there
 
 

@@ -294,3 +294,33 @@ def test_a_probe_sent_on_arrival_saves_the_first_ask_again(make_replica, redis_s
     assert b.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) == 5 * CHUNK_TOKENS
     b.planner.take_counter_deltas()
     assert b.planner.counters["remote_probes"] == 1
+
+
+@pytest.mark.parametrize("tokens", [
+    5 * CHUNK_TOKENS + 2 * BLOCK + 7,  # five chunks and a two-block tail
+    2 * CHUNK_TOKENS + (CHUNK_BLOCKS - 1) * BLOCK + 1,  # the longest tail a chunk has
+    BLOCK + 5,  # shorter than a chunk: the tail is all there is
+    3 * CHUNK_TOKENS + BLOCK // 2,  # no full block past the chunks: nothing more to find
+])
+def test_a_prompts_tail_in_redis_makes_the_hit_as_long_as_vllms_prefix_cache(
+        make_replica, deployment, tokens):
+    """Replica B's hit for replica A's prompt ends where vLLM's own prefix cache would end
+    (the last full block before the prompt's last token), not at the last whole chunk: A's
+    tail is in Redis as a value of its own rows, B finds it in the same probe, reads it into
+    a host slot and loads A's bytes exactly."""
+    prompt = list(range(7, 7 + tokens))
+    a = make_replica(deployment, seed=1)
+    b = make_replica(deployment, seed=2)
+    blocks = -(-tokens // BLOCK)
+    a_blocks, b_blocks = list(range(blocks)), list(range(20, 20 + blocks))
+    a.compute_and_store("a", prompt, a_blocks)
+    prefix_cache_hit = (tokens - 1) // BLOCK * BLOCK  # vLLM's: full blocks, never the last token
+    hit = b.lookup("b", prompt)
+    assert hit == prefix_cache_hit
+    if hit == 0:
+        return
+    b.load("b", hit, b_blocks)
+    assert b.planner.hit_tokens("b") == {"host": 0, "disk": 0, "remote": hit}
+    n = hit // BLOCK
+    got = _rows(b.kv, b_blocks[:n])
+    assert all(torch.equal(x, y) for x, y in zip(got, _rows(a.kv, a_blocks[:n]), strict=True))

@@ -1,20 +1,23 @@
-"""What a prompt's tail may put into the shared tier: nothing but its own rows (issue #23, 4).
+"""What a prompt's tail may put into the shared tier: nothing but its own rows (issues #23, 4
+and #25, 1).
 
 A tail entry holds the first blocks of its chunk; the other rows of its host slot still hold
-whatever the slot held before, another tenant's KV included. The remote tier keeps whole
-chunks only, so a tail must never be written there. Planner + transfer engine + a real
-redis-server, no vLLM: tenant B (another ``cache_salt``) fills the host slots first, then
-tenant A's prompt (one whole chunk and a one-block tail) is stored into the slots B's
-chunks left; every value in Redis is read back and checked row by row.
+whatever the slot held before, another tenant's KV included. A tail goes to Redis as a value
+of only its own rows. Planner + transfer engine + a real redis-server, no vLLM: tenant B
+(another ``cache_salt``) fills the host slots first, then tenant A's prompt (one whole chunk
+and a one-block tail) is stored into the slots B's chunks left; every value in Redis is read
+back and checked row by row.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.helpers import HANG_S
 from tests.remote.remote_helpers import FAST, wait_up
 from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, keys_for
 from tests.transfer.transfer_helpers import drain, layout_caches, run_step
@@ -22,7 +25,7 @@ from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.protocol import FailureCause, Job, JobResult
-from tieredkv.remote.codec import Verified, decode
+from tieredkv.remote.codec import Verified, decode, value_bytes
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.scheduler.planner import Planner
@@ -52,7 +55,8 @@ class Harness:
         config = TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS, "host_bytes": "64MiB"})
         probe = RemoteProbe(self.probe_store, FINGERPRINT, 1, prefix=prefix, deadline_s=2.0)
         tier = RemoteTier(probe, is_up=lambda: self.probe_store.up, writes=True, admission=1,
-                          seen_limit=1024, server_info=lambda: None)
+                          seen_limit=1024, server_info=lambda: None,
+                          delete=lambda names: self.probe_store.batch_delete(names))
         self.kv = KVViews.from_kv_caches(layout_caches(num_blocks=NUM_BLOCKS, seed=5), NUM_BLOCKS)
         rows = CHUNK_BLOCKS if layout is None else layout.rows
         self.host = HostPool(HOST_SLOTS, self.kv.slot_payload_bytes(rows), pin=False)
@@ -108,6 +112,17 @@ def _value_rows(kv: KVViews, payload: memoryview, per_layer: int = CHUNK_BLOCKS)
     return rows
 
 
+def wait_for(condition: Callable[[], bool], within_s: float = HANG_S) -> bool:
+    """Poll until ``condition`` holds (the scheduler's deletes are not waited for);
+    ``within_s`` only turns a hang into a failure."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _written(redis_server, prefix: str) -> dict[bytes, bytes]:
     """Every value under this test's prefix, by the chunk key its header names."""
     import redis
@@ -136,28 +151,52 @@ def test_a_one_block_tail_never_reaches_redis_with_another_tenants_rows(
     a_keys = keys_for(A_TOKENS, "tenant-a")
     a_values = {k: v for k, v in _written(redis_server, prefix).items() if k not in b_values}
     foreign = _device_rows(kv, B_BLOCKS)
+    tail_key = a_keys.block_key(CHUNK_BLOCKS)  # a tail is keyed by its last block
+    assert set(a_values) == {a_keys[0], tail_key}
     for key, value in a_values.items():
+        blocks = CHUNK_BLOCKS if key == a_keys[0] else 1
         decoded = decode(value, fingerprint=FINGERPRINT, key=key, rank=0,
-                         expected_len=harness.host.payload_bytes)
+                         expected_len=blocks * sum(kv.block_bytes))
         assert isinstance(decoded, Verified), decoded
-        rows = _value_rows(kv, decoded.payload)
+        rows = _value_rows(kv, decoded.payload, per_layer=blocks)
         leaked = sum(row in foreign for row in rows)
         assert not leaked, f"{leaked} rows of tenant B's KV written to Redis under A's key"
+        first = 0 if key == a_keys[0] else CHUNK_BLOCKS
         want = [bytes(kv.rows[layer][b].numpy().tobytes()) for layer in range(kv.num_layers)
-                for b in A_BLOCKS[:CHUNK_BLOCKS]]
+                for b in A_BLOCKS[first:first + blocks]]
         assert rows == want  # A's own blocks, exactly
-    assert set(a_values) == {a_keys[0]}  # the whole chunk only: no value for the tail
 
 
 @pytest.mark.parametrize("tail_blocks", [1, 2, CHUNK_BLOCKS - 1])
-def test_only_whole_chunks_are_written_whatever_the_tail(
+def test_a_tail_is_written_as_its_own_rows_whatever_its_length(
     harness: Harness, redis_server, prefix: str, tail_blocks: int,
 ) -> None:
     tokens = list(range(CHUNK_TOKENS + tail_blocks * BLOCK + 3))
-    harness.compute_and_store("a", tokens, A_BLOCKS, salt="a")
+    harness.compute_and_store("a", tokens, list(range(2 * CHUNK_BLOCKS)), salt="a")
     assert harness.planner.counters["stored_partial_chunks"] == 1
-    assert harness.planner.counters["remote_written_chunks"] == 1
-    assert set(_written(redis_server, prefix)) == {keys_for(tokens, "a")[0]}
+    assert harness.planner.counters["remote_written_chunks"] == 2
+    keys = keys_for(tokens, "a")
+    written = _written(redis_server, prefix)
+    assert set(written) == {keys[0], keys.block_key(CHUNK_BLOCKS + tail_blocks - 1)}
+    row_bytes = sum(harness.kv.block_bytes)
+    assert sorted(len(v) for v in written.values()) == sorted(
+        value_bytes(n * row_bytes) for n in (tail_blocks, CHUNK_BLOCKS))
+
+
+def test_a_longer_entry_written_deletes_the_tail_it_supersedes(
+    harness: Harness, redis_server, prefix: str,
+) -> None:
+    """A chat's next turn grows the tail into a whole chunk: once that chunk is in Redis,
+    the tail this engine wrote for the same blocks is deleted (Redis keeps one copy)."""
+    short = list(range(CHUNK_TOKENS + 2 * BLOCK + 3))  # chunk 0 and a two-block tail
+    longer = list(range(2 * CHUNK_TOKENS + 1))  # the same prefix, now two whole chunks
+    harness.compute_and_store("a", short, A_BLOCKS, salt="a")
+    keys = keys_for(longer, "a")
+    tail_key = keys.block_key(CHUNK_BLOCKS + 1)
+    assert set(_written(redis_server, prefix)) == {keys[0], tail_key}
+    harness.compute_and_store("b", longer, A_BLOCKS + [6, 7], salt="a")
+    assert wait_for(lambda: set(_written(redis_server, prefix)) == {keys[0], keys[1]})
+    assert harness.planner.counters["superseded", "remote"] == 1
 
 
 def test_whole_chunks_under_keys_that_name_no_blocks_are_still_written(
@@ -173,30 +212,12 @@ def test_whole_chunks_under_keys_that_name_no_blocks_are_still_written(
     assert set(_written(redis_server, prefix)) == {keys[0]}
 
 
-def test_a_tail_the_planner_lets_through_is_refused_by_the_worker(
-    harness: Harness, redis_server, prefix: str, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Two guards, not one: with the planner's whole-chunk predicate broken (every entry
-    'whole'), a tail's write job still names only the rows its entry holds, and every rank
-    refuses it, so tenant B's rows in the tail's slot still never reach Redis."""
-    from tieredkv.scheduler.placement import Placer
-
-    monkeypatch.setattr(Placer, "_whole", lambda self, key: True)
-    harness.compute_and_store("b", B_TOKENS, B_BLOCKS, salt="tenant-b")
-    b_values = set(_written(redis_server, prefix))
-    harness.compute_and_store("a", A_TOKENS, A_BLOCKS, salt="tenant-a")
-    assert harness.planner.counters["stored_partial_chunks"] == 1
-    a_values = set(_written(redis_server, prefix)) - b_values
-    assert a_values == {keys_for(A_TOKENS, "tenant-a")[0]}  # the whole chunk, never the tail
-    assert harness.jobs.take_stats().writes_failed == {"wrong_key": 1}  # the tail, refused
-
-
-@pytest.mark.parametrize("rows", [1, CHUNK_BLOCKS - 1, 0, CHUNK_BLOCKS + 1])
-def test_the_writer_refuses_a_job_that_does_not_cover_every_row(
+@pytest.mark.parametrize("rows", [0, CHUNK_BLOCKS + 1])
+def test_the_writer_refuses_a_job_that_names_rows_no_slot_has(
     harness: Harness, redis_server, prefix: str, rows: int,
 ) -> None:
     """Whatever the scheduler asks, the worker writes only values every row of which is the
-    entry's: a write naming fewer rows than a slot holds is refused and counted."""
+    entry's: a write naming no rows (unknown) or more than a slot holds is refused."""
     harness.host.slot_memoryview(0)[:harness.host.payload_bytes] = b"\x5a" * harness.host.payload_bytes  # foreign rows
     job = Job.remote_write(7, keys_for(A_TOKENS, "tenant-a").block_key(0), 0, rows=rows)
     harness.engine.submit([job])

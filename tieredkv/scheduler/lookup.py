@@ -73,9 +73,11 @@ class Lookup:
             return
         limit = (num_tokens - 1) // self.unit * self.unit
         last = min(len(keys), -(-limit // self.chunk_tokens))
-        if last > 0:
+        tail = self._remote_tail_keys(keys, last, limit)
+        if last > 0 or tail:
             materialize = getattr(keys, "materialize", None)
-            self.remote.poll(req_id, (materialize(last) if materialize is not None else keys)[:last])
+            chunks = (materialize(last) if materialize is not None else keys)[:last]
+            self.remote.poll(req_id, chunks, tail)
 
     # ------------------------------------------------------------------ lookups
 
@@ -141,24 +143,34 @@ class Lookup:
             else:
                 break
             i += 1
-        # Past host and disk: the whole chunks the remote tier holds for every rank.
+        # Past host and disk: the whole chunks the remote tier holds for every rank, and the
+        # longest tail it holds of the partial chunk after them (one call).
         remote_chunks: list[bytes] = []
         remote_pos = len(run)
-        if self.remote is not None and i < last and not state.remote_done:
+        remote_tail: tuple[bytes, int] | None = None
+        tail: tuple[bytes, ...] = ()
+        if self.remote is not None and not state.remote_done:
+            tail = self._remote_tail_keys(request_keys, last, limit)
+            if tail and i == last and self._held_here(tail[-1]):
+                tail = ()  # host or disk holds the whole partial chunk: nothing to ask
+        if self.remote is not None and (i < last or tail) and not state.remote_done:
             if materialize is not None:
                 keys = materialize(last)
             # The probe asks from chunk 0 (as ``prefetch_remote`` did, when the request
             # arrived): its answer is the remote tier's leading run; past i it extends ours.
-            found_remote = self.remote.poll(req_id, keys[:last])
+            found_remote = self.remote.poll(req_id, keys[:last], tail)
             if found_remote is None and self._cost is not None and not (
                     self._cost.may_wait_for_probe(req_id, Tier.REMOTE,
                                                   limit - i * self.chunk_tokens, last - i)):
                 found_remote = i  # waited longer than a remote hit could save: compute the rest
+                tail = ()
             if found_remote is None:
                 if not state.promote_deadline:
                     state.promote_deadline = time.monotonic() + self.load_timeout_s
                 return None  # the probe is in flight: ask again (nothing is pinned)
-            remote_chunks = list(keys[i:found_remote])
+            remote_chunks = list(keys[i:max(i, found_remote)])
+            if tail and i + len(remote_chunks) == last:
+                remote_tail = self.remote.found_tail(req_id, tail)
             run.extend(remote_chunks)
             state.remote_done = True
             self.remote.forget(req_id)
@@ -177,6 +189,14 @@ class Lookup:
                     lower_chunks.append(partial_key)
                 elif kind == PENDING:
                     pending = True
+        if remote_tail is not None and remote_tail[1] > partial_blocks:
+            if partial_key is not None:  # a shorter tail here: the remote one serves more
+                run.pop()
+                if lower_chunks and lower_chunks[-1] == partial_key:
+                    lower_chunks.pop()
+            partial_key, partial_blocks = remote_tail
+            run.append(partial_key)
+            remote_chunks.append(partial_key)
         if self._cost is not None and (lower_chunks or remote_chunks):
             run, lower_chunks, remote_chunks, partial_key = self._affordable(
                 req_id, run, lower_chunks, remote_chunks, partial_key, first,
@@ -245,6 +265,28 @@ class Lookup:
         kept = set(run)
         return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],
                 partial_key if partial_key in kept else None)
+
+    def _remote_tail_keys(self, keys: Any, last: int, limit: int) -> tuple[bytes, ...]:
+        """The block keys of the partial chunk right after chunk ``last - 1``, in block order,
+        up to the block holding ``limit`` (a tail is keyed by its last block, and a prompt
+        that ends on a block boundary stored that block too; the hit still ends at
+        ``limit``): where the remote tier may hold a prompt's tail. Empty when there is
+        none, keys are not block-granular, or the model is hybrid (its hits end on chunk
+        boundaries)."""
+        if self.slot_rows is not None or not getattr(keys, "block_granular", False):
+            return ()
+        base = last * self.chunk_blocks
+        stop = min(limit // self.block_size + 1, keys.num_blocks, base + self.chunk_blocks - 1)
+        if stop <= base or limit // self.chunk_tokens != last:
+            return ()
+        return keys.block_keys(base, stop)
+
+    def _held_here(self, key: bytes) -> bool:
+        """Whether host or the lower tier holds the block named ``key`` (a tail there)."""
+        if self.host.ready_holder(key) is not None:
+            return True
+        lower = self.lower
+        return lower is not None and lower.holds(key)
 
     def _partial_source(
         self, keys, chunk: int, num_computed_tokens: int, limit: int

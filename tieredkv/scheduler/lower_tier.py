@@ -65,6 +65,11 @@ class LowerTier(ABC):
         """The aliases the host entry filled from ``key`` carries; None: the request's own
         block keys of that chunk (the tier keeps none)."""
 
+    def fill_blocks(self, key: bytes) -> int | None:
+        """Blocks of its chunk the entry ``key`` holds when fewer than a chunk (a prompt's
+        tail); None: a whole chunk, or the tier's own aliases say (:meth:`fill_aliases`)."""
+        return None
+
     @abstractmethod
     def plan_fill(self, plan: StepPlan, job_id: int, key: bytes, host_slot: int,
                   req_id: str) -> None:
@@ -293,7 +298,8 @@ class Fill:
             aliases = tier.fill_aliases(key)
             if aliases is None:
                 chunk = first + pos
-                aliases = (request_keys.block_keys(chunk * C, chunk * C + C - 1)  # type: ignore[attr-defined]
+                blocks = tier.fill_blocks(key) or C
+                aliases = (request_keys.block_keys(chunk * C, chunk * C + blocks - 1)  # type: ignore[attr-defined]
                            if getattr(request_keys, "block_granular", False) else ())
             allocation = host.allocate(key, aliases)
             if allocation is None:

@@ -7,10 +7,12 @@
 * Spills: a store that completes, or a chunk seen often enough, is queued for the lower tier
   if the tier admits it; :meth:`Placer.plan_spills` gives the queue lower-tier slots when the
   step's plan is taken.
-* Remote writes: a whole chunk READY in host is queued for the shared remote tier once
-  admitted (``remote_admission``) and not known to be there; :meth:`Placer.plan_remote_writes`
-  turns the queue into write jobs, the host copy pinned until every rank copied it out. A
-  tail never goes there: the rest of its slot holds a previous tenant's rows (issue #23).
+* Remote writes: an entry READY in host is queued for the shared remote tier once admitted
+  (``remote_admission``) and not known to be there; :meth:`Placer.plan_remote_writes` turns
+  the queue into write jobs, the host copy pinned until every rank copied it out. A prompt's
+  tail goes there too (one KV-cache group): its value holds only its own rows, never the
+  rest of its slot (a previous tenant's rows, issue #23); once a longer entry of its chunk
+  is written, the tails of that chunk this engine wrote are deleted (one copy in Redis).
 * Settle/supersede: an entry that becomes READY drops the shorter entries of its tier whose
   blocks it holds, or is dropped itself when a longer READY entry holds all of its blocks
   (a prompt's tail that grew leaves one copy, not two).
@@ -165,7 +167,7 @@ class Placer:
                 else:
                     self.counters[ADMISSION_REJECTED[lower.name]] += 1
             remote = self.remote
-            if remote is not None and remote.writes and self._whole(key):
+            if remote is not None and remote.writes and self._remote_storable(key):
                 if not remote.admits(key):
                     self.counters[Count.REMOTE_ADMISSION_REJECTED] += 1
                 elif not remote.holds_hint(key):
@@ -179,23 +181,26 @@ class Placer:
         if lower is not None and lower.note_seen(key) and self.host.is_ready(key) and key not in lower:
             self._spill_queue[key] = None
         remote = self.remote
-        if remote is not None and remote.note_seen(key) and self.host.is_ready(key) and self._whole(key):
+        if (remote is not None and remote.note_seen(key) and self.host.is_ready(key)
+                and self._remote_storable(key)):
             self._remote_queue[key] = None
 
-    def _whole(self, key: bytes) -> bool:
-        """Whether the host entry ``key`` holds a whole chunk (the remote tier keeps only
-        those: lookups probe it by chunk key, and a value is a whole slot).
+    def _remote_storable(self, key: bytes) -> bool:
+        """Whether the host entry ``key`` can go to the remote tier: a whole chunk, or, with
+        block-granular keys and one KV-cache group, a prompt's tail (its value then holds
+        only its own rows; lookups probe tails by their last block's key).
 
         With block-granular keys an entry's aliases say how many blocks it holds, and a
         one-block tail has none, just like a whole chunk under keys that are not granular: so
-        an entry without every alias is whole only once keys are known not to be granular
-        (then no tail is ever stored). A tail's slot rows past its blocks hold whatever the
-        slot held before, another tenant's KV included: it must never be written.
+        an entry without every alias is whole only once keys are known not to be granular.
+        A hybrid model's tail is never written (its rows are not the first rows of its slot).
         """
         placement = self.host.get(key)
         if placement is None:
             return False
-        return placement.blocks == self.chunk_blocks or self._granular is False
+        if placement.blocks == self.chunk_blocks or self._granular is False:
+            return True
+        return self._granular is True and self.slot_rows is None
 
     @property
     def _slot_rows(self) -> int:
@@ -204,9 +209,9 @@ class Placer:
 
     def _entry_rows(self, blocks: int) -> int:
         """Slot rows an entry holding ``blocks`` blocks of its chunk fills, as the worker checks
-        it against the slot's rows: with block-granular keys the entry's own count (a tail
-        gives fewer rows, so the worker refuses it even if ``_whole`` let it through); without,
-        no tail is ever stored and every entry fills its slot."""
+        it against the slot's rows: with block-granular keys the entry's own count (a tail's
+        value holds only those rows); without, no tail is ever stored and every entry fills
+        its slot."""
         if not self._granular:
             return self._slot_rows
         return self._slot_rows * blocks // self.chunk_blocks
@@ -231,7 +236,8 @@ class Placer:
             self._remote_queue.clear()
             return
         for key, placement in self._take_queued(
-                self._remote_queue, lambda k: remote.holds_hint(k) or not self._whole(k)):
+                self._remote_queue,
+                lambda k: remote.holds_hint(k) or not self._remote_storable(k)):
             host.pin(key)
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(Move.REMOTE_WRITE, (key,), None)
@@ -247,6 +253,11 @@ class Placer:
         assert remote is not None
         if not outcome.failed:
             self.counters[Count.REMOTE_WRITTEN_CHUNKS] += 1
+            placement = self.host.get(key)  # pinned until now: still there
+            if placement is not None and placement.aliases:
+                gone = remote.delete_superseded(placement.aliases)
+                if gone:
+                    self.counters[Count.SUPERSEDED, Tier.REMOTE] += gone
             return
         remote.forget_key(key)  # not (all) there: a later sighting may write it again
         if outcome.failure == FailureCause.DROPPED:

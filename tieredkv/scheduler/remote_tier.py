@@ -34,6 +34,12 @@ requests sharing a prefix probe only what they add. Absence is never remembered:
 replica may write the chunk at any moment. Known present is a hint, not a promise: the
 load re-reads and verifies every shard, and a chunk gone meanwhile is recomputed.
 
+A prompt's tail: a prompt that ends inside a chunk may find its last blocks in Redis as a
+tail entry, keyed by its last block's key (chunk keys are the keys of their last block, so
+tails and chunks share one key space). The lookup passes the block keys of that partial
+chunk (``tail``); the same pipelined call asks for them, and :meth:`RemoteProbe.tail_blocks`
+answers how many leading blocks the longest tail every rank holds covers.
+
 Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
 call whose keys extend the earlier ones re-probes only the new keys, and only if every
 earlier key was present (a hole already ends the prefix). Keys that do not extend the
@@ -92,6 +98,7 @@ class _Probe:
     stop: int                # the probe covers keys[confirmed:stop]
     asked: list[int]         # indices sent (the rest of the range was known present)
     sent_at: float
+    tail: list[bytes] = field(default_factory=list)  # tail candidates sent after the chunks
 
 
 @dataclass(slots=True)
@@ -100,6 +107,8 @@ class _Request:
     confirmed: int = 0       # leading keys present for every rank
     checked: int = 0         # leading keys with a verdict; confirmed < checked: a hole, final
     probe: _Probe | None = None
+    tail: list[bytes] = field(default_factory=list)  # the partial chunk's block keys
+    tail_blocks: int | None = 0  # blocks of the longest tail found; None: to ask
 
 
 class RemoteProbe:
@@ -135,22 +144,38 @@ class RemoteProbe:
 
     # -- the lookup's call ---------------------------------------------------------------------
 
-    def poll(self, req_id: str, keys: Sequence[bytes]) -> int | None:
-        """Leading ``keys`` held remotely by every rank, or ``None``: ask again next step."""
-        if not keys:
+    def poll(self, req_id: str, keys: Sequence[bytes], tail: Sequence[bytes] = ()) -> int | None:
+        """Leading ``keys`` held remotely by every rank, or ``None``: ask again next step.
+
+        ``tail``: the block keys of the partial chunk right after ``keys`` (in block order),
+        asked in the same call; :meth:`tail_blocks` says what was found."""
+        if not keys and not tail:
             return 0
         req = self._requests.get(req_id)
-        if req is None or not self._extends(req, keys):
+        if req is None or (keys and req.keys and not self._extends(req, keys)):
             req = self._requests[req_id] = _Request(list(keys))
         elif len(keys) > len(req.keys):
             req.keys.extend(keys[i] for i in range(len(req.keys), len(keys)))
+        if list(tail) != req.tail:
+            req.tail, req.tail_blocks = list(tail), (None if tail else 0)
         if req.probe is not None and not self._take_answer(req, req.probe):
             return None
-        if req.confirmed == req.checked < len(keys):
-            self._send(req, len(keys))
+        chunks_open = req.confirmed == req.checked < len(keys)
+        if chunks_open or req.tail_blocks is None:
+            self._send(req, len(keys) if chunks_open else req.checked)
             if req.probe is not None:
                 return None
         return min(req.confirmed, len(keys))
+
+    def tail_blocks(self, req_id: str) -> int:
+        """Blocks of the longest tail of the request's ``tail`` keys that every rank holds (0:
+        none, or not known): meaningful once :meth:`poll` answered."""
+        req = self._requests.get(req_id)
+        return req.tail_blocks or 0 if req is not None else 0
+
+    def names(self, key: bytes) -> list[bytes]:
+        """Every rank's Redis key of ``key``."""
+        return [name(key) for name in self._names]
 
     def in_flight(self, req_id: str) -> bool:
         """True while ``req_id``'s probe is sent and unanswered (the store's future not done)."""
@@ -164,7 +189,8 @@ class RemoteProbe:
         return req.keys[common - 1] == keys[common - 1]
 
     def _send(self, req: _Request, stop: int) -> None:
-        """Probe keys[checked:stop] not known present, in one call; answered at once if none are."""
+        """Probe keys[checked:stop] not known present, and the tail candidates if not asked
+        yet, in one call; answered at once if nothing needs asking."""
         known, asked = self._known, []
         for i in range(req.checked, stop):
             if req.keys[i] in known:
@@ -172,14 +198,17 @@ class RemoteProbe:
             else:
                 asked.append(i)
         self._counts["known_hits"] += stop - req.checked - len(asked)
-        if not asked:
-            req.confirmed = req.checked = stop
+        tail = req.tail if req.tail_blocks is None else []
+        if not asked and not tail:
+            if req.confirmed == req.checked:  # every key known present (never past a hole)
+                req.confirmed = req.checked = stop
             return
         names = [name(req.keys[i]) for i in asked for name in self._names]
+        names += [name(key) for key in tail for name in self._names]
         future = self._store.batch_exists(names, timeout_s=self._store_timeout_s)
         self._counts["probes"] += 1
-        self._counts["keys_probed"] += len(asked)
-        req.probe = _Probe(future, stop, asked, self._clock())
+        self._counts["keys_probed"] += len(asked) + len(tail)
+        req.probe = _Probe(future, stop, asked, self._clock(), list(tail))
 
     def _take_answer(self, req: _Request, probe: _Probe) -> bool:
         """Fold a finished (or overdue) probe into ``req``; False while it is still pending."""
@@ -207,12 +236,22 @@ class RemoteProbe:
                 self._remember(req.keys[i])
             elif first_hole == probe.stop:
                 first_hole = i
-        req.confirmed, req.checked, req.probe = first_hole, probe.stop, None
+        if probe.asked or req.confirmed == req.checked:  # not a tail after a hole
+            req.confirmed, req.checked = first_hole, probe.stop
+        req.probe = None
+        if probe.tail and probe.tail == req.tail:
+            found = values[len(probe.asked) * ws:]
+            req.tail_blocks = max((j + 1 for j in range(len(probe.tail))
+                                   if all(found[j * ws:(j + 1) * ws])), default=0)
         return True
 
     def _give_up(self, req: _Request, probe: _Probe) -> None:
         """Serve what was confirmed before this probe; the request's remote prefix ends there."""
-        req.checked, req.probe = probe.stop, None  # stop > confirmed: a hole, final
+        if probe.asked:
+            req.checked = probe.stop  # stop > confirmed: a hole, final
+        req.probe = None
+        if probe.tail:
+            req.tail_blocks = 0
 
     def _remember(self, key: bytes) -> None:
         if self._capacity == 0:
@@ -278,9 +317,15 @@ class RemoteTier(LowerTier):
         seen_limit: int,
         written_capacity: int = WRITTEN_CAPACITY,
         server_info: ServerInfo | None = None,
+        delete: Callable[[list[bytes]], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``delete``: removes Redis keys (every rank's, at once) without waiting; a tail this
+        engine wrote is deleted once a longer entry of its chunk is written."""
         self.probe = probe
+        self._delete = delete
+        # Tails a lookup found, until their fill ends: entry key -> blocks it holds.
+        self._tails: dict[bytes, int] = {}
         self._is_up = is_up
         self.writes = writes
         self._sightings = Sightings(admission, seen_limit)
@@ -300,26 +345,42 @@ class RemoteTier(LowerTier):
 
     # ------------------------------------------------------------------ reads
 
-    def poll(self, req_id: str, keys: Sequence[bytes]) -> int | None:
-        """Leading ``keys`` every rank holds remotely, 0 while the store is down, or None."""
-        if not keys:
+    def poll(self, req_id: str, keys: Sequence[bytes], tail: Sequence[bytes] = ()) -> int | None:
+        """Leading ``keys`` every rank holds remotely, 0 while the store is down, or None.
+        ``tail``: the next chunk's block keys, asked in the same call (:meth:`found_tail`)."""
+        if not keys and not tail:
             return 0
         if not self._is_up() and not self.probe.in_flight(req_id):
             self._skipped_down += 1  # known down: no call, no wait
             return 0
-        return self.probe.poll(req_id, keys)
+        return self.probe.poll(req_id, keys, tail)
+
+    def found_tail(self, req_id: str, tail: Sequence[bytes]) -> tuple[bytes, int] | None:
+        """The longest tail of ``tail`` every rank holds, as ``(its key, blocks)``, noted for
+        its fill; None if none (or the store was down)."""
+        blocks = self.probe.tail_blocks(req_id) if self._is_up() else 0
+        if not 0 < blocks <= len(tail):
+            return None
+        key = tail[blocks - 1]
+        self._tails[key] = blocks
+        return key, blocks
 
     def forget(self, req_id: str) -> None:
         self.probe.forget(req_id)
 
     def fill_aliases(self, key: bytes) -> None:
-        return None  # a value holds a whole chunk: the host entry takes the request's keys
+        return None  # the tier keeps none: the host entry takes the request's keys
+
+    def fill_blocks(self, key: bytes) -> int | None:
+        return self._tails.get(key)
 
     def plan_fill(self, plan: StepPlan, job_id: int, key: bytes, host_slot: int,
                   req_id: str) -> None:
-        plan.jobs.append(Job.remote_read(job_id, key, host_slot, req_id=req_id))
+        plan.jobs.append(Job.remote_read(job_id, key, host_slot, req_id=req_id,
+                                         rows=self._tails.get(key, 0)))
 
     def fill_done(self, key: bytes, ok: bool) -> None:
+        self._tails.pop(key, None)
         if ok:
             self.remember(key)  # there: no need to write it back
         else:
@@ -346,6 +407,22 @@ class RemoteTier(LowerTier):
         while len(written) > self._written_capacity:
             written.popitem(last=False)
 
+    def wrote(self, key: bytes) -> bool:
+        """Whether this engine wrote ``key`` (and no read of it failed since)."""
+        return key in self._written
+
+    def delete_superseded(self, keys: Sequence[bytes]) -> int:
+        """A longer entry of their chunk is written: delete these tails this engine wrote
+        (every rank's key, one call, not waited for), so Redis keeps one copy. Returns how
+        many were deleted."""
+        gone = [key for key in keys if key in self._written]
+        if not gone or self._delete is None:
+            return 0
+        for key in gone:
+            self.forget_key(key)
+        self._delete([name for key in gone for name in self.probe.names(key)])
+        return len(gone)
+
     def forget_key(self, key: bytes) -> None:
         """A read of ``key`` failed: it is not there (or not usable); it may be written again."""
         self._written.pop(key, None)
@@ -355,6 +432,7 @@ class RemoteTier(LowerTier):
         """vLLM's reset_cache: forget every hint; the shared data stays for other replicas."""
         self._written.clear()
         self._sightings.clear()
+        self._tails.clear()
         self.probe.reset()
 
     # ------------------------------------------------------------------ metrics
