@@ -7,8 +7,9 @@ reports at once (``done``: queued; ``dropped``: no room or store down). A read's
 verified and reported as soon as it arrives (:meth:`RemoteDriver.pump`, on the store's thread),
 so the engine's poll and idle wait see it like any other job's.
 
-Without a remote tier on this worker (no ``remote_url``, or the store failed to build), every
-remote job fails ``unavailable``: the scheduler counts it and recomputes.
+The engine builds a driver only for a worker with a remote tier; without one (no
+``remote_url``, or the store failed to build) its own handler fails every remote job
+``unavailable``: the scheduler counts it and recomputes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class RemoteDriver:
 
     def __init__(
         self,
-        jobs: RemoteJobs | None,
+        jobs: RemoteJobs,
         guard: SlotGuard,
         runtime: Runtime,
         payload_bytes: int,
@@ -46,26 +47,13 @@ class RemoteDriver:
         self._lock = threading.Lock()
         self._reads: dict[int, Entry] = {}  # job id -> entry
         self._writes_failed_seen = 0
-        if jobs is not None:
-            jobs.on_answer = self.pump
-            jobs.slot_rows = chunk_rows
-            if kv is not None:  # where each row lies, to blank an entry's empty rows
-                jobs.row_spans = tuple(zip(kv.layer_offsets(chunk_rows), kv.block_bytes,
-                                           strict=True))
-
-    def _unavailable(self, entries: list[Entry]) -> bool:
-        """No remote tier on this worker: every job fails ``unavailable`` (True)."""
-        if self.jobs is not None:
-            return False
-        for entry in entries:
-            self._runtime.finish(entry, JobResult.fail(entry.job.job_id, FailureCause.UNAVAILABLE))
-        return True
+        jobs.on_answer = self.pump
+        jobs.slot_rows = chunk_rows
+        if kv is not None:  # where each row lies: a tail's rows, an entry's empty rows
+            jobs.row_spans = tuple(zip(kv.layer_offsets(chunk_rows), kv.block_bytes, strict=True))
 
     def submit_reads(self, entries: list[Entry]) -> None:
         """Start the reads, one batch; answers arrive through :meth:`pump`."""
-        if self._unavailable(entries):
-            return
-        assert self.jobs is not None
         reads: list[tuple[int, bytes, int, int]] = []
         for entry in entries:
             job = entry.job
@@ -80,9 +68,6 @@ class RemoteDriver:
 
     def submit_writes(self, entries: list[Entry]) -> None:
         """Copy each write's slot into the store's bounded queue; reports at once."""
-        if self._unavailable(entries):
-            return
-        assert self.jobs is not None
         writes: list[WriteJob] = []
         by_id: dict[int, Entry] = {}
         for entry in entries:
@@ -108,8 +93,6 @@ class RemoteDriver:
 
     def pump(self) -> None:
         """Finish every read whose answer arrived (verified values are in their slots)."""
-        if self.jobs is None:
-            return
         for result in self.jobs.poll():
             self._settle(result)
 
@@ -125,14 +108,10 @@ class RemoteDriver:
 
     def gauges(self) -> dict[str, int]:
         """The store's write backlog (items), for the ``remote_write_queue`` gauge."""
-        if self.jobs is None:
-            return {}
         return {"remote_write_queue": self.jobs.store.stats().queue_items}
 
     def take_writes_failed(self) -> int:
         """Queued writes Redis did not take since the last call (the store's own counter)."""
-        if self.jobs is None:
-            return 0
         total = self.jobs.store.stats().writes_failed
         with self._lock:
             delta, self._writes_failed_seen = total - self._writes_failed_seen, total
@@ -141,8 +120,6 @@ class RemoteDriver:
     def close(self, timeout_s: float) -> None:
         """Give queued writes up to half of ``timeout_s`` (when the store is up), then close
         the store; reads it never answered finish ``cancelled`` (slots freed)."""
-        if self.jobs is None:
-            return
         if self.jobs.store.up and not self.jobs.flush_writes(timeout_s / 2):
             logger.warning("tieredkv: remote writes still queued at shutdown are dropped")
         for result in self.jobs.close(timeout_s / 2):
