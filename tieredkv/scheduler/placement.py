@@ -254,10 +254,16 @@ class Placer:
         if not outcome.failed:
             self.counters[Count.REMOTE_WRITTEN_CHUNKS] += 1
             placement = self.host.get(key)  # pinned until now: still there
+            listener = self.host.listener  # KV events: the shared tier holds it now
+            if listener is not None:
+                listener.entry_ready(Tier.REMOTE, key, ())
             if placement is not None and placement.aliases:
                 gone = remote.delete_superseded(placement.aliases)
                 if gone:
                     self.counters[Count.SUPERSEDED, Tier.REMOTE] += gone
+                if listener is not None:
+                    for alias in placement.aliases:
+                        listener.entry_gone(Tier.REMOTE, alias)
             return
         remote.forget_key(key)  # not (all) there: a later sighting may write it again
         if outcome.failure == FailureCause.DROPPED:

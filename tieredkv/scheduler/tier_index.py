@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tieredkv.scheduler.policies import EvictionPolicy, make_policy
 
@@ -52,6 +53,16 @@ class Placement:
         return len(self.aliases) + 1
 
 
+class TierListener(Protocol):
+    """Told when an entry becomes READY or stops being served (KV events; None: no cost)."""
+
+    def entry_ready(self, tier: str, key: bytes, aliases: tuple[bytes, ...]) -> None: ...
+
+    def entry_gone(self, tier: str, key: bytes) -> None: ...
+
+    def tier_cleared(self, tier: str) -> None: ...
+
+
 class TierIndex:
     """``num_slots`` slots of one tier, a key -> :class:`Placement` map and an eviction policy."""
 
@@ -71,6 +82,7 @@ class TierIndex:
         self._ready = 0
         self._pinned = 0
         self.evictions = 0
+        self.listener: TierListener | None = None
 
     # ------------------------------------------------------------------ lookups
 
@@ -207,6 +219,8 @@ class TierIndex:
             self._free[entry.slot] = None
             self.evictions += 1
             evicted.append((victim, entry.slot))
+            if self.listener is not None:
+                self.listener.entry_gone(self.name, victim)
         slot, _ = self._free.popitem()
         self._entries[key] = Placement(slot, SlotState.WRITING, pins=1, aliases=aliases)
         self._link(key, aliases)
@@ -228,6 +242,8 @@ class TierIndex:
         entry.pins = 0
         self._pinned -= 1
         self._ready += 1
+        if self.listener is not None:
+            self.listener.entry_ready(self.name, key, entry.aliases)
         return True
 
     def abort(self, key: bytes) -> None:
@@ -325,6 +341,8 @@ class TierIndex:
         self.policy.remove(key, evicted=False)
         if entry.state is SlotState.READY:
             self._ready -= 1
+            if self.listener is not None:
+                self.listener.entry_gone(self.name, key)
         if entry.pins > 0:
             self._doomed[key] = entry
             return None
@@ -334,14 +352,21 @@ class TierIndex:
     def clear(self) -> list[tuple[bytes, int]]:
         """Drop every live entry (a cache reset); pinned ones become doomed.
 
-        Returns the ``(key, slot)`` pairs whose slots were freed now.
+        Returns the ``(key, slot)`` pairs whose slots were freed now. The listener hears one
+        ``tier_cleared``, not one removal per entry.
         """
         dropped: list[tuple[bytes, int]] = []
-        for key in list(self._entries):
-            slot = self.remove(key)
-            if slot is not None:
-                dropped.append((key, slot))
+        listener, self.listener = self.listener, None
+        try:
+            for key in list(self._entries):
+                slot = self.remove(key)
+                if slot is not None:
+                    dropped.append((key, slot))
+        finally:
+            self.listener = listener
         self.policy.clear()
+        if listener is not None:
+            listener.tier_cleared(self.name)
         return dropped
 
     # ------------------------------------------------------------------ internals

@@ -25,7 +25,10 @@ from tieredkv.protocol import Tier
 from tieredkv.vllm.metadata import TieredKVMetadata
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("tieredkv")
@@ -206,6 +209,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         from tieredkv.vllm.prometheus import TieredKVPromMetrics
 
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events of tieredkv's tiers since the last call (vLLM publishes them beside its
+        own when ``--kv-events-config`` enables them; see :mod:`tieredkv.vllm.kv_events`)."""
+        if self._scheduler is not None:
+            return self._scheduler.take_events()
+        return ()
 
     def reset_cache(self) -> bool | None:
         if self._scheduler is not None:

@@ -14,6 +14,7 @@ from tieredkv.config import TieredKVConfig
 from tieredkv.disk.format import align_up, slot_counts
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.metrics.specs import Count
+from tieredkv.protocol import Move, StepPlan
 from tieredkv.scheduler.planner import Planner
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
 from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
@@ -106,6 +107,7 @@ class SchedulerHalf:
             )
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, LazyChunkKeys] = {}
+        self.events = self._open_events(vllm_config, kv_cache_config, hash_block)
         self._adapters = AdapterDigests()
         self._exporter = None
         self._exporter_server = None
@@ -151,6 +153,84 @@ class SchedulerHalf:
             server_info=lambda: store.run(lambda: store.store.server_info(), None),
             delete=lambda names: store.batch_delete(names, timeout_s=config.remote_timeout_s),
         )
+
+    def _open_events(self, vllm_config: Any, kv_cache_config: Any, hash_block: int):
+        """KV events (see :mod:`tieredkv.vllm.kv_events`), only when vLLM publishes them."""
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        if events_config is None or not events_config.enable_kv_cache_events:
+            return None
+        from tieredkv.vllm.kv_events import KVEvents, event_groups
+
+        config, planner = self.config, self.planner
+        events = KVEvents(
+            block_size=self.geometry.block_size, chunk_blocks=config.chunk_blocks,
+            hash_block_size=hash_block,
+            groups=event_groups(kv_cache_config, self.geometry.slot_rows),
+            log_dir=config.disk_path if config.has_disk else None,
+        )
+        self._finished_requests: dict[str, Any] = {}  # finished, their last stores not planned
+        self._block_index: dict[str, tuple[int, dict[bytes, int]]] = {}
+        planner.host.listener = events
+        disk = planner.disk
+        if disk is not None:
+            disk.listener = events
+
+            def ready_aliases(key: bytes) -> tuple[bytes, ...] | None:
+                placement = disk.get(key) if disk.is_ready(key) else None
+                return None if placement is None else placement.aliases
+
+            events.recover(disk.keys(), ready_aliases)
+        logger.info("tieredkv: KV events on: host %s, disk %s",
+                    "CPU", "STORAGE" if disk is not None else "none")
+        return events
+
+    def _record_events(self, plan: StepPlan) -> None:
+        """Name the blocks of every entry this step's copies will make READY, while their
+        requests are alive (the entry's key alone does not say vLLM's block hashes)."""
+        events = self.events
+        assert events is not None
+        for job in plan.jobs:
+            if job.req_id is None or job.move not in (Move.STORE, Move.PROMOTE, Move.REMOTE_READ):
+                continue
+            if events.has_record(job.key):
+                continue
+            request = self._requests.get(job.req_id) or self._finished_requests.get(job.req_id)
+            if request is None:
+                continue
+            block = self._block_of(request, job.key)
+            if block is not None:
+                events.record(job.key, request, block)
+        for req_id in self._finished_requests:
+            self._keys.pop(req_id, None)
+            self._block_index.pop(req_id, None)
+        self._finished_requests.clear()
+
+    def _block_of(self, request: Any, key: bytes) -> int | None:
+        """Which block of ``request`` (tieredkv's block size) ``key`` is the key of."""
+        done, index = self._block_index.get(request.request_id, (0, {}))
+        if key not in index:
+            done, index = self._index_blocks(request, done, index)
+            if key not in index and done:  # hashes replaced in place (a streaming session)
+                done, index = self._index_blocks(request, 0, {})
+            self._block_index[request.request_id] = (done, index)
+        return index.get(key)
+
+    def _index_blocks(self, request: Any, done: int, index: dict[bytes, int]) -> tuple[int, dict[bytes, int]]:
+        keys = self.keys_for(request)
+        if keys.block_granular:
+            total = keys.num_blocks
+            for b, k in enumerate(keys.block_keys(min(done, total), total), start=min(done, total)):
+                index[k] = b
+            return total, index
+        total, cb = len(keys), self.config.chunk_blocks
+        chunk_keys = keys.materialize(total)
+        for c in range(min(done, total), total):
+            index[chunk_keys[c]] = (c + 1) * cb - 1
+        return total, index
+
+    def take_events(self) -> list:
+        """This step's KV events (empty unless vLLM's KV events are on)."""
+        return self.events.take() if self.events is not None else []
 
     # ------------------------------------------------------------------ keys
 
@@ -236,6 +316,8 @@ class SchedulerHalf:
             planner.plan_stores(req_id, self.keys_for(request), storable, tail=tail,
                                 computed_tokens=request.num_computed_tokens)
         plan = planner.take_plan()
+        if self.events is not None:
+            self._record_events(plan)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         plan.compute_idle = not scheduled_tokens
         planner.step_scheduled(scheduled_tokens)  # timed to its output: the prefill rate
@@ -257,6 +339,8 @@ class SchedulerHalf:
             # (the return value below then delays their free until the store is done).
             storable = min(request.num_computed_tokens, request.num_tokens - 1)
             self.planner.finish_tail(req_id, self.keys_for(request), storable)
+        if self.events is not None:
+            self._finished_requests[req_id] = request  # its last stores are planned next step
         self._requests.pop(req_id, None)
         self._keys.pop(req_id, None)
         return self.planner.finished(req_id)
@@ -312,6 +396,8 @@ class SchedulerHalf:
         if self._exporter_server is not None:
             self._exporter_server.shutdown()
             self._exporter_server = None
+        if self.events is not None:
+            self.events.close()
         if self.catalog is not None:
             self.catalog.close()
             self.catalog = None
