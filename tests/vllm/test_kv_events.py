@@ -242,8 +242,10 @@ def test_restart_announces_the_recovered_disk_tier_a_bounded_part_per_step(tmp_p
     again = half(tmp_path, disk_slots=16)
     assert len(again.planner.disk) == 5
     again.events.announce_per_step = 2
+    assert again.has_pending_work()  # vLLM steps an idle engine until it is announced
     per_step = [stored(again.take_events(), "STORAGE") for _ in range(4)]
     assert [len(s) for s in per_step] == [2, 2, 1, 0]
+    assert not again.has_pending_work()
     announced = [e for s in per_step for e in s]
     key = lambda e: tuple(e.block_hashes)  # noqa: E731
     assert sorted(announced, key=key) == sorted(before, key=key)  # tokens, parents and all

@@ -287,6 +287,11 @@ class KVEvents:
         events, self._events = self._events, []
         return events
 
+    @property
+    def announcing(self) -> bool:
+        """Recovered disk entries still to announce."""
+        return bool(self._announce)
+
     # ------------------------------------------------------------------ restart
 
     def recover(self, disk_keys: Iterable[bytes],

@@ -390,7 +390,9 @@ class SchedulerHalf:
         }
 
     def has_pending_work(self) -> bool:
-        return self.planner.has_pending_work()
+        """Jobs in flight, or a recovered disk tier still to announce (vLLM keeps stepping an
+        idle engine while a connector has pending work: a router relearns it without traffic)."""
+        return self.planner.has_pending_work() or (self.events is not None and self.events.announcing)
 
     def shutdown(self) -> None:
         if self._exporter_server is not None:

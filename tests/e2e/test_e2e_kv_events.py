@@ -1,0 +1,153 @@
+"""KV events on real vLLM: a ZMQ subscriber sees tieredkv's tiers beside vLLM's device cache.
+
+vLLM publishes ``KVEventBatch``es (``--kv-events-config``, publisher ``zmq``) of its own
+device-cache events and whatever the connector's ``take_events()`` returns. The subscriber
+here binds a loopback port (vLLM's publisher connects to a non-wildcard endpoint) and decodes
+with msgspec as vLLM documents."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import (
+    BLOCK_SIZE,
+    RUNNER,
+    _run_engine_process,
+    generate,
+    tieredkv_config,
+)
+
+# Converts the spec's kv_events dict into vLLM's config (LLM() does not) and runs the runner.
+BOOTSTRAP = (
+    "import sys, json; sys.path.insert(0, {runner_dir!r}); import vllm; "
+    "from vllm.config import KVEventsConfig; base = vllm.LLM; "
+    "spec = json.load(open(sys.argv[1])); events = KVEventsConfig(**spec['kv_events']); "
+    "vllm.LLM = lambda **kw: base(**kw, kv_events_config=events); "
+    "from engine_runner import main; main()"
+)
+
+
+class Subscriber:
+    """A SUB socket bound on loopback, decoding every batch on a thread of its own."""
+
+    def __init__(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.events: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                _topic, _seq, payload = self._sock.recv_multipart()
+                self.events.extend(self._decoder.decode(payload).events)
+
+    def settle(self, quiet_s: float = 2.0, timeout_s: float = 60.0) -> None:
+        """Wait until nothing new arrived for ``quiet_s`` (the engine process has exited)."""
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while len(self.events) != seen and time.monotonic() < deadline:
+            seen = len(self.events)
+            time.sleep(quiet_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def run_with_events(tiny_model: str, endpoint: str, phases: list[dict], **kv) -> dict:
+    spec = {
+        "model": tiny_model, "max_tokens": 8, "phases": phases,
+        "kv_transfer_config": tieredkv_config(**kv),
+        "kv_events": {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": endpoint, "topic": "kv"},
+    }
+    bootstrap = BOOTSTRAP.format(runner_dir=str(RUNNER.parent))
+    return _run_engine_process(["-c", bootstrap], spec, None, 600)
+
+
+def of(events: list, kind: str, medium: str | None = None, locality: str | None = "LOCAL") -> list:
+    return [e for e in events if type(e).__name__ == kind
+            and (medium is None or e.medium == medium)
+            and (medium == "GPU" or locality is None or e.locality == locality)]
+
+
+def block_tokens(events: list) -> dict:
+    """hash -> the block's tokens, from BlockStored events."""
+    out = {}
+    for e in events:
+        for i, h in enumerate(e.block_hashes):
+            out[h] = tuple(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
+    return out
+
+
+@pytest.fixture
+def subscriber():
+    sub = Subscriber()
+    yield sub
+    sub.close()
+
+
+def test_tiers_are_announced_with_vllms_hashes_evictions_removed_and_disk_after_restart(
+        tiny_model, subscriber, tmp_path: Path):
+    disk = tmp_path / "disk"
+    kv = dict(host_bytes="8MiB", disk_path=str(disk), disk_bytes="128MiB")
+    drain = {"kind": "drain", "timeout_s": 60.0}
+    run_with_events(tiny_model, subscriber.endpoint,
+                    [generate("p1"), drain, generate("p2", "p3"), drain], **kv)
+    subscriber.settle()
+    first = list(subscriber.events)
+
+    gpu = block_tokens(of(first, "BlockStored", "GPU"))
+    cpu_stored = of(first, "BlockStored", "CPU")
+    cpu = block_tokens(cpu_stored)
+    # p1 ran alone on an empty host tier: every full block of its prompt was stored.
+    assert len(cpu) >= 1500 // BLOCK_SIZE
+    # The same blocks vLLM's own device cache announced: same hashes, same tokens.
+    assert set(cpu) <= set(gpu)
+    assert all(cpu[h] == gpu[h] for h in cpu)
+    assert all(e.block_size == BLOCK_SIZE and e.group_idx == 0 for e in cpu_stored)
+    # No block announced twice on the host tier while it is held there.
+    held: set = set()
+    for e in first:
+        if getattr(e, "medium", None) != "CPU":
+            continue
+        for h in e.block_hashes:
+            if type(e).__name__ == "BlockStored":
+                assert h not in held, "a block announced twice on the host tier"
+                held.add(h)
+            else:
+                assert h in held, "a block removed that was not announced"
+                held.discard(h)
+    # A small host tier evicted: removals of blocks it had announced.
+    assert of(first, "BlockRemoved", "CPU")
+    # Spilled to disk: announced as STORAGE, local.
+    storage = block_tokens(of(first, "BlockStored", "STORAGE"))
+    assert storage and set(storage) <= set(cpu)
+    on_disk = set(storage) - {h for e in of(first, "BlockRemoved", "STORAGE") for h in e.block_hashes}
+
+    # A restart on the same disk tier: its recovered contents are announced again.
+    mark = len(subscriber.events)
+    run_with_events(tiny_model, subscriber.endpoint, [generate("shared0")], **kv)
+    subscriber.settle()
+    second = subscriber.events[mark:]
+    again = block_tokens(of(second, "BlockStored", "STORAGE"))
+    assert on_disk <= set(again)
+    assert all(again[h] == storage[h] for h in on_disk)
