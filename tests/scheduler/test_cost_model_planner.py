@@ -9,7 +9,7 @@ from test_remote_tier import Store
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count
-from tieredkv.protocol import Move, Tier
+from tieredkv.protocol import JobResult, Move, Tier
 from tieredkv.scheduler.cost_model import EXPLORE_INTERVAL_S, MIN_SAMPLES
 from tieredkv.scheduler.planner import Planner
 from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
@@ -150,3 +150,37 @@ def test_with_the_cost_model_off_the_probe_deadline_alone_bounds_the_wait():
     clock.now += 1.0
     assert planner.lookup("a", keys, 0, len(tokens)) is None
     assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 0
+
+
+def test_a_slow_remote_tier_hit_is_declined_and_counted():
+    clock = Clock()
+    planner, store, _ = slow_probe_planner(clock)
+    store.hold = False  # probes answer at once; the remote reads are what is slow
+
+    def remote_hit(req: str, n: int) -> tuple[int, int]:
+        tokens = [t + 7 + 100_000 * n for t in range(4 * CHUNK_TOKENS + 1)]
+        keys = keys_for(tokens)
+        for key in keys.materialize(4):
+            store.put(key)
+        reads, answer = 0, planner.lookup(req, keys, 0, len(tokens))
+        while answer is None:
+            plan = planner.take_plan()
+            jobs = plan.of(Move.REMOTE_READ)
+            reads += len(jobs)
+            clock.now += 1.0  # four chunks take a second; they recompute in 4 ms
+            planner.apply([JobResult(job.job_id, ok=1) for job in jobs])
+            answer = planner.lookup(req, keys, 0, len(tokens))
+        planner.finished(req)
+        return reads, answer
+
+    for n in range(MIN_SAMPLES):
+        assert remote_hit(f"learn{n}", n) == (4, 4 * CHUNK_TOKENS)
+    # Known slow, due to be explored: the probe is waited for, one chunk is read.
+    assert remote_hit("explore", 10) == (1, CHUNK_TOKENS)
+    assert planner.counters[Count.HITS_DECLINED_SLOWER, Tier.REMOTE] == 1
+    # Known slow, explored a moment ago: the hit could save nothing, so its probe is not even
+    # waited for; the request computes its prompt.
+    assert remote_hit("declined", 11) == (0, 0)
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
+    assert planner.counters[Count.HITS_DECLINED_SLOWER, Tier.REMOTE] == 1
+    assert planner.counters[DECLINED_DISK] == 0

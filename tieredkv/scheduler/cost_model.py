@@ -31,7 +31,10 @@ starts its estimate over (optimistic again until it has the samples).
 The remote probe: a request waits for its probe (:meth:`may_wait_for_probe`) no longer than
 what the remote hit could save (recomputing the rest of the prompt minus reading it), never
 longer than ``remote_timeout_s`` (the probe's own deadline); past that, the request
-computes the rest (``hits_declined{tier="remote", reason="probe_wait_over_saving"}``).
+computes the rest (``hits_declined{tier="remote", reason="probe_wait_over_saving"}``). A
+remote tier known slower than recomputing saves nothing, so its probe is not waited for at
+all, except when the tier is due to be explored (then the wait is bounded by the recompute
+time alone, and the lookup explores one chunk).
 """
 
 from __future__ import annotations
@@ -229,6 +232,8 @@ class CostModel:
         if recompute is None:
             return True  # no estimate: the probe's own deadline (remote_timeout_s) applies
         saving = recompute - (self.read_seconds(tier, chunks) or 0.0)
+        if saving <= 0 and now - self._explored.get(tier, float("-inf")) >= EXPLORE_INTERVAL_S:
+            saving = recompute  # known slower, but due to be explored: let the probe answer
         if self.probe_timeout_s:
             saving = min(saving, self.probe_timeout_s)
         if now - since <= saving:
