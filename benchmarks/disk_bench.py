@@ -2,9 +2,12 @@
 
 Spill = ``SlabFile.write_slot`` and restore = ``SlabFile.read_slot_into`` (header, checksum
 and verification included), driven through ``SlabExecutor`` from asyncio with N I/Os in
-flight, from and into host-tier slots. The baseline is a raw sequential pwrite/pread loop
-(one I/O at a time, same I/O size, same flags, same directory, same source memory). Also the
-host tier's slot copy (``HostPool.slot(i).copy_(src)``) against a copy into a plain tensor.
+flight, from and into host-tier slots. The baseline is raw pwrite/pread of the same I/O size,
+flags, directory and source memory, at the same queue depth: ``depth`` threads each issuing one
+I/O at a time from a shared cursor. Both sides run at depth 1 and at ``--inflight`` (tieredkv's
+default), and each depth is compared with the same depth, so neither side gets more I/Os in
+flight than the other. Also the host tier's slot copy (``HostPool.slot(i).copy_(src)``)
+against a copy into a plain tensor.
 
 The machine is shared and noisy, so raw and tieredkv runs alternate within one process and
 each figure is the median of ``--repeats`` runs. O_DIRECT is used for both sides when the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures as cf
 import json
 import os
 import platform
@@ -54,6 +58,9 @@ class Row:
     passed: bool | None
     samples_tieredkv: list[float]
     samples_raw: list[float]
+    #: I/Os in flight on both sides (tieredkv: coroutines on the slab executor; raw: threads);
+    #: None for the host copy, which is one memcpy at a time on both sides.
+    depth: int | None = None
 
 
 def _fs_type(path: Path) -> str:
@@ -106,6 +113,7 @@ class DiskCase:
         self.raw_fd = self.io.open(self.raw_path, flags)
         self.io.fallocate(self.raw_fd, self.count * self.padded)
         self.executor = SlabExecutor(io_threads)
+        self.raw_pool = cf.ThreadPoolExecutor(max(1, inflight), thread_name_prefix="raw-io")
         self.loop = asyncio.new_event_loop()
         # Raw I/O moves exactly the chunk's padded bytes (what an O_DIRECT transfer must move).
         self.raw_views = [memoryview(v)[: self.padded] for v in self.views]
@@ -122,19 +130,33 @@ class DiskCase:
             finally:
                 os.close(fd)
 
-    def raw(self, write: bool, first: int, count: int) -> float:
-        """Sequential, one I/O at a time: the plainest way to move these bytes."""
+    def raw(self, write: bool, first: int, count: int, depth: int = 1) -> float:
+        """``depth`` threads, each one I/O at a time from a shared cursor (depth 1: a plain
+        sequential loop in this thread): the plainest way to move these bytes that many at once."""
         io = os.pwritev if write else os.preadv
         fd, views, padded = self.raw_fd, self.raw_views, self.padded
+        cursor = iter(range(first, first + count))  # next() on it is atomic under the GIL
+
+        def worker() -> None:
+            for i in cursor:
+                view = views[i % len(views)]
+                if io(fd, [view], i * padded) != padded:
+                    raise RuntimeError("short raw I/O")
+
+        if depth > self.inflight:
+            raise ValueError(f"depth {depth} is above --inflight {self.inflight}")
         start = time.perf_counter()
-        for i in range(first, first + count):
-            view = views[i % len(views)]
-            if io(fd, [view], i * padded) != padded:
-                raise RuntimeError("short raw I/O")
+        if depth <= 1:
+            worker()
+        else:
+            for future in [self.raw_pool.submit(worker) for _ in range(depth)]:
+                future.result()
         return time.perf_counter() - start
 
-    def tieredkv(self, write: bool, first: int, count: int) -> float:
-        """``inflight`` coroutines pulling slots from a shared cursor through SlabExecutor."""
+    def tieredkv(self, write: bool, first: int, count: int, depth: int | None = None) -> float:
+        """``depth`` (default ``inflight``) coroutines pulling slots from a shared cursor
+        through SlabExecutor."""
+        depth = self.inflight if depth is None else depth
         executor, slab, views, keys = self.executor, self.slab, self.views, self.keys
         cursor = iter(range(first, first + count))
 
@@ -148,7 +170,7 @@ class DiskCase:
 
         async def drive() -> float:
             start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(self.inflight)))
+            await asyncio.gather(*(worker() for _ in range(depth)))
             return time.perf_counter() - start
 
         return self.loop.run_until_complete(drive())
@@ -156,6 +178,7 @@ class DiskCase:
     def close(self) -> None:
         self.loop.close()
         self.executor.shutdown(5)
+        self.raw_pool.shutdown(wait=True)
         self.slab.close()
         self.io.close(self.raw_fd)
         for path in (self.slab.path, self.raw_path):
@@ -165,7 +188,7 @@ class DiskCase:
         self.pool.close()
 
 
-def _row(what: str, chunk: int, tkv: list[float], raw: list[float]) -> Row:
+def _row(what: str, chunk: int, tkv: list[float], raw: list[float], depth: int | None = None) -> Row:
     """A table row from throughput samples in bytes per second."""
     tkv_gbs = statistics.median(tkv) / 1e9
     raw_gbs = statistics.median(raw) / 1e9
@@ -173,12 +196,18 @@ def _row(what: str, chunk: int, tkv: list[float], raw: list[float]) -> Row:
     info = chunk in INFO_ONLY
     return Row(what, chunk, tkv_gbs, raw_gbs, ratio, None if info else TARGET,
                None if info else ratio >= TARGET,
-               [round(x / 1e9, 3) for x in tkv], [round(x / 1e9, 3) for x in raw])
+               [round(x / 1e9, 3) for x in tkv], [round(x / 1e9, 3) for x in raw], depth)
+
+
+def depths(inflight: int) -> list[int]:
+    """The queue depths both sides run at: one at a time, and tieredkv's ``inflight``."""
+    return sorted({1, max(1, inflight)})
 
 
 def bench_disk(directory: Path, chunk: int, total: int, inflight: int, io_threads: int,
                repeats: int, direct: bool, block_bytes: int) -> list[Row]:
-    """``repeats`` passes over the files, each cut into blocks that alternate raw/tieredkv.
+    """``repeats`` passes over the files, each cut into blocks that alternate raw/tieredkv,
+    at every queue depth of :func:`depths` (both sides at the same depth).
 
     Alternating every block (not every pass) means a burst of load from other tenants of a
     shared machine lands on both sides alike; the median over all blocks is reported.
@@ -188,26 +217,32 @@ def bench_disk(directory: Path, chunk: int, total: int, inflight: int, io_thread
         case.raw(True, 0, case.count)  # warm-up: both files written once, threads started
         case.tieredkv(True, 0, case.count)
         per_block = max(2 * inflight, block_bytes // chunk)
-        samples: dict[str, list[float]] = {k: [] for k in ("raw_w", "tkv_w", "raw_r", "tkv_r")}
+        levels = depths(inflight)
+        samples: dict[tuple[str, int], list[float]] = {
+            (f"{side}_{op}", d): [] for side in ("raw", "tkv") for op in "wr" for d in levels}
         turn = 0
         for _ in range(repeats):
             for first in range(0, case.count, per_block):
                 count = min(per_block, case.count - first)
                 if count < per_block:
                     continue  # a short last block would skew the median
-                sides = ("raw", "tkv") if turn % 2 == 0 else ("tkv", "raw")
-                turn += 1
-                for side in sides:
-                    run = case.raw if side == "raw" else case.tieredkv
-                    samples[f"{side}_w"].append(count * chunk / run(True, first, count))
-                case.drop_cache()
-                for side in sides:
-                    run = case.raw if side == "raw" else case.tieredkv
-                    samples[f"{side}_r"].append(count * chunk / run(False, first, count))
-        return [
-            _row("spill (write_slot)", chunk, samples["tkv_w"], samples["raw_w"]),
-            _row("restore (read_slot_into)", chunk, samples["tkv_r"], samples["raw_r"]),
-        ]
+                for depth in levels:
+                    sides = ("raw", "tkv") if turn % 2 == 0 else ("tkv", "raw")
+                    turn += 1
+                    for side in sides:
+                        run = case.raw if side == "raw" else case.tieredkv
+                        samples[(f"{side}_w", depth)].append(count * chunk / run(True, first, count, depth))
+                    case.drop_cache()
+                    for side in sides:
+                        run = case.raw if side == "raw" else case.tieredkv
+                        samples[(f"{side}_r", depth)].append(count * chunk / run(False, first, count, depth))
+        rows = []
+        for depth in levels:
+            rows.append(_row("spill (write_slot)", chunk, samples[("tkv_w", depth)],
+                             samples[("raw_w", depth)], depth))
+            rows.append(_row("restore (read_slot_into)", chunk, samples[("tkv_r", depth)],
+                             samples[("raw_r", depth)], depth))
+        return rows
     finally:
         case.close()
 
@@ -248,14 +283,19 @@ def bench_host_copy(chunk: int, repeats: int, block_bytes: int = 32 * MiB) -> Ro
     return _row("host slot copy", chunk, samples["tkv"], samples["raw"])
 
 
+def _size(n: int) -> str:
+    return f"{n // MiB}MiB" if n >= MiB and n % MiB == 0 else f"{n // KiB}KiB"
+
+
 def _print_table(rows: list[Row], header: str) -> None:
     print(header)
-    print(f"{'what':<26}{'chunk':>8}{'tieredkv GB/s':>15}{'raw GB/s':>10}{'ratio':>8}{'target':>9}  result")
+    print(f"{'what':<26}{'chunk':>8}{'depth':>6}{'tieredkv GB/s':>15}{'raw GB/s':>10}{'ratio':>8}{'target':>9}  result")
     for r in rows:
-        chunk = f"{r.chunk_bytes // MiB}MiB" if r.chunk_bytes >= MiB else f"{r.chunk_bytes // KiB}KiB"
+        chunk = _size(r.chunk_bytes)
         target = f">={r.target:.1f}" if r.target is not None else "info"
         result = "-" if r.passed is None else ("PASS" if r.passed else "FAIL")
-        print(f"{r.what:<26}{chunk:>8}{r.tieredkv_gbs:>15.2f}{r.raw_gbs:>10.2f}{r.ratio:>8.2f}{target:>9}  {result}")
+        depth = "-" if r.depth is None else str(r.depth)
+        print(f"{r.what:<26}{chunk:>8}{depth:>6}{r.tieredkv_gbs:>15.2f}{r.raw_gbs:>10.2f}{r.ratio:>8.2f}{target:>9}  {result}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-bytes", default="16MiB",
                         help="raw and tieredkv alternate every this many bytes")
     parser.add_argument("--chunk-sizes", default=DEFAULT_CHUNKS)
-    parser.add_argument("--inflight", type=int, default=4, help="concurrent tieredkv I/Os")
+    parser.add_argument("--inflight", type=int, default=4,
+                        help="I/Os in flight, on both sides (depth 1 is always run too)")
     parser.add_argument("--io-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="passes over each file")
     parser.add_argument("--direct", choices=("auto", "on", "off"), default="auto")
@@ -275,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads for the host copy (both sides alike)")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
+    if args.inflight < 1 or args.io_threads < 1:
+        parser.error("--inflight and --io-threads must be >= 1")
 
     total = parse_size("--total-bytes", args.total_bytes)
     block = parse_size("--block-bytes", args.block_bytes)
@@ -291,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         direct, why = args.direct == "on", "forced by --direct"
     mode = "O_DIRECT" if direct else f"buffered ({why}; page cache dropped before reads)"
-    header = (f"disk_bench: {directory} ({fstype}), {mode}; {total // MiB} MiB x {args.repeats} "
-              f"passes, raw/tieredkv alternating every {block // MiB} MiB, median; tieredkv {args.inflight} in flight on "
-              f"{args.io_threads} I/O threads vs raw sequential one at a time; "
+    header = (f"disk_bench: {directory} ({fstype}), {mode}; {_size(total)} x {args.repeats} "
+              f"passes, raw/tieredkv alternating every {_size(block)}, median; each queue depth "
+              f"{'/'.join(map(str, depths(args.inflight)))} compared with the same depth (tieredkv: that many "
+              f"coroutines on {args.io_threads} I/O threads; raw: that many threads, one pwrite/pread each); "
               f"{os.cpu_count()} CPUs, torch {torch.__version__} with {args.copy_threads} copy "
               f"thread(s), host pool {'pinned' if torch.cuda.is_available() else 'pageable'}")
     rows: list[Row] = []
@@ -314,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             "directory": str(directory), "filesystem": fstype, "direct": direct,
             "direct_note": why, "total_bytes": total, "block_bytes": block, "repeats": args.repeats,
             "inflight": args.inflight, "io_threads": args.io_threads,
+            "depths": depths(args.inflight),
             "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "host_pinned": torch.cuda.is_available(),
             "rows": [asdict(r) for r in rows],

@@ -104,12 +104,15 @@ def disk_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     for r in d["rows"]:
         target = f">= {r['target']}" if r.get("target") is not None else "info"
         verdict = "info" if r.get("passed") is None else _verdict(bool(r["passed"]))
-        rows.append(_row(f"{r['what']} {r['chunk_bytes'] // 1024} KiB",
+        depth = f", {r['depth']} in flight both sides" if r.get("depth") is not None else ""
+        rows.append(_row(f"{r['what']} {r['chunk_bytes'] // 1024} KiB{depth}",
                          f"{r['ratio']:.2f} of raw ({r['tieredkv_gbs']:.2f} vs {r['raw_gbs']:.2f} GB/s)",
                          target, verdict))
     mode = "O_DIRECT" if d.get("direct") else f"buffered ({d.get('direct_note')})"
     notes = [f"{d.get('filesystem')} at {d.get('directory')}, {mode}, {d.get('repeats')} passes of "
-             f"{d.get('total_bytes', 0) // (1 << 20)} MiB, {d.get('inflight')} I/Os in flight."]
+             f"{d.get('total_bytes', 0) // (1 << 20)} MiB, " + (
+                 f"queue depths {d['depths']} on both sides." if d.get("depths") else
+                 f"{d.get('inflight')} I/Os in flight.")]
     return rows, notes
 
 
