@@ -9,11 +9,12 @@ come from vLLM's own block hasher (sha256); scheduler steps are real ``Scheduler
 
 Measured, tieredkv and vLLM alternating call by call (the first of the pair alternates too):
 
-* ``get_num_new_matched_tokens`` for prompts of 1k..128k tokens, ``hit`` (every chunk is in
+* ``get_num_new_matched_tokens`` for prompts of ~1k..~128k tokens, ``hit`` (every chunk is in
   the connector's CPU tier, stored through the connector's own store path and completed by
-  a worker report) and ``miss`` (empty tier). One size (2,348 tokens) is no multiple of the
-  chunk: tieredkv's hit ends inside its last chunk (the prompt's tail), vLLM's at the last
-  chunk boundary. ``cold`` is the first call for a fresh request
+  a worker report) and ``miss`` (empty tier). The sizes are random lengths (seeded,
+  ``SIZE_SEED``) no multiple of the block, as a chat's prompts are: tieredkv's hit ends
+  inside its last chunk (the prompt's tail), vLLM's at the last chunk boundary. One row,
+  4,096 tokens, is chunk-aligned and labelled so. ``cold`` is the first call for a fresh request
   (chunk keys derived from the block hashes inside the call); ``repeat`` is the same request
   asked again, as vLLM's scheduler does while a request waits (keys cached).
 * ``build_connector_meta`` with 1..256 running requests: ``decode`` (every request scheduled
@@ -59,7 +60,9 @@ from benchmarks.scheduler.workload import (
     NOISE_BAND,
     PREFILL_PROMPT_TOKENS,
     PROFILES,
+    SIZE_SEED,
     TIER_BYTES,
+    is_aligned,
 )
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -130,6 +133,9 @@ def run(
             "decode_prompt_tokens": DECODE_PROMPT_TOKENS,
             "prefill_prompt_tokens": PREFILL_PROMPT_TOKENS,
             "noise_band": NOISE_BAND,
+            "prompt_sizes": list(profile.sizes),
+            "size_seed": SIZE_SEED,
+            "chunk_aligned_sizes": [n for n in profile.sizes if is_aligned(n)],
         },
         "targets": {
             "no_slower_than_vllm": "FAIL" if fails else "PASS",

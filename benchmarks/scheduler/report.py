@@ -18,6 +18,7 @@ from benchmarks.scheduler.workload import (
     NOISE_BAND,
     Profile,
     fmt_size,
+    is_aligned,
 )
 
 
@@ -40,7 +41,8 @@ def _row(
     return {
         "operation": operation,
         "size": size,
-        "size_label": fmt_size(size) + (" tokens" if unit == "tokens" else f" {unit}"),
+        "size_label": fmt_size(size) + (" tokens" if unit == "tokens" else f" {unit}")
+        + (" (chunk-aligned)" if extra.get("group") == "lookup" and is_aligned(size) else ""),
         "unit": unit,
         "tieredkv_median_us": t["median"],
         "tieredkv_p90_us": t["p90"],
@@ -80,11 +82,11 @@ def build_rows(samples: Samples, profile: Profile) -> list[dict[str, Any]]:
     big = max(profile.sizes)
     for row in rows:
         if row.get("group") == "lookup" and row["size"] == big and row["state"] == "hit" \
-                and row["phase"] == "cold" and big == KEYING_TOKENS:
+                and row["phase"] == "cold" and big >= KEYING_TOKENS:
             passed = row["tieredkv_median_us"] < LOOKUP_TARGET_US
             rows.append({
                 **row,
-                "operation": "128k-token lookup (hit, cold keys) in under 2 ms",
+                "operation": f"128k-token lookup ({big:,} tokens; hit, cold keys) in under 2 ms",
                 "group": "target",
                 "ratio": row["ratio"],
                 "target": "< 2000 us",

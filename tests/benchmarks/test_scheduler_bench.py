@@ -83,3 +83,24 @@ def test_verdicts_use_the_noise_band(bench):
     assert report.verdict(1.1) == "PASS (within noise)"
     assert report.verdict(1.11) == "FAIL"
     assert report.verdict(float("nan")) == "n/a"
+
+
+def test_prompt_sizes_are_unaligned_but_one_labelled_row():
+    """Issue 27: six of seven sizes were chunk multiples. Every profile's sizes are random
+    lengths that are no multiple of the block, but for one chunk-aligned 4k row, labelled."""
+    for profile in workload.PROFILES.values():
+        aligned = [n for n in profile.sizes if workload.is_aligned(n)]
+        assert aligned == [workload.ALIGNED_SIZE]
+        assert all(n % workload.BLOCK_SIZE for n in profile.sizes if n not in aligned)
+        assert len(profile.sizes) >= 3
+    assert workload.PROMPT_SIZES == workload.prompt_sizes((1024, 2048, 16384, 32768, 65536, 131072))
+    assert len(workload.PROMPT_SIZES) == 7
+    # The lookup target's row is at least 128k tokens, not rounded down to a kinder size.
+    assert max(workload.PROMPT_SIZES) > workload.KEYING_TOKENS
+    samples = report.Samples()
+    for side in ("tieredkv", "vllm"):
+        for n in (4096, 4097):
+            samples.add((side, "lookup", "hit", "cold", str(n)), 1.0)
+    labels = {n: report._row(samples, "x", ("lookup", "hit", "cold", str(n)), n, "tokens",
+                             group="lookup")["size_label"] for n in (4096, 4097)}
+    assert labels == {4096: "4k tokens (chunk-aligned)", 4097: "4,097 tokens"}
