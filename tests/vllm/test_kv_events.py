@@ -20,8 +20,8 @@ from vllm.v1.request import Request
 
 from tests.vllm.test_worker_side import BLOCK, CHUNK_BLOCKS, fake_configs
 from tieredkv.config import TieredKVConfig
-from tieredkv.protocol import FailureCause, JobResult, Move, Tier
-from tieredkv.vllm.kv_events import LOG_NAME
+from tieredkv.protocol import FailureCause, JobResult, Move
+from tieredkv.vllm.kv_events import LOG_NAME, EventGroup, KVEvents, event_groups
 from tieredkv.vllm.scheduler_side import SchedulerHalf
 
 CHUNK = BLOCK * CHUNK_BLOCKS
@@ -252,21 +252,63 @@ def test_restart_announces_the_recovered_disk_tier_a_bounded_part_per_step(tmp_p
     again.shutdown()
 
 
-def test_remote_tier_is_announced_as_shared_storage(tmp_path):
-    """The shared tier's copy is announced once written; without a Redis here the write is
-    completed by hand (the placer's completion is what the connector runs)."""
+def with_remote_tier(h: SchedulerHalf) -> None:
+    """Give ``h`` a planner with a shared tier whose writes are completed by hand (no Redis:
+    nothing here probes it; the placer's completion is what runs)."""
+    from tieredkv.scheduler.planner import Planner
+    from tieredkv.scheduler.remote_tier import RemoteTier
+
+    old = h.planner
+    probe = SimpleNamespace(known=lambda key: False, unknow=lambda key: None,
+                            names=lambda key: [key.hex()])
+    tier = RemoteTier(probe, is_up=lambda: True, writes=True, admission=1,
+                      seen_limit=64, server_info=lambda: None, delete=lambda names: len(names))
+    h.planner = Planner(old.config, block_size=BLOCK, num_host_slots=old.host.num_slots,
+                        remote=tier)
+    h.planner.host.listener = h.events
+
+
+def store_without_probe(h: SchedulerHalf, req: Request):
+    h._requests[req.request_id] = req  # on_new_request would probe the (absent) Redis
+    req.num_computed_tokens = 0
+    n = req.num_prompt_tokens
+    output = SimpleNamespace(
+        preempted_req_ids=(), scheduled_new_reqs=[SimpleNamespace(
+            req_id=req.request_id, block_ids=(list(range(1, 1 + -(-n // BLOCK))),))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={req.request_id: n}, total_num_scheduled_tokens=n)
+    ok_all(h, h.build_connector_meta(output).plan, Move.STORE)
+
+
+def test_the_shared_tier_is_announced_as_remote_storage_once_written():
     h = half()
-    a = request("a", list(range(CHUNK + 1)))
-    ok_all(h, step(h, [a]))
+    with_remote_tier(h)
+    a = request("a", list(range(BLOCK + 1)))  # a one-block tail first
+    store_without_probe(h, a)
+    writes = h.planner.take_plan().of(Move.REMOTE_WRITE)
+    assert len(writes) == 1
     h.take_events()
-    (key,) = h.planner.host.keys()
-    h.events.entry_ready(Tier.REMOTE, key)
-    h.events.entry_ready(Tier.REMOTE, key)  # no duplicate
-    events = h.take_events()
-    assert len(events) == 1
-    assert events[0].medium == "STORAGE" and events[0].locality == "REMOTE"
-    assert events[0].ownership == "shared"
-    assert events[0].block_hashes == ext(a, range(CHUNK_BLOCKS))
+    h.planner.apply([JobResult(writes[0].job_id, ok=1)])
+    (event,) = h.take_events()
+    assert (event.medium, event.locality, event.ownership) == ("STORAGE", "REMOTE", "shared")
+    assert event.block_hashes == ext(a, [0])
+    # Its whole chunk is written later: only the new blocks are announced; the tail's value,
+    # deleted as superseded, removes nothing (the chunk's value holds its block).
+    b = request("b", list(range(CHUNK + 1)))
+    store_without_probe(h, b)
+    writes = h.planner.take_plan().of(Move.REMOTE_WRITE)
+    h.take_events()
+    h.planner.apply([JobResult(w.job_id, ok=1) for w in writes])
+    (event,) = h.take_events()
+    assert isinstance(event, BlockStored) and event.locality == "REMOTE"
+    assert event.block_hashes == ext(b, range(1, CHUNK_BLOCKS))
+    # A failed write announces nothing.
+    c = request("c", list(range(5000, 5000 + CHUNK + 1)))
+    store_without_probe(h, c)
+    writes = h.planner.take_plan().of(Move.REMOTE_WRITE)
+    h.take_events()
+    h.planner.apply([JobResult(w.job_id, ok=0, failed=1, failure=FailureCause.IO_ERROR) for w in writes])
+    assert [e for e in h.take_events() if e.locality == "REMOTE"] == []
 
 
 @pytest.mark.parametrize("corrupt", [b"", b"\x05\x00\x00\x00ab"])
@@ -285,3 +327,29 @@ def test_a_missing_or_torn_log_announces_what_it_can(tmp_path, corrupt):
     again = half(tmp_path, disk_slots=8)
     assert len(stored(again.take_events(), "STORAGE")) == expected
     again.shutdown()
+
+
+def test_hybrid_groups_announce_what_each_serves_with_vllms_group_index():
+    """A sliding-window group announces only the blocks of a chunk a hit needs (its window at
+    the chunk's end); a full-attention group every block; each with its group index."""
+    from tests.vllm.test_groups import _config, _spec
+    from tieredkv.vllm.groups import group_geometry
+
+    config = _config(_spec("sliding", window=64, block_size=BLOCK), _spec("full", block_size=BLOCK))
+    slot_rows = group_geometry(config, chunk_blocks=4).slot_rows
+    groups = event_groups(config, slot_rows)
+    assert groups == (EventGroup(0, "sliding_window", 64, 2), EventGroup(1, "full_attention", None, 0))
+    events = KVEvents(block_size=BLOCK, chunk_blocks=4, hash_block_size=BLOCK, groups=groups)
+    req = request("a", list(range(8 * BLOCK + 1)))
+    events.record(b"k" * 32, req, 7)  # whole chunk 1: blocks 4..7
+    events.entry_ready("host", b"k" * 32)
+    sliding, full = events.take()
+    assert (sliding.group_idx, sliding.block_hashes) == (0, ext(req, [6, 7]))
+    assert sliding.parent_block_hash == ext(req, [5])[0]
+    assert sliding.token_ids == req.all_token_ids[6 * BLOCK:8 * BLOCK]
+    assert (sliding.kv_cache_spec_kind, sliding.kv_cache_spec_sliding_window) == ("sliding_window", 64)
+    assert (full.group_idx, full.block_hashes) == (1, ext(req, range(4, 8)))
+    assert full.parent_block_hash == ext(req, [3])[0]
+    events.entry_gone("host", b"k" * 32)
+    gone = events.take()
+    assert [(e.group_idx, e.block_hashes) for e in gone] == [(0, ext(req, [6, 7])), (1, ext(req, range(4, 8)))]
