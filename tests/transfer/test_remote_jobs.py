@@ -192,7 +192,7 @@ def _corrupt(value: bytes, key: bytes) -> dict[str, tuple[bytes, FailureCause]]:
         "bigger than the slot": (encode(good * 2, fingerprint=FINGERPRINT, key=key, rank=0),
                                  FailureCause.WRONG_NAMESPACE),
         "not ours": (b"hello", FailureCause.SHORT_READ),
-        # STRLEN answers 0 for an empty value and for none: both read as absent.
+        # GETRANGE answers an empty string for an empty value and for none: both read as absent.
         "empty": (b"", FailureCause.MISSING),
     }
 

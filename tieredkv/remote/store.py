@@ -54,22 +54,30 @@ def _value(reply: Any) -> bytes | None:
 
 
 class Head(NamedTuple):
-    """A value read with a bound: at most its first ``max_len`` bytes, and its full length.
+    """A value read with a bound: at most its first ``max_len`` bytes, and its length.
 
-    ``len(data) < length``: the value is longer than the reader asked for (or was replaced
-    by a longer one between the two commands); the caller treats it as a miss."""
+    ``length`` is the value's length when it is at most ``max_len``; ``max_len + 1`` when it
+    is longer (the read asks for one byte more than the bound to tell). ``len(data) <
+    length``: the value is longer than the reader asked for; the caller treats it as a miss.
+    ``data`` is the reply itself (a view of it when cut): never a copy."""
 
-    data: bytes
+    data: bytes | memoryview
     length: int
 
 
-def _head(replies: Any) -> Head | None:
-    """``(STRLEN, GETRANGE)`` replies of one key -> its head; None when absent (or empty:
-    the two are one answer to STRLEN, and neither is a value)."""
-    length, data = replies
-    if not length:
-        return None
-    return Head(bytes(data or b""), int(length))
+def _bounded_head(max_len: int) -> Callable[[Any], Head | None]:
+    """A ``GETRANGE key 0 max_len`` reply (at most ``max_len + 1`` bytes) -> its head; None
+    when absent or empty (Redis answers both with an empty string, and neither is a value)."""
+
+    def convert(reply: Any) -> Head | None:
+        if not reply:
+            return None
+        length = len(reply)
+        if length > max_len:
+            return Head(memoryview(reply)[:max_len], length)
+        return Head(reply, length)
+
+    return convert
 
 
 def _per_node(reply: Any) -> bool:
@@ -246,21 +254,20 @@ class RemoteStore:
     ) -> BatchResult[Head | None]:
         """At most ``max_len`` bytes of each value, and its length, in one round trip.
 
-        Per key a ``STRLEN`` and a ``GETRANGE 0 max_len-1`` (same key: same node and
-        connection on a Cluster, answered in order). Whatever anyone wrote into Redis, no
-        more than ``max_len`` bytes per key cross the network or are held here; a value of
-        another length is the caller's miss (:class:`Head` says so). The worker's reads use
+        One ``GETRANGE key 0 max_len`` per key: Redis clamps the range to the value, so a
+        value of at most ``max_len`` bytes comes back whole and a longer one as ``max_len + 1``
+        bytes, which says it is longer (:class:`Head`). Whatever anyone wrote into Redis, no
+        more than ``max_len + 1`` bytes per key cross the network or are held here; a value of
+        another length is the caller's miss. One command per key (no ``STRLEN``): half the
+        commands of a read, and the engine's ACL needs no ``+strlen``. The worker's reads use
         this, never :meth:`batch_get`.
         """
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
-
-        def fill(pipe: Any) -> None:
-            for k in keys:
-                pipe.strlen(k)
-                pipe.getrange(k, 0, max_len - 1)
-
-        return await self._batch("get", len(keys), fill, _head, None, timeout_s, per_item=2)
+        return await self._batch(
+            "get", len(keys), lambda pipe: [pipe.getrange(k, 0, max_len) for k in keys],
+            _bounded_head(max_len), None, timeout_s,
+        )
 
     async def batch_set(
         self,
@@ -302,10 +309,8 @@ class RemoteStore:
         convert: Callable[[Any], T],
         default: T,
         timeout_s: float | None,
-        per_item: int = 1,
     ) -> BatchResult[T]:
-        """``fill`` adds ``per_item`` commands per item; ``convert`` gets an item's reply (a
-        tuple of its replies when ``per_item`` > 1). Items, not commands, are counted."""
+        """``fill`` adds one command per item; ``convert`` gets an item's reply."""
         with self._lock:
             self._calls[op] += 1
         if count == 0:
@@ -333,7 +338,7 @@ class RemoteStore:
                 self._conn.mark_down(gen, cause, exc)
             return self._failed(op, count, default, cause, time.monotonic() - started)
         latency = time.monotonic() - started
-        return self._convert(op, gen, replies, count, convert, default, latency, per_item)
+        return self._convert(op, gen, replies, count, convert, default, latency)
 
     async def _execute(self, client: RemoteClient, fill: Fill) -> list[Any]:
         async with client.pipeline(transaction=False) as pipe:
@@ -351,32 +356,28 @@ class RemoteStore:
         convert: Callable[[Any], T],
         default: T,
         latency: float,
-        per_item: int = 1,
     ) -> BatchResult[T]:
         """Per-item replies to values; an error reply fails only its item."""
-        if len(replies) != count * per_item:
+        if len(replies) != count:
             logger.error("tieredkv remote tier: %s got %d replies for %d keys", op, len(replies), count)
             return self._failed(op, count, default, FailureCause.UNKNOWN, latency)
         values: list[T] = []
         first: FailureCause | None = None
         failed = 0
         causes: Counter[str] = Counter()
-        for i in range(count):
-            group = replies[i * per_item:(i + 1) * per_item]
-            errors = [r for r in group if isinstance(r, BaseException)]
-            reply = errors[0] if errors else (group[0] if per_item == 1 else tuple(group))
-            if isinstance(reply, BaseException):
-                cause, unusable = classify(reply)
-                # An error *reply* (OOM, CLUSTERDOWN for one slot range) means a server
-                # answered: the item fails, the store stays up for the other items.
-                if unusable and not isinstance(reply, ResponseError):
-                    self._conn.mark_down(gen, cause, reply)
-                first = first or cause
-                failed += 1
-                causes[cause.value] += 1
-                values.append(default)
-            else:
+        for reply in replies:
+            if not isinstance(reply, BaseException):
                 values.append(convert(reply))
+                continue
+            cause, unusable = classify(reply)
+            # An error *reply* (OOM, CLUSTERDOWN for one slot range) means a server
+            # answered: the item fails, the store stays up for the other items.
+            if unusable and not isinstance(reply, ResponseError):
+                self._conn.mark_down(gen, cause, reply)
+            first = first or cause
+            failed += 1
+            causes[cause.value] += 1
+            values.append(default)
         if failed:
             with self._lock:
                 self._failed_calls[op] += 1
