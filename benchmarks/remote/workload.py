@@ -11,7 +11,15 @@ from tieredkv.remote.codec import HEADER_BYTES, RemoteKeyNames, encode
 NAME = "remote_throughput"
 
 
-TARGET = 0.8
+# tieredkv / raw redis-py, judged on the worse of one node and a Cluster (issue #25 point 3:
+# GETs of chunk values >= 0.9, EXISTS probes >= 0.8; SET keeps issue #14's 0.8).
+TARGETS = {"set": 0.8, "get": 0.9, "exists": 0.8}
+
+
+TARGET_BASELINE = "redis-py"  # redis-benchmark (the C client) is shown as the reference
+
+
+DEPLOYMENTS = ("single", "cluster")
 
 
 PROMPT_TOKENS = 4096  # one batch = the shards of one 4k-token prompt, for one TP rank

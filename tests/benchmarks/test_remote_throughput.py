@@ -1,8 +1,10 @@
-"""Smoke test of benchmarks.remote_throughput: its smallest profile against a real redis-server.
+"""Smoke test of benchmarks.remote_throughput: its smallest profile against a real
+redis-server and then a real 3-master Cluster.
 
-The benchmark starts its own server (``tieredkv.testing.redis_procs``) and runs tieredkv,
-redis-benchmark and redis-py on one value size with a few thousand items. Only the shape of
-the results is checked: the files, every ratio a positive finite number, the target named.
+The benchmark starts its own servers (``tieredkv.testing.redis_procs``) and runs tieredkv,
+redis-benchmark (random keys, every one of them hit) and raw redis-py (asyncio) on one value
+size with a few thousand items. Only the shape of the results is checked: the files, every
+ratio a positive finite number, each target named, the verdict on the worse deployment.
 Timings themselves are not judged here.
 """
 
@@ -13,9 +15,11 @@ import math
 from pathlib import Path
 
 import pytest
+import redis
 
 from benchmarks import remote_throughput as bench
 from benchmarks.remote import report, workload
+from benchmarks.remote.rbench import RedisBenchmark
 from tieredkv.remote.codec import HEADER_BYTES
 
 MiB = 1 << 20
@@ -30,8 +34,36 @@ def test_value_sizes_are_real_shards_with_the_header() -> None:
     }
     assert all(s.value_bytes == s.payload_bytes + HEADER_BYTES for s in workload.SHARDS)
     assert [s.batch for s in workload.SHARDS] == [256, 16, 16]  # one 4k-token prompt each
-    assert report.verdict(0.8) == "PASS" and report.verdict(0.79) == "MISS"
-    assert report.verdict(float("inf")) == report.verdict(0.0) == "n/a"
+    assert report.verdict(0.9, 0.9) == "PASS" and report.verdict(0.89, 0.9) == "MISS"
+    assert report.verdict(float("inf"), 0.8) == report.verdict(0.0, 0.8) == "n/a"
+    assert workload.TARGETS == {"set": 0.8, "get": 0.9, "exists": 0.8}
+
+
+def _row(deployment: str, op: str, baseline: str, ratio: float) -> dict[str, object]:
+    target = workload.TARGETS[op.lower()] if baseline == workload.TARGET_BASELINE else None
+    return {"deployment": deployment, "shard": "s", "size_label": "96 KiB (s)", "op": op,
+            "clients": 1, "baseline": baseline, "ratio": ratio, "target": target}
+
+
+def test_the_verdict_is_the_worse_deployment_against_raw_redis_py() -> None:
+    rows = [_row("single", "GET", "redis-py", 0.95), _row("cluster", "GET", "redis-py", 0.85),
+            _row("single", "GET", "redis-benchmark", 0.10),  # the reference: never judged
+            _row("single", "EXISTS", "redis-py", 0.81), _row("cluster", "EXISTS", "redis-py", 0.99)]
+    judged = {v["op"]: v for v in report.verdicts(rows)}
+    assert judged["GET"]["ratio"] == 0.85 and judged["GET"]["worse_deployment"] == "cluster"
+    assert judged["GET"]["verdict"] == "MISS"  # 0.85 < 0.9, although one node passed
+    assert judged["EXISTS"]["ratio"] == 0.81 and judged["EXISTS"]["verdict"] == "PASS"
+    assert judged["GET"]["ratios"] == {"single": 0.95, "cluster": 0.85}
+    headline = report.headline(list(judged.values()))
+    assert "MISS on 1 of 2" in headline and "GET 96 KiB c=1: 0.85 (cluster) < 0.9" in headline
+
+
+def test_redis_benchmark_keys_span_the_same_key_count() -> None:
+    bench = RedisBenchmark("redis-benchmark", 1, redis.Redis(port=1))  # one node: no network
+    assert bench.prefixes == ["key:"] and bench.keyspace(5) == 5
+    assert bench.names(3) == ["key:000000000000", "key:000000000001", "key:000000000002"]
+    bench.prefixes = ["key:{a}:", "key:{b}:", "key:{c}:"]  # a Cluster: a tag per master
+    assert bench.keyspace(7) == 3 and len(bench.names(7)) == 9
 
 
 @pytest.mark.redis  # the benchmark starts its own redis-server
@@ -41,34 +73,48 @@ def test_smoke_profile_writes_sane_results(tmp_path: Path, capsys: pytest.Captur
 
     data = json.loads((tmp_path / "remote_throughput.json").read_text())
     assert data["benchmark"] == "remote_throughput" and data["profile"] == "smoke"
-    assert data["deployment"] == "single redis-server"
+    assert data["deployments"] == ["single", "cluster"]
     assert data["machine"]["name"] and data["date"] and "tieredkv_revision" in data
-    assert data["target"] == workload.TARGET
+    assert data["targets"] == workload.TARGETS and data["target_baseline"] == "redis-py"
     assert data["verdict"] in ("PASS", "MISS")
     assert set(data["sides"]) == {"tieredkv", "redis-benchmark", "redis-py"}
+    assert "-r <keyspace>" in data["sides"]["redis-benchmark"]
     assert data["versions"]["redis_server"]
 
     rows = data["rows"]
-    expected = {(s.name, op.upper(), base, c) for s in profile.shards for op in workload.OPS
+    expected = {(d, s.name, op.upper(), base, c) for d in workload.DEPLOYMENTS
+                for s in profile.shards for op in workload.OPS
                 for base in workload.BASELINES for c in profile.clients}
-    assert {(r["shard"], r["op"], r["baseline"], r["clients"]) for r in rows} == expected
+    assert {(r["deployment"], r["shard"], r["op"], r["baseline"], r["clients"]) for r in rows} == expected
     for row in rows:
         assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
         assert row["ratio"] == pytest.approx(row["tieredkv_ops_s"] / row["baseline_ops_s"])
         assert len(row["ratio_rounds"]) == profile.rounds
         assert all(math.isfinite(x) and x > 0 for x in row["ratio_rounds"]), row
-        assert row["verdict"] == ("PASS" if row["ratio"] >= workload.TARGET else "MISS")
-        assert row["target"] == workload.TARGET
+        if row["baseline"] == "redis-py":
+            target = workload.TARGETS[row["op"].lower()]
+            assert row["target"] == target
+            assert row["verdict"] == ("PASS" if row["ratio"] >= target else "MISS")
+        else:  # redis-benchmark is the reference
+            assert row["target"] is None and row["verdict"] == "info"
         if row["op"] == "EXISTS":
             assert row["tieredkv_mb_s"] is None
         else:
             assert row["tieredkv_mb_s"] > 0 and row["baseline_mb_s"] > 0
-    misses = [r for r in rows if r["verdict"] == "MISS"]
-    assert ("MISS" in data["headline"]) == bool(misses)
+
+    judged = data["verdicts"]
+    assert len(judged) == len(profile.shards) * len(workload.OPS) * len(profile.clients)
+    for v in judged:
+        mine = [r["ratio"] for r in rows if r["baseline"] == "redis-py"
+                and (r["shard"], r["op"], r["clients"]) == (v["shard"], v["op"], v["clients"])]
+        assert v["ratio"] == min(mine) and set(v["ratios"]) == {"single", "cluster"}
+        assert v["verdict"] == ("PASS" if v["ratio"] >= v["target"] else "MISS")
+    assert data["verdict"] == ("PASS" if all(v["verdict"] == "PASS" for v in judged) else "MISS")
+    assert ("MISS" in data["headline"]) == (data["verdict"] == "MISS")
 
     markdown = (tmp_path / "remote_throughput.md").read_text()
-    assert "Target tieredkv / baseline >= 0.8" in markdown
-    assert markdown.count("| >= 0.8 |") == len(rows)
+    assert "GET >= 0.9" in markdown and "EXISTS >= 0.8" in markdown
+    assert markdown.count("| reference |") == len(rows) // 2
     assert data["headline"] in markdown
     assert "redis-benchmark" in markdown and "redis-py" in markdown
     assert data["headline"] in capsys.readouterr().out
