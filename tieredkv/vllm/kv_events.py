@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from vllm import envs
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -67,6 +68,12 @@ MEDIA: dict[str, tuple[str, str, str | None]] = {
     Tier.DISK: (MEDIUM_STORAGE, "LOCAL", None),
     Tier.REMOTE: (MEDIUM_STORAGE, "REMOTE", "shared"),
 }
+
+
+def _int_hash(block_hash: bytes) -> int:
+    """vLLM's event hash with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (its default): the
+    digest's low 64 bits."""
+    return int.from_bytes(block_hash, byteorder="big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,11 @@ class KVEvents:
         self._log_fd: int | None = None
         self._logged: set[bytes] = set()
         self._remote_order: OrderedDict[bytes, None] = OrderedDict()
+        # vLLM's maybe_convert_block_hash, its environment variable read once
+        if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+            self._convert: Callable[[bytes], Any] = _int_hash
+        else:
+            self._convert = maybe_convert_block_hash
 
     # ------------------------------------------------------------------ records
 
@@ -140,13 +152,18 @@ class KVEvents:
         bs = self.block_size
         first = last_block - last_block % self.chunk_blocks
         hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, bs)
-        ext = tuple(maybe_convert_block_hash(hashes[j]) for j in range(first, last_block + 1))
-        parent = maybe_convert_block_hash(hashes[first - 1]) if first else None
-        extra: list[Any] = []
-        mm_idx = 0
-        for j in range(first, last_block + 1):
-            keys, mm_idx = generate_block_hash_extra_keys(request, j * bs, (j + 1) * bs, mm_idx)
-            extra.append(keys)
+        convert = self._convert
+        ext = tuple(convert(hashes[j]) for j in range(first, last_block + 1))
+        parent = convert(hashes[first - 1]) if first else None
+        if (request.lora_request is None and not request.mm_features
+                and not request.cache_salt and request.prompt_embeds is None):
+            extra: list[Any] = [None] * len(ext)  # what vLLM's extra keys are without them
+        else:
+            extra = []
+            mm_idx = 0
+            for j in range(first, last_block + 1):
+                keys, mm_idx = generate_block_hash_extra_keys(request, j * bs, (j + 1) * bs, mm_idx)
+                extra.append(keys)
         event_extra = to_event_extra_keys(extra)
         lora = getattr(request, "lora_request", None)
         self._records[key] = Record(
