@@ -1,12 +1,17 @@
-"""The cost model on real vLLM (issue 25 point 2): a disk that reads slower than the engine
-recomputes has its hits declined and counted, the outputs stay those of the reference, and
-once the disk is fast again its hits return. No time is measured here: the disk is made slow
-by fault injection (every slab read sleeps while a flag file exists), far slower than the
-tiny model recomputes."""
+"""The cost model on real vLLM (issue 25 point 2): a disk, or a Redis, that reads slower than
+the engine recomputes has its hits declined and counted, the outputs stay those of the
+reference, and once the tier is fast again its hits return. No time is measured here: the
+disk is made slow by fault injection (every slab read sleeps while a flag file exists), Redis
+by a throttling loopback proxy (every 16 KiB of a value it sends back waits, while a flag file
+exists), both far slower than the tiny model recomputes."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +27,7 @@ from tests.e2e.conftest import (
     tieredkv_config,
 )
 from tieredkv.scheduler.cost_model import EXPLORE_INTERVAL_S
+from tieredkv.tools.ports import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -76,3 +82,96 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
     assert counter_delta(phases, 21, DECLINED) == 0
     assert counter_delta(phases, 21, "hit_tokens_disk") > 0
     assert sum(cached_tokens(phases[21]).values()) == full
+
+
+class ThrottledProxy:
+    """A loopback TCP proxy to a Redis: while ``flag`` exists, each block of 16 KiB or more
+    the server sends back (a value, not a probe's or a write's short reply) waits
+    ``delay_s`` first."""
+
+    def __init__(self, target_port: int, flag: Path, delay_s: float) -> None:
+        self._target, self._flag, self._delay = target_port, flag, delay_s
+        self._listener = socket.create_server(("127.0.0.1", free_port()))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, throttled: bool) -> None:
+        try:
+            while data := src.recv(1 << 14):
+                if throttled and len(data) >= 1 << 14 and self._flag.exists():
+                    time.sleep(self._delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+RESET_ALL = {"kind": "reset_all"}  # host emptied; the shared tier keeps what it holds
+REMOTE_DECLINED = ("hits_declined_slower_than_recompute_remote",
+                   "hits_declined_probe_wait_over_saving_remote")
+
+
+def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, reference,
+                                                                    fresh_server, tmp_path):
+    slow = tmp_path / "redis-is-slow"
+    slow.touch()
+    proxy = ThrottledProxy(fresh_server().port, slow, 0.005)
+    phases_in = [
+        generate("p1"), generate("p2"), generate("p3"), DRAIN,  # 0-3: cold, written to Redis
+        # 4-9: three remote hits while nothing is known: taken (each 16 KiB waits 5 ms).
+        RESET_ALL, generate("p1"), RESET_ALL, generate("p2"), RESET_ALL, generate("p3"),
+        # 10-13: Redis is now known slow: the hits are declined (one chunk explored first).
+        RESET_ALL, generate("p1"), RESET_ALL, generate("p2"),
+        # 14-15: the throttle is removed; an exploration interval passes.
+        {"kind": "remove_file", "path": str(slow)},
+        {"kind": "sleep", "seconds": EXPLORE_INTERVAL_S + 0.5},
+        # 16-19: one chunk explored, read fast: the estimate starts over, hits return.
+        RESET_ALL, generate("p3"), RESET_ALL, generate("p1"),
+    ]
+    try:
+        result = run_engine({
+            "model": tiny_model, "max_tokens": MAX_TOKENS, "phases": phases_in,
+            "kv_transfer_config": tieredkv_config(
+                host_bytes="256MiB", remote_url=f"redis://127.0.0.1:{proxy.port}/0",
+                remote_timeout_s=30),
+        })
+    finally:
+        proxy.close()
+    assert "startup_error" not in result, result.get("startup_traceback")
+    phases = result["phases"]
+    for phase in phases:
+        if phase["kind"] == "generate":
+            assert_same_as_reference(phase, phase["names"], reference)
+
+    def declined(index: int) -> int:
+        return sum(counter_delta(phases, index, name) for name in REMOTE_DECLINED)
+
+    full = expected_hit_tokens(len(PROMPTS["p1"]))
+    for index in (5, 7, 9):  # nothing known: every remote hit is taken, whole
+        assert declined(index) == 0, index
+        assert counter_delta(phases, index, "hit_tokens_remote") == full, index
+    # Known slow: each request's remote hit is declined once and counted (at the probe, or
+    # once it answered); what it still loads is at most the one chunk explored.
+    for index in (11, 13):
+        assert declined(index) == 1, index
+        assert sum(cached_tokens(phases[index]).values()) < full, index
+    assert counter_delta(phases, 11, REMOTE_DECLINED[0]) == 1  # the exploration: one chunk
+    # The throttle removed: the exploration reads fast, and the next remote hit is whole.
+    assert declined(17) == 1
+    assert declined(19) == 0
+    assert counter_delta(phases, 19, "hit_tokens_remote") == full
