@@ -47,6 +47,11 @@ PROMPTS: dict[str, list[int]] = {
 
 
 def tieredkv_config(**extra) -> dict:
+    # The cost model (on for users) decides from timings measured on this machine; on a
+    # loaded 2-core CI box it may decline a small disk or Redis hit after a few fills. The
+    # e2e tests assert exact hit tokens per tier, so they run it off unless they test it
+    # (tests/e2e/test_e2e_cost_model.py turns it on).
+    extra.setdefault("cost_model", False)
     return {
         "kv_connector": "TieredKVConnector",
         "kv_role": "kv_both",

@@ -58,7 +58,8 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
     result = run_engine({
         "model": tiny_model, "max_tokens": MAX_TOKENS, "phases": phases_in,
         "kv_transfer_config": tieredkv_config(
-            host_bytes=SMALL_HOST, disk_path=str(tmp_path / "tier"), disk_bytes="128MiB"),
+            host_bytes=SMALL_HOST, disk_path=str(tmp_path / "tier"), disk_bytes="128MiB",
+            cost_model=True),
     }, env={"TIEREDKV_FAULTS": json.dumps(
         {"disk_read_delay_s": 0.5, "disk_read_delay_while": str(slow)})})
     phases = result["phases"]
@@ -148,7 +149,7 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
             "model": tiny_model, "max_tokens": MAX_TOKENS, "phases": phases_in,
             "kv_transfer_config": tieredkv_config(
                 host_bytes="256MiB", remote_url=f"redis://127.0.0.1:{proxy.port}/0",
-                remote_timeout_s=30),
+                remote_timeout_s=30, cost_model=True),
         })
     finally:
         proxy.close()
