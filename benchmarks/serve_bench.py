@@ -11,8 +11,11 @@ profile's value, redrawn when a prompt would end on a 32-token block boundary (s
 a multiple of the block or of tieredkv's 256-token chunk). The users of one concurrency level
 run at the same time; a sweep runs the levels one after another, each with fresh
 conversations, and repeats the whole sweep (``--repeats``, 3 by default) with fresh
-conversations again, repeat ``r`` of every (configuration, level) before repeat ``r + 1`` so
-the machine's drift hits every configuration alike.
+conversations again, repeat ``r`` of every configuration before repeat ``r + 1`` so the
+machine's drift hits every configuration alike. **Only the configuration being measured
+runs**: for each (repeat, configuration) its server is started alone (its disk tier emptied
+first), warmed up, measured at every level and stopped before the next one starts; nothing
+else of the benchmark is on the machine (:data:`ISOLATION`).
 
 Configurations (:data:`CONFIG_BUILDERS`; a module can add its own with
 :func:`register_config`), each its own server on a loopback port (``python -m
@@ -56,9 +59,11 @@ token), throughput (requests/s, output tokens/s, prompt tokens/s over the level'
 think time included, as a closed-loop chat service sees it), and hit rates as shares of the
 prompt tokens sent: device (``vllm:prefix_cache_hits``), connector
 (``vllm:external_prefix_cache_hits``), and tieredkv's ``vllm:tieredkv_hit_tokens{tier=...}``.
-Reported: the median and spread (min-max) over the repeats. A comparison is a win or a loss
-only outside the spread (the one's worst repeat better than the other's best); otherwise it
-is "within spread".
+Reported: the median and spread (min-max) over the repeats (5 by default). Each comparison
+gives the ratio of the medians and its spread (the ratio's range over every pairing of the
+two sides' repeats); it is a win or a loss only outside the spread (the one's worst repeat
+better than the other's best, i.e. the whole range on one side of 1); otherwise it is
+"within spread".
 
 Targets (printed beside the figures): at every level whose working set exceeds the device KV
 cache, tieredkv's TTFT p50 is at least 2x better than ``no_cache`` and better than every
@@ -72,7 +77,7 @@ a host hit is a memcpy, not a PCIe transfer. Not GPU figures. Every server runs 
 connector configurations a different (and on 2 cores much slower) thread layout than the
 others.
 
-    python -m benchmarks.serve_bench               # quick: 1, 4, 8 users x 3 repeats (<= 15 min)
+    python -m benchmarks.serve_bench               # quick: 1, 4, 8 users x 5 repeats (<= 60 min)
     python -m benchmarks.serve_bench --full        # 1..16 users, 8-turn conversations
     python -m benchmarks.serve_bench --configs no_cache,tieredkv_host --levels 4 --repeats 1
 """
@@ -95,12 +100,7 @@ from benchmarks import common
 from benchmarks.serve.configs import CONFIG_BUILDERS, DEFAULT_CONFIGS, make_configs, select_configs
 from benchmarks.serve.report import length_line, load_payload, print_report, write_outputs
 from benchmarks.serve.runner import consistency, sweep
-from benchmarks.serve.servers import (
-    apply_server_env,
-    config_server_args,
-    enough_memory_for,
-    make_server,
-)
+from benchmarks.serve.servers import apply_server_env, config_server_args, make_server
 from benchmarks.serve.workload import (
     CHUNK_TOKENS,
     DTYPE,
@@ -137,8 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new runs after this many seconds (default: profile's)")
-    parser.add_argument("--sequential-start", action="store_true",
-                        help="start servers one by one (default: all at once when RAM allows)")
     parser.add_argument("--workdir", type=Path, default=None, help="model, logs, tiers (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     parser.add_argument("--no-progress", action="store_true")
@@ -193,11 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_in_server = "env" in {f.name for f in dataclasses.fields(Server)}
     envs = [None if env_in_server else (c.env or None) for c in configs]
     turns_total = repeats * sum(levels) * spec.turns
-    progress = common.Progress(len(configs) * (turns_total + 1) + 1, "starting", enabled=not args.no_progress)
-    parallel = not args.sequential_start and enough_memory_for(len(servers))
+    progress = common.Progress(len(configs) * (turns_total + repeats), "starting", enabled=not args.no_progress)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    done = sweep(plan, configs, servers, envs, parallel=parallel, progress=progress,
-                 budget_s=budget_s, started_wall=started_wall, prof=prof)
+    done = sweep(plan, configs, servers, envs, progress=progress, budget_s=budget_s,
+                 started_wall=started_wall, prof=prof, reset=clear_tiers)
     errors = done.errors
     peer_names = {c.name for c in configs if c.role == "peer"}
     peer_errors = [e for e in errors if re.split(r"[ :]", e, maxsplit=1)[0] in peer_names]
@@ -225,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "equal_mem_disk_extra_blocks": extra_blocks_disk},
         "prompt_lengths": {"planned": length_stats(planned), "sent": length_stats(done.sent)},
         "configs": [c.record() for c in configs],
-        "server_args": args_of, "server_env": server_env, "parallel_start": parallel,
+        "server_args": args_of, "server_env": server_env, "isolation": ISOLATION,
         "schedule": done.order, "wall_s": time.monotonic() - started_wall,
         "runs": done.runs, "requests": done.requests,
         "consistency": {"reference": ref, "equal": same, "compared": total},
@@ -239,6 +236,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif errors or peer_errors:
         print(f"logs kept in {workdir / 'logs'}", file=sys.stderr)
     return exit_status(errors, payload["verdict"])
+
+
+#: How the servers share the machine (recorded in the JSON and printed in the report).
+ISOLATION = ("one server at a time: each (repeat, configuration) starts its server alone, "
+             "measures every level and stops it before the next starts; tier files cleared first")
+
+
+def clear_tiers(config: Any) -> None:
+    """Empty the configuration's on-disk state (a disk tier, ExampleConnector's files) before
+    its server starts, so every repeat starts as cold as the first: a disk tier recovered from
+    the last repeat would hold hits the other configurations never get."""
+    extra = (config.kv_config or {}).get("kv_connector_extra_config") or {}
+    for key in ("disk_path", "shared_storage_path"):
+        if not extra.get(key):
+            continue
+        path = Path(extra[key])
+        for child in path.iterdir() if path.is_dir() else ():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
 
 
 def exit_status(errors: Sequence[str], verdict: str) -> int:

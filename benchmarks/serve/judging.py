@@ -136,6 +136,16 @@ def compare(mine: Iterable[float], other: Iterable[float], higher_is_better: boo
     return WITHIN
 
 
+def ratio_range(mine: Iterable[float], other: Iterable[float]) -> tuple[float, float]:
+    """The spread of ``mine / other`` over every pairing of the two sides' repeats (min, max):
+    a comparison is a win or a loss (:func:`compare`) exactly when this range lies wholly on
+    one side of 1. NaN when either side has no figure."""
+    a, b = finite(mine), finite(other)
+    if not a or not b or min(b) <= 0:
+        return math.nan, math.nan
+    return min(a) / max(b), max(a) / min(b)
+
+
 def ratio_verdict(base: Iterable[float], mine: Iterable[float], factor: float) -> tuple[str, float, float, float]:
     """Is ``base / mine >= factor`` (lower is better: e.g. no_cache's TTFT over tieredkv's)?
 
@@ -272,7 +282,11 @@ def comparisons(
                     ratio = a / b if a == a and b == b and b else math.nan
                     row[key] = compare(mine, other, higher)
                     row[key + "_ratio"] = ratio
-                    row[key + "_cell"] = f"{row[key]} ({ratio:.2f}x)" if ratio == ratio else row[key]
+                    low, high = ratio_range(mine, other)
+                    row[key + "_ratio_spread"] = [low, high]
+                    spread_text = f", spread {low:.2f}–{high:.2f}x" if low == low and low != high else ""
+                    row[key + "_cell"] = (f"{row[key]} ({ratio:.2f}x{spread_text})" if ratio == ratio
+                                          else row[key])
                 rows.append(row)
     return rows
 

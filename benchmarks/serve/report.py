@@ -194,7 +194,10 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"lengths random within ±{100 * spec.get('jitter', 0.0):.0f} % per conversation (system) "
         f"and per turn (user), think time exp(mean {spec['think_mean_s']} s), seed {spec['seed']}. "
         f"Each (configuration, level) ran {payload.get('repeats', 1)} time(s) with fresh "
-        "conversations, repeat r of every one before repeat r + 1. Device KV cache: "
+        "conversations, repeat r of every one before repeat r + 1. "
+        + (f"Servers: {payload['isolation']}. " if payload.get("isolation") else
+           "Servers: every configuration's server was up for the whole run (measured one at a time). ")
+        + "Device KV cache: "
         f"{payload['device_blocks']} blocks ({payload['device_blocks'] * BLOCK_SIZE} tokens) = "
         f"system prompt + {FIT_USERS} conversations; the working set exceeds it from "
         f"{min(exceeding) if exceeding else 'n/a'} users on.",
@@ -220,7 +223,9 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         "\n".join(noise_lines(payload.get("noise_floor"))),
         "### tieredkv against vLLM's prefix cache\n\nbetter / worse: outside the spread (the "
         "worst repeat beats the other's best); otherwise within spread. Ratio = tieredkv's "
-        "median / the other's (below 1 is better for TTFT, above 1 for throughput). *Same "
+        "median / the other's (below 1 is better for TTFT, above 1 for throughput); its spread "
+        "is the ratio's range over every pairing of the two sides' repeats, so a win is a "
+        "spread wholly below 1 (TTFT) or above 1 (throughput). *Same "
         "device*: against `prefix_cache` (GPU users read this). *Equal memory*: against "
         "`prefix_cache_equal_mem` for tieredkv_host, `prefix_cache_equal_mem_disk` for tieredkv_disk (CPU-build users read this). *Peer*: against another project's "
         "connector given the same device blocks and the same memory budget (`lmcache`).\n\n" + common.markdown_table(

@@ -1,13 +1,13 @@
-"""serve_bench's sweep: every configuration's server started and warmed up, then repeat by
-repeat and level by level each configuration's users played (:func:`sweep`), within a time
-budget; what each level measured is summarized as it ends."""
+"""serve_bench's sweep: repeat by repeat, each configuration's server started alone, warmed
+up, its users played level by level and stopped (:func:`sweep`), within a time budget; what
+each level measured is summarized as it ends."""
 
 from __future__ import annotations
 
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from benchmarks.serve.client import run_level, warm_up
 from benchmarks.serve.configs import BenchConfig
 from benchmarks.serve.judging import hit_rates, level_summary
 from benchmarks.serve.servers import start_servers
-from benchmarks.serve.workload import Plan, schedule
+from benchmarks.serve.workload import Plan, sessions
 from tieredkv.tools.vllm_server import Server
 
 
@@ -45,82 +45,108 @@ def _load_1m() -> float:
         return math.nan
 
 
+def _stop(server: Server, errors: list[str]) -> None:
+    try:
+        server.stop()
+    except Exception as exc:  # noqa: BLE001 - the sweep goes on with the next configuration
+        errors.append(f"{server.log_path.stem}: stop failed: {type(exc).__name__}: {exc}")
+
+
 def sweep(plan: Plan, configs: Sequence[BenchConfig], servers: Sequence[Server],
-          envs: Sequence[Mapping[str, str] | None], *, parallel: bool, progress: Any,
-          budget_s: float, started_wall: float, prof: Mapping[str, Any]) -> Sweep:
-    """Start every server, warm each up, play the schedule; every server stopped at the end."""
+          envs: Sequence[Mapping[str, str] | None], *, progress: Any, budget_s: float,
+          started_wall: float, prof: Mapping[str, Any],
+          reset: Callable[[BenchConfig], None] | None = None) -> Sweep:
+    """Play :func:`sessions`: for each (repeat, configuration) start that configuration's
+    server alone (``reset(config)`` first: a fresh tier state every repeat), warm it up, play
+    every level, stop it. Only the server being measured runs, so the others' idle loops do
+    not share its cores. A configuration whose server fails to start is not tried again."""
     spec, repeats, levels = plan.spec, plan.repeats, plan.levels
-    turns_total = repeats * sum(levels) * spec.turns
+    per_session = sum(levels) * spec.turns
     out = Sweep({c.name: {} for c in configs}, {c.name: {} for c in configs}, {c.name: {} for c in configs})
     errors = out.errors
+    by_name = {c.name: (c, server, env) for c, server, env in zip(configs, servers, envs, strict=True)}
+    broken: set[str] = set()
     try:
-        start_errors = start_servers(servers, parallel, progress, envs=envs)
-        startup_s = time.monotonic() - started_wall
-        progress.advance(1, f"servers up after {startup_s:.0f}s")
-        up: dict[str, Server] = {}
-        for config, server, err in zip(configs, servers, start_errors, strict=True):
-            if err is not None:
-                errors.append(f"{config.name}: server did not start ({err}); log {server.log_path}")
-                progress.advance(turns_total + 1)
-                continue
-            try:
-                warm_up(server.url)
-                up[config.name] = server
-            except (OSError, RuntimeError, ValueError) as exc:
-                errors.append(f"{config.name}: warm-up request failed ({exc}); log {server.log_path}")
-                progress.advance(turns_total)
-            progress.advance(1)
-        for repeat, level, name in schedule(levels, repeats, [c.name for c in configs]):
-            server = up.get(name)
-            if server is None:
-                continue
+        for repeat, name in sessions(repeats, [c.name for c in configs]):
+            config, server, env = by_name[name]
             left = budget_s - (time.monotonic() - started_wall)
-            if left < 15:
-                errors.append(f"{name} {level} users repeat {repeat}: skipped, time budget ({budget_s:.0f}s) spent")
-                progress.advance(level * spec.turns)
+            if name in broken or left < 60:
+                if name not in broken:
+                    errors.append(f"{name} repeat {repeat}: skipped, time budget ({budget_s:.0f}s) spent")
+                progress.advance(per_session + 1)
                 continue
-            progress.set_label(f"{name}: {level} users, repeat {repeat + 1}/{repeats}")
-            before = server.metrics()
-
-            def done(_record: dict[str, Any], _c: str = name, _lv: int = level) -> None:
+            if reset is not None:
+                reset(config)
+            progress.set_label(f"{name}: starting (repeat {repeat + 1}/{repeats})")
+            (err,) = start_servers([server], False, progress, envs=[env])
+            if err is not None:
+                errors.append(f"{name}: server did not start ({err}); log {server.log_path}")
+                broken.add(name)
+                progress.advance(per_session + 1)
+                continue
+            try:
+                try:
+                    warm_up(server.url)
+                except (OSError, RuntimeError, ValueError) as exc:
+                    errors.append(f"{name} repeat {repeat}: warm-up request failed ({exc}); log {server.log_path}")
+                    progress.advance(per_session + 1)
+                    continue
                 progress.advance(1)
-
-            load_before = _load_1m()
-            records, wall = run_level(
-                server.url, spec, level, conversations=plan.conversations[level, repeat],
-                timeout_s=min(prof["level_timeout_s"], left),
-                request_timeout_s=prof["request_timeout_s"], on_done=done,
-            )
-            progress.advance(level * spec.turns - len(records))
-            time.sleep(1.0)  # let the last step's stats reach /metrics
-            try:
-                after = server.metrics()
-            except OSError as exc:
-                after = before
-                errors.append(f"{name} {level} users repeat {repeat}: /metrics failed: {exc}")
-            summary = level_summary(records, wall)
-            summary["repeat"] = repeat
-            summary["hits"] = hit_rates(before, after, summary["prompt_tokens"])
-            summary["ttfts_s"] = [r["ttft_s"] for r in records if r.get("ok")]
-            summary["load_1m"] = [load_before, _load_1m()]
-            out.runs[name].setdefault(level, []).append(summary)
-            out.requests[name].setdefault(level, []).append(
-                [{k: v for k, v in r.items() if k != "output"} for r in records])
-            out.replies[name][repeat, level] = _replies(records)
-            out.sent += [r["prompt_tokens"] for r in records if r.get("ok")]
-            out.order.append({"repeat": repeat, "users": level, "config": name,
-                              "t_start_s": time.monotonic() - started_wall - wall, "wall_s": wall})
-            for r in records:
-                if not r.get("ok"):
-                    errors.append(f"{name} {level} users repeat {repeat}, user {r['user']} turn {r['turn']}: {r['error']}")
+                for level in levels:
+                    _measure(plan, out, server, name, repeat, level, progress, budget_s, started_wall, prof)
+            finally:
+                _stop(server, errors)
     finally:
-        for server in servers:
-            try:
-                server.stop()
-            except Exception as exc:  # noqa: BLE001 - stop the others anyway
-                errors.append(f"{server.log_path.stem}: stop failed: {type(exc).__name__}: {exc}")
+        for server in servers:  # a server left up by an interrupted session
+            if server.proc is not None and server.proc.poll() is None:
+                _stop(server, errors)
         progress.close()
     return out
+
+
+def _measure(plan: Plan, out: Sweep, server: Server, name: str, repeat: int, level: int, progress: Any,
+             budget_s: float, started_wall: float, prof: Mapping[str, Any]) -> None:
+    """One level on the running server: its users played, its summary and records kept."""
+    spec, errors = plan.spec, out.errors
+    left = budget_s - (time.monotonic() - started_wall)
+    if left < 15:
+        errors.append(f"{name} {level} users repeat {repeat}: skipped, time budget ({budget_s:.0f}s) spent")
+        progress.advance(level * spec.turns)
+        return
+    progress.set_label(f"{name}: {level} users, repeat {repeat + 1}/{plan.repeats}")
+    before = server.metrics()
+
+    def done(_record: dict[str, Any]) -> None:
+        progress.advance(1)
+
+    load_before = _load_1m()
+    records, wall = run_level(
+        server.url, spec, level, conversations=plan.conversations[level, repeat],
+        timeout_s=min(prof["level_timeout_s"], left),
+        request_timeout_s=prof["request_timeout_s"], on_done=done,
+    )
+    progress.advance(level * spec.turns - len(records))
+    time.sleep(1.0)  # let the last step's stats reach /metrics
+    try:
+        after = server.metrics()
+    except OSError as exc:
+        after = before
+        errors.append(f"{name} {level} users repeat {repeat}: /metrics failed: {exc}")
+    summary = level_summary(records, wall)
+    summary["repeat"] = repeat
+    summary["hits"] = hit_rates(before, after, summary["prompt_tokens"])
+    summary["ttfts_s"] = [r["ttft_s"] for r in records if r.get("ok")]
+    summary["load_1m"] = [load_before, _load_1m()]
+    out.runs[name].setdefault(level, []).append(summary)
+    out.requests[name].setdefault(level, []).append(
+        [{k: v for k, v in r.items() if k != "output"} for r in records])
+    out.replies[name][repeat, level] = _replies(records)
+    out.sent += [r["prompt_tokens"] for r in records if r.get("ok")]
+    out.order.append({"repeat": repeat, "users": level, "config": name, "servers_up": 1,
+                      "t_start_s": time.monotonic() - started_wall - wall, "wall_s": wall})
+    for r in records:
+        if not r.get("ok"):
+            errors.append(f"{name} {level} users repeat {repeat}, user {r['user']} turn {r['turn']}: {r['error']}")
 
 
 def consistency(replies: Mapping[str, Mapping[Any, Mapping[Any, list[int]]]]) -> tuple[str | None, int, int]:

@@ -1,6 +1,6 @@
 """serve_bench's workload: N users' seeded multi-turn conversations, their lengths (random,
 never a multiple of the block), and the sizes drawn from them (:class:`Plan`: device blocks,
-host and disk tiers, model length), plus the run order of a sweep (:func:`schedule`).
+host and disk tiers, model length), plus the run order of a sweep (:func:`sessions`, :func:`schedule`).
 
 Pure: no server, no clock.
 """
@@ -40,16 +40,17 @@ FIT_USERS = 2  # the device KV cache holds the system prompt plus this many conv
 
 
 PROFILES: dict[str, dict[str, Any]] = {
-    # 5 configurations x (1 + 4 + 8 users) x 4 turns x 3 repeats: <= 15 min on 2 loaded cores.
+    # 6-7 configurations x 5 repeats, one server at a time (a start each: about 30 s on 2
+    # cores) x (1 + 4 + 8 users) x 4 turns: about 45 min, the budget stops new runs at 60.
     "quick": {
         "levels": (1, 4, 8), "turns": 4, "system_tokens": 1024, "user_tokens": 384,
-        "reply_tokens": 64, "think_mean_s": 0.5, "jitter": 0.4, "repeats": 3,
-        "level_timeout_s": 120.0, "request_timeout_s": 120.0, "budget_s": 2400.0,
+        "reply_tokens": 64, "think_mean_s": 0.5, "jitter": 0.4, "repeats": 5,
+        "level_timeout_s": 120.0, "request_timeout_s": 120.0, "budget_s": 3600.0,
     },
     "full": {
         "levels": (1, 2, 4, 8, 16), "turns": 8, "system_tokens": 1024, "user_tokens": 384,
-        "reply_tokens": 64, "think_mean_s": 1.0, "jitter": 0.4, "repeats": 3,
-        "level_timeout_s": 900.0, "request_timeout_s": 300.0, "budget_s": 16200.0,
+        "reply_tokens": 64, "think_mean_s": 1.0, "jitter": 0.4, "repeats": 5,
+        "level_timeout_s": 900.0, "request_timeout_s": 300.0, "budget_s": 21600.0,
     },
 }
 
@@ -295,13 +296,19 @@ def make_plan(spec: ChatWorkload, levels: Sequence[int], repeats: int, workdir: 
     )
 
 
-def schedule(levels: Sequence[int], repeats: int, configs: Sequence[str]) -> list[tuple[int, int, str]]:
-    """(repeat, level, configuration) in run order: repeat by repeat, level by level, the
-    configurations' order reversed every other slot (none always goes first, and none loses
-    only its own last runs when the time budget runs out)."""
+def sessions(repeats: int, configs: Sequence[str]) -> list[tuple[int, str]]:
+    """(repeat, configuration) in run order: each a server of its own, started, measured at
+    every level and stopped before the next starts, so nothing else runs beside the one
+    measured. Repeat by repeat, the configurations' order reversed every other repeat (none
+    always goes first, and none loses only its own last runs when the time budget runs out)."""
     out = []
     for r in range(repeats):
-        for i, level in enumerate(levels):
-            order = list(configs) if (r * len(levels) + i) % 2 == 0 else list(configs)[::-1]
-            out += [(r, level, c) for c in order]
+        order = list(configs) if r % 2 == 0 else list(configs)[::-1]
+        out += [(r, c) for c in order]
     return out
+
+
+def schedule(levels: Sequence[int], repeats: int, configs: Sequence[str]) -> list[tuple[int, int, str]]:
+    """(repeat, level, configuration) in run order: the levels of each :func:`sessions` slot
+    one after another, on that slot's server."""
+    return [(r, level, c) for r, c in sessions(repeats, configs) for level in levels]

@@ -295,9 +295,10 @@ def test_server_runs_the_given_python_in_the_given_cwd(tmp_path, monkeypatch):
 
 
 def test_schedule_runs_repeat_r_of_everything_before_repeat_r_plus_1():
+    assert workload.sessions(2, ["a", "b"]) == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
     order = workload.schedule((1, 4), 2, ["a", "b"])
-    assert order == [(0, 1, "a"), (0, 1, "b"), (0, 4, "b"), (0, 4, "a"),
-                     (1, 1, "a"), (1, 1, "b"), (1, 4, "b"), (1, 4, "a")]
+    assert order == [(0, 1, "a"), (0, 4, "a"), (0, 1, "b"), (0, 4, "b"),
+                     (1, 1, "b"), (1, 4, "b"), (1, 1, "a"), (1, 4, "a")]
     assert sorted(order) == sorted((r, lv, c) for r in (0, 1) for lv in (1, 4) for c in "ab")
 
 
