@@ -37,6 +37,9 @@ def make_prompt(seed: int, length: int, prefix: list[int] | None = None) -> list
 SHARED = make_prompt(1000, 1024)
 PROMPTS: dict[str, list[int]] = {
     "p1": make_prompt(1, 1500),
+    # p1 and 300 more tokens: a chat's next turn (its run of whole chunks in any tier ends at
+    # the chunk holding p1's tail).
+    "p1_next": make_prompt(7, 1800, prefix=make_prompt(1, 1500)),
     "p2": make_prompt(2, 1500),
     "p3": make_prompt(3, 1500),
     "on_boundary": make_prompt(4, 8 * CHUNK_TOKENS),

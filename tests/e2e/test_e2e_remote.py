@@ -171,6 +171,19 @@ def test_reset_with_connector_does_not_flush_the_shared_tier(writer, reader, ref
     assert reader[0]["outputs"][0]["num_cached_tokens"] == remote_hit_tokens(NAMES[0])
 
 
+def test_a_chats_next_turn_on_a_fresh_engine_hits_the_previous_turns_tail(
+        tiny_model, redis_server, writer, reference):
+    """p1_next is p1 and 300 more tokens (the next turn of p1's chat), served by a fresh
+    engine: its hit from Redis ends where p1's full blocks end (p1's whole chunks and the
+    tail the writer stored), as vLLM's own prefix cache would on the writer."""
+    phases = ok(run_engine(spec(tiny_model, [generate("p1_next")], redis_server.url,
+                                remote_key_prefix=PREFIX)))["phases"]
+    hit = len(PROMPTS["p1"]) // BLOCK_SIZE * BLOCK_SIZE
+    assert_hits(phases, 0, {"p1_next": hit}, tiers={"remote": hit})
+    assert delta(phases, 0, "remote_read_chunks") == written_values("p1")
+    assert_same_as_reference(phases[0], ["p1_next"], reference)
+
+
 # ---------------------------------------------------------------- Redis Cluster
 
 

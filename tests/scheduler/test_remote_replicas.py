@@ -324,3 +324,31 @@ def test_a_prompts_tail_in_redis_makes_the_hit_as_long_as_vllms_prefix_cache(
     n = hit // BLOCK
     got = _rows(b.kv, b_blocks[:n])
     assert all(torch.equal(x, y) for x, y in zip(got, _rows(a.kv, a_blocks[:n]), strict=True))
+
+
+@pytest.mark.parametrize("turn1", [
+    2 * CHUNK_TOKENS + 2 * BLOCK + 5,  # a two-block tail in chunk 2
+    CHUNK_TOKENS + (CHUNK_BLOCKS - 1) * BLOCK,  # the longest tail a chunk has
+])
+def test_a_chats_next_turn_on_another_replica_hits_the_previous_turns_tail(
+        make_replica, deployment, turn1):
+    """A chat's next turn on replica B: replica A stored turn 1 (whole chunks and a tail);
+    turn 2 is turn 1 and more, so its whole-chunk run in Redis ends at the chunk holding
+    turn 1's tail. B asks for that chunk's block keys once the chunks answered, and its hit
+    ends where turn 1's full blocks end, as vLLM's prefix cache would on A."""
+    first = list(range(11, 11 + turn1))
+    second = first + list(range(5000, 5000 + 3 * CHUNK_TOKENS + 7))  # the answer and a new message
+    a = make_replica(deployment, seed=1)
+    b = make_replica(deployment, seed=2)
+    a_blocks = list(range(-(-turn1 // BLOCK)))
+    a.compute_and_store("a", first, a_blocks)
+    hit = b.lookup("b", second)
+    assert hit == turn1 // BLOCK * BLOCK
+    b_blocks = list(range(20, 20 + -(-len(second) // BLOCK)))
+    b.load("b", hit, b_blocks)
+    assert b.planner.hit_tokens("b") == {"host": 0, "disk": 0, "remote": hit}
+    n = hit // BLOCK
+    got = _rows(b.kv, b_blocks[:n])
+    assert all(torch.equal(x, y) for x, y in zip(got, _rows(a.kv, a_blocks[:n]), strict=True))
+    b.planner.take_counter_deltas()
+    assert b.planner.counters["remote_probes"] == 2  # the chunks, then the tail inside

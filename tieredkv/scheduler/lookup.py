@@ -30,6 +30,7 @@ from tieredkv.protocol import NO_BLOCK, FailureCause, Job, JobResult, LoadChunk,
 from tieredkv.scheduler.ledger import JobRecord, PendingHit, PlannerParts, RequestState
 from tieredkv.scheduler.lower_tier import Fill
 from tieredkv.scheduler.placement import Placer
+from tieredkv.scheduler.remote_tier import INNER_TAIL
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +170,24 @@ class Lookup:
                     state.promote_deadline = time.monotonic() + self.load_timeout_s
                 return None  # the probe is in flight: ask again (nothing is pinned)
             remote_chunks = list(keys[i:max(i, found_remote)])
-            if tail and i + len(remote_chunks) == last:
+            end = i + len(remote_chunks)
+            if tail and end == last:
                 remote_tail = self.remote.found_tail(req_id, tail)
+            elif 0 < end < last:
+                # The run ends before the prompt's last whole chunk: a tail of chunk ``end``
+                # (where an earlier, shorter prompt ended: a chat's previous turn) may be
+                # there. One more call, once the first answered; never for a prompt no tier
+                # holds a chunk of (a cold miss does not wait a second round trip).
+                inner = self._tail_keys_in(request_keys, end, limit)
+                if inner and not self._held_here(inner[-1]):
+                    tail_id = req_id + INNER_TAIL
+                    if self.remote.poll(tail_id, keys[:end], inner) is None:
+                        if self._cost is None or self._cost.may_wait_for_probe(
+                                req_id, Tier.REMOTE, len(inner) * self.block_size, 1):
+                            return None  # ask again (nothing is pinned)
+                    else:
+                        remote_tail = self.remote.found_tail(tail_id, inner)
+                    self.remote.forget(tail_id)
             run.extend(remote_chunks)
             state.remote_done = True
             self.remote.forget(req_id)
@@ -267,19 +284,23 @@ class Lookup:
                 partial_key if partial_key in kept else None)
 
     def _remote_tail_keys(self, keys: Any, last: int, limit: int) -> tuple[bytes, ...]:
-        """The block keys of the partial chunk right after chunk ``last - 1``, in block order,
+        """:meth:`_tail_keys_in` the partial chunk right after chunk ``last - 1``, if the
+        prompt's limit lies in it (asked with the whole chunks, in the first call)."""
+        if limit // self.chunk_tokens != last:
+            return ()
+        return self._tail_keys_in(keys, last, limit)
+
+    def _tail_keys_in(self, keys: Any, chunk: int, limit: int) -> tuple[bytes, ...]:
+        """The block keys of ``chunk`` in block order, but its last (the whole chunk's key),
         up to the block holding ``limit`` (a tail is keyed by its last block, and a prompt
         that ends on a block boundary stored that block too; the hit still ends at
-        ``limit``): where the remote tier may hold a prompt's tail. Empty when there is
-        none, keys are not block-granular, or the model is hybrid (its hits end on chunk
-        boundaries)."""
+        ``limit``): where the remote tier may hold a tail. Empty when keys are not
+        block-granular or the model is hybrid (its hits end on chunk boundaries)."""
         if self.slot_rows is not None or not getattr(keys, "block_granular", False):
             return ()
-        base = last * self.chunk_blocks
+        base = chunk * self.chunk_blocks
         stop = min(limit // self.block_size + 1, keys.num_blocks, base + self.chunk_blocks - 1)
-        if stop <= base or limit // self.chunk_tokens != last:
-            return ()
-        return keys.block_keys(base, stop)
+        return keys.block_keys(base, stop) if stop > base else ()
 
     def _held_here(self, key: bytes) -> bool:
         """Whether host or the lower tier holds the block named ``key`` (a tail there)."""

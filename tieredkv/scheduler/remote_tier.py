@@ -294,6 +294,9 @@ class RemoteProbe:
 
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
+# The probe's second request for a lookup (``req_id + INNER_TAIL``): a tail inside the
+# prompt, asked once the whole chunks answered (see ``Lookup.lookup``).
+INNER_TAIL = "\x00inner-tail"
 INFO_INTERVAL_S = 5.0  # how often the server's memory and evictions are asked for (metrics)
 
 # The server's own figures: used_memory, maxmemory, evicted_keys (None: down or failed).
@@ -367,6 +370,7 @@ class RemoteTier(LowerTier):
 
     def forget(self, req_id: str) -> None:
         self.probe.forget(req_id)
+        self.probe.forget(req_id + INNER_TAIL)
 
     def fill_aliases(self, key: bytes) -> None:
         return None  # the tier keeps none: the host entry takes the request's keys
