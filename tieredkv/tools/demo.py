@@ -45,14 +45,37 @@ def quiet_metrics(server: Server, timeout_s: float = 15.0) -> str:
     return text
 
 
-def conversations(users: int, turns: int, doc_tokens: int, turn_tokens: int, seed: int = 0):
-    """Per user: a long private document, then a growing chat; prompt of every turn."""
+# Token counts a chat really has: a private document of some 1,000-1,500 tokens, then turns
+# of a few dozen to a few hundred tokens, none of them a multiple of the block or the chunk
+# (the demo's lengths were 1,280 / 1,536 / 1,792 / 2,048 tokens: every hit ended on a chunk).
+DOC_TOKENS = (1000, 1500)
+
+
+TURN_TOKENS = (40, 400)
+
+
+FOLLOW_UP_TOKENS = (30, 300)
+
+
+def conversations(users: int, turns: int, doc_tokens: tuple[int, int] = DOC_TOKENS,
+                  turn_tokens: tuple[int, int] = TURN_TOKENS, seed: int = 0):
+    """Per user: a long private document, then a growing chat; prompt of every turn.
+
+    Every length (document, each turn's addition) is drawn from its inclusive range by a
+    seeded generator: the same run every time, unaligned as a real chat's."""
     rnd = random.Random(seed)
-    histories = {u: [rnd.randrange(3, 2000) for _ in range(doc_tokens)] for u in range(users)}
+    histories = {u: [rnd.randrange(3, 2000) for _ in range(rnd.randint(*doc_tokens))]
+                 for u in range(users)}
     for turn in range(turns):
         for user in range(users):
-            histories[user] += [rnd.randrange(3, 2000) for _ in range(turn_tokens)]
+            histories[user] += [rnd.randrange(3, 2000) for _ in range(rnd.randint(*turn_tokens))]
             yield turn, user, list(histories[user])
+
+
+def follow_up(tokens: list[int], rnd: random.Random,
+              extra_tokens: tuple[int, int] = FOLLOW_UP_TOKENS) -> list[int]:
+    """The user's next message after a restart: the chat so far and a random-length turn."""
+    return tokens + [rnd.randrange(3, 2000) for _ in range(rnd.randint(*extra_tokens))]
 
 
 @dataclass
@@ -75,7 +98,9 @@ def _tier_summary(text: str) -> dict[str, float]:
     }
 
 
-def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
+def play(workdir: Path, users: int = 3, turns: int = 3
+         ) -> tuple[list[Row], dict[str, float], dict[str, float]]:
+    """Both runs of the demo: every request's row, and each run's tieredkv summary."""
     workdir = workdir.resolve()
     model = make_tiny_llama(workdir / "model")
     tier = workdir / "tier"
@@ -95,7 +120,7 @@ def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
         }
 
     print(f"[demo] model: {model}\n[demo] disk tier: {tier}", flush=True)
-    prompts = list(conversations(users, turns, doc_tokens=1024, turn_tokens=256))
+    prompts = list(conversations(users, turns))
     rows: list[Row] = []
     # Run 1: the host tier holds the whole working set, so every hit is a host hit.
     with Server(model, kv_config("64MiB"), workdir / "server1.log") as server:
@@ -112,10 +137,15 @@ def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
         for turn, user, tokens in prompts:
             if turn != turns - 1:
                 continue
-            follow_up = tokens + [rnd.randrange(3, 2000) for _ in range(256)]
-            ttft, _, cached = server.complete_with_usage(follow_up)
-            rows.append(Row("disk tier hit", f"run 2 user {user} turn {turns}", ttft, len(follow_up), cached))
+            nxt = follow_up(tokens, rnd)
+            ttft, _, cached = server.complete_with_usage(nxt)
+            rows.append(Row("disk tier hit", f"run 2 user {user} turn {turns}", ttft, len(nxt), cached))
         run2 = _tier_summary(quiet_metrics(server))
+    return rows, run1, run2
+
+
+def run_demo(workdir: Path, users: int = 3, turns: int = 3) -> int:
+    rows, run1, run2 = play(workdir, users, turns)
     print()
     print(f"{'request':<24} {'phase':<15} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}")
     print("-" * 72)
