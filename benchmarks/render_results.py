@@ -206,6 +206,10 @@ def serve_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
 
 def multi_replica_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     rows = [_row(c["check"], c["measured"], "", _verdict(c["verdict"])) for c in d.get("checks", [])]
+    for t in d.get("targets", []):  # runs from before #27 have none
+        where = f"; where the time goes: {t['where']}" if t.get("where") else ""
+        rows.append(_row(f"{t['users']} users: {t['target']}", f"{t['measured']}{where}",
+                         "outside the spread of the rounds", _verdict(t["verdict"])))
     for r in d.get("ratios", []):
         per_round = ", ".join(f"{x:.2f}" for x in r.get("ttft_p50_ratio_per_round", []))
         rounds = f" (rounds {per_round})" if per_round else ""  # the pooled "all" row has none

@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from benchmarks.replicas.breakdown import pool as pool_breakdown
+from benchmarks.replicas.breakdown import where_time_goes
 from benchmarks.replicas.workload import CONFIGS, replica_for
 from benchmarks.serve.judging import level_summary, metric_sum
 
@@ -180,6 +182,53 @@ def checks(results: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> list[dict[
     return out
 
 
+def hit_rate(hits: Mapping[str, float]) -> float:
+    """Share of the prompt tokens sent that were not recomputed: vLLM's device prefix cache
+    plus every tieredkv tier."""
+    device, tieredkv = hits.get("device_rate", math.nan), hits.get("tieredkv_rate", math.nan)
+    return device + tieredkv
+
+
+def _side(mine: Sequence[float], other: Sequence[float], lower_is_better: bool) -> str:
+    """PASS when every round of ``mine`` beats every round of ``other`` (outside the
+    spread), FAIL for the reverse, MISS otherwise (within the spread: no win shown)."""
+    a = [x for x in mine if x == x]
+    b = [x for x in other if x == x]
+    if len(a) < 2 or len(b) < 2:
+        return "MISS"
+    if not lower_is_better:
+        a, b = [-x for x in a], [-x for x in b]
+    return "PASS" if max(a) < min(b) else ("FAIL" if min(a) > max(b) else "MISS")
+
+
+#: Target rows: (figure in a round, label, lower is better).
+TARGET_FIGURES = (("ttft_p50_s", "TTFT p50", True), ("ttft_p99_s", "TTFT p99", True),
+                  ("hit_rate", "hit rate (device + tieredkv)", False))
+
+
+def targets(results: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Per level: shared TTFT p50 and p99 below separate's and its hit rate above, each
+    outside the spread of the rounds (PASS), the reverse (FAIL) or neither (MISS); a missed
+    TTFT target says where the time goes (:func:`breakdown.where_time_goes`)."""
+    shared, separate = results.get("shared_remote", {}), results.get("separate", {})
+    out = []
+    for level in [lv for lv in shared if lv in separate and lv != "all"]:
+        a, b = shared[level].get("rounds", []), separate[level].get("rounds", [])
+        for key, label, lower in TARGET_FIGURES:
+            mine, other = [r[key] for r in a if key in r], [r[key] for r in b if key in r]
+            verdict = _side(mine, other, lower)
+            scale, unit = (1e3, " ms") if key.endswith("_s") else (100.0, " %")
+            fmt = ", ".join
+            row = {"users": level, "target": f"shared {label} {'<' if lower else '>'} separate, outside the spread",
+                   "measured": f"shared {fmt(f'{scale * x:.1f}' for x in mine)}{unit} vs separate "
+                               f"{fmt(f'{scale * x:.1f}' for x in other)}{unit} (rounds)",
+                   "verdict": verdict}
+            if verdict != "PASS" and lower and "breakdown" in shared[level] and "breakdown" in separate[level]:
+                row["where"] = where_time_goes(shared[level]["breakdown"], separate[level]["breakdown"])
+            out.append(row)
+    return out
+
+
 def pool_results(full: Mapping[str, Mapping[tuple[int, int], list[dict[str, Any]]]],
                  runs: Mapping[str, Mapping[tuple[int, int], dict[str, Any]]],
                  levels: Sequence[int]) -> dict[str, dict[Any, dict[str, Any]]]:
@@ -193,8 +242,12 @@ def pool_results(full: Mapping[str, Mapping[tuple[int, int], list[dict[str, Any]
                 results[config][level] = pooled_summary({k: full[config][k] for k in keys}, runs[config])
                 results[config][level]["rounds"] = [
                     {"round": k[1], **{x: runs[config][k][x] for x in ("ttft_p50_s", "ttft_p99_s",
-                                                                        "prompt_tokens_per_s", "wall_s")}}
+                                                                        "prompt_tokens_per_s", "wall_s")},
+                     "hit_rate": hit_rate(runs[config][k].get("hits", {}))}
                     for k in keys]
+                parts = [runs[config][k]["breakdown"] for k in keys if "breakdown" in runs[config][k]]
+                if parts:
+                    results[config][level]["breakdown"] = pool_breakdown(parts)
         if full[config]:
             results[config]["all"] = pooled_summary(full[config], runs[config])
     return results

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.replicas.breakdown import ORDER, derivations
 from benchmarks.replicas.workload import CONFIGS, FIT_USERS, KEY_PREFIX, NAME, REPLICAS
 from benchmarks.serve.workload import (
     CHUNK_TOKENS,
@@ -73,6 +74,41 @@ def ratio_table_rows(ratios: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     } for r in ratios]
 
 
+BREAKDOWN_COLUMNS = [("config", "configuration"), ("users", "users"), ("n", "requests"),
+                     *[(k, f"{k} (ms)") for k in ORDER]]
+
+
+def breakdown_rows(results: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Per configuration and level, the mean ms per request of each :mod:`breakdown` part."""
+    rows = []
+    for config, levels in results.items():
+        for level, r in levels.items():
+            parts = r.get("breakdown")
+            if parts:
+                rows.append({"config": config, "users": level, "n": f"{parts.get('requests', 0):,.0f}",
+                             **{k: _ms(parts.get(k)) for k in ORDER}})
+    return rows
+
+
+def target_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = []
+    for t in targets:
+        out.append(f"- {t['users']} users: {t['target']}: {t['measured']} — **{t['verdict']}**")
+        if t.get("where"):
+            out.append(f"  - where the time goes: {t['where']}")
+    return out
+
+
+def breakdown_section(payload: Mapping[str, Any]) -> str:
+    rows = breakdown_rows(payload["results"])
+    if not rows:
+        return ""
+    how = payload.get("breakdown_derivation") or derivations()
+    return ("### Per-request breakdown (mean ms per request, rounds pooled)\n\n"
+            + common.markdown_table(rows, BREAKDOWN_COLUMNS) + "\n\n"
+            + "\n".join(f"- `{k}`: {v}" for k, v in how.items()))
+
+
 def load_note(slots: Sequence[Mapping[str, Any]]) -> str:
     """The machine's 1-min load average while each configuration ran (min–max over its runs)."""
     parts = []
@@ -133,9 +169,13 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         "hit includes the prompt's tail (a value of its own rows in Redis). Throughput counts "
         "think time (closed loop); `all` pools every level's requests.",
         common.markdown_table(table_rows(results), TABLE_COLUMNS),
-        "### shared_remote / separate (no target named; below 1 favours the shared tier for "
-        "TTFT, above 1 for throughput)\n\n"
+        "### shared_remote / separate (below 1 favours the shared tier for TTFT, above 1 for "
+        "throughput)\n\n"
         + common.markdown_table(ratio_table_rows(payload["ratios"]), RATIO_COLUMNS),
+        ("### Targets (each level; PASS only outside the spread of the rounds, FAIL the "
+         "reverse, MISS within it)\n\n" + "\n".join(target_lines(payload["targets"])))
+        if payload.get("targets") else "",
+        breakdown_section(payload),
         "### Checks\n\n" + "\n".join(f"- {c['check']}: {c['measured']} — **{c['verdict']}**"
                                       for c in payload["checks"]),
         payload.get("consistency_note", ""),
@@ -193,6 +233,11 @@ def print_report(payload: Mapping[str, Any]) -> None:
     print()
     for c in payload["checks"]:
         print(f"{c['verdict']:>4}  {c['check']}: {c['measured']}")
+    for line in target_lines(payload.get("targets", [])):
+        print(line)
+    rows = breakdown_rows(payload["results"])
+    if rows:
+        print(common.markdown_table(rows, BREAKDOWN_COLUMNS))
     if payload["consistency_note"]:
         print(payload["consistency_note"])
     for e in payload["errors"]:

@@ -1,16 +1,18 @@
 """multi_replica's runner: one level's users played across the two replicas (turn ``t`` of
-user ``u`` on replica ``(u + t) % 2``), and the sweep over configurations, rounds and levels."""
+user ``u`` on replica ``(u + t) % 2``), and the sweep: round by round, each configuration's
+two servers started alone, every level played, both stopped."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.replicas.breakdown import per_request
 from benchmarks.replicas.judging import aggregate_hits
-from benchmarks.replicas.workload import CONFIGS, replica_for, schedule
+from benchmarks.replicas.workload import CONFIGS, replica_for, sessions
 from benchmarks.serve.client import run_level
 from benchmarks.serve.judging import level_summary
 from benchmarks.serve.servers import start_servers
@@ -56,29 +58,17 @@ class Sweep:
 
 def sweep(servers: Mapping[str, Sequence[Server]], spec: ChatWorkload,
           conversations: Mapping[tuple[int, int], Sequence[Conversation]], levels: Sequence[int],
-          rounds: int, *, all_at_once: bool, progress: Any, budget_s: float, started_wall: float,
-          prof: Mapping[str, Any]) -> Sweep:
-    """Start the servers (all four, or one configuration's pair at a time), play every
-    (round, level, configuration) of :func:`schedule` within ``budget_s``; every server stopped
-    at the end."""
+          rounds: int, *, progress: Any, budget_s: float, started_wall: float,
+          prof: Mapping[str, Any], reset: Callable[[str], None] | None = None) -> Sweep:
+    """Play :func:`sessions`: for each (round, configuration) ``reset(config)`` (a cold
+    shared tier), start that configuration's two servers, play every level, stop them. Only
+    the two servers under test run during a measurement. A configuration whose servers fail
+    to start is not tried again."""
     out = Sweep({c: {} for c in CONFIGS}, {c: {} for c in CONFIGS}, {c: {} for c in CONFIGS})
     runs, full, replies, slots, errors = out.runs, out.full, out.replies, out.slots, out.errors
-    up: dict[str, bool] = {}
-
-    def start(configs: Sequence[str]) -> None:
-        pairs = [(c, s) for c in configs for s in servers[c]]
-        errs = start_servers([s for _, s in pairs], True, progress)
-        for config in configs:
-            up[config] = True
-        for (config, server), err in zip(pairs, errs, strict=True):
-            if err is not None:
-                errors.append(f"{config}: server did not start ({err}); log {server.log_path}")
-                up[config] = False
+    broken: set[str] = set()
 
     def run(config: str, level: int, round_: int) -> None:
-        if not up.get(config):
-            progress.advance(level * spec.turns)
-            return
         left = budget_s - (time.monotonic() - started_wall)
         if left < 15:
             errors.append(f"{config} {level} users round {round_}: skipped, time budget "
@@ -88,7 +78,7 @@ def sweep(servers: Mapping[str, Sequence[Server]], spec: ChatWorkload,
         progress.set_label(f"{config}: {level} users, round {round_}")
         pair = servers[config]
         before = [s.metrics() for s in pair]
-        slot = {"config": config, "users": level, "round": round_,
+        slot = {"config": config, "users": level, "round": round_, "servers_up": len(pair),
                 "t_start_s": time.monotonic() - started_wall, "load_1m_start": os.getloadavg()[0]}
 
         def done(_record: dict[str, Any]) -> None:
@@ -112,6 +102,7 @@ def sweep(servers: Mapping[str, Sequence[Server]], spec: ChatWorkload,
             r["round"] = round_
         summary = level_summary(records, wall)
         summary["hits"] = aggregate_hits(before, after, summary["prompt_tokens"])
+        summary["breakdown"] = per_request(before, after, records)
         runs[config][(level, round_)] = summary
         full[config][(level, round_)] = records
         replies[config][(level, round_)] = _replies(records)
@@ -121,19 +112,29 @@ def sweep(servers: Mapping[str, Sequence[Server]], spec: ChatWorkload,
                               f"{r['turn']}: {r['error']}")
 
     try:
-        if all_at_once:
-            start(CONFIGS)
-            progress.advance(1, f"servers up after {time.monotonic() - started_wall:.0f}s")
-            for round_, level, config in schedule(levels, rounds):
-                run(config, level, round_)
-        else:
-            for k, config in enumerate(CONFIGS):
-                start([config])
-                if k == 0:
-                    progress.advance(1)
-                for round_, level, _ in schedule(levels, rounds, [config]):
+        for round_, config in sessions(rounds):
+            per_session = sum(levels) * spec.turns
+            if config in broken or budget_s - (time.monotonic() - started_wall) < 60:
+                if config not in broken:
+                    errors.append(f"{config} round {round_}: skipped, time budget ({budget_s:.0f}s) spent")
+                progress.advance(per_session)
+                continue
+            if reset is not None:
+                reset(config)
+            pair = servers[config]
+            progress.set_label(f"{config}: starting its 2 servers (round {round_})")
+            errs = start_servers(pair, True, progress)
+            try:
+                failed = [(s, e) for s, e in zip(pair, errs, strict=True) if e is not None]
+                if failed:
+                    errors += [f"{config}: server did not start ({e}); log {s.log_path}" for s, e in failed]
+                    broken.add(config)
+                    progress.advance(per_session)
+                    continue
+                for level in levels:
                     run(config, level, round_)
-                for server in servers[config]:
+            finally:
+                for server in pair:
                     server.stop()
     finally:
         for pair in servers.values():

@@ -42,14 +42,14 @@ FIT_USERS = 2  # each replica's device KV cache holds the system prompt + this m
 
 PROFILES: dict[str, dict[str, Any]] = {
     "quick": {
-        "levels": (2, 4, 8), "rounds": 2, "turns": 6, "system_tokens": 1000, "user_tokens": 448,
+        "levels": (2, 4, 8), "rounds": 3, "turns": 6, "system_tokens": 1000, "user_tokens": 448,
         "user_tokens_min": 160, "reply_tokens": 48, "think_mean_s": 0.5,
-        "level_timeout_s": 150.0, "request_timeout_s": 120.0, "budget_s": 480.0,
+        "level_timeout_s": 150.0, "request_timeout_s": 120.0, "budget_s": 1500.0,
     },
     "full": {
         "levels": (2, 4, 8, 16), "rounds": 3, "turns": 8, "system_tokens": 1000, "user_tokens": 448,
         "user_tokens_min": 160, "reply_tokens": 48, "think_mean_s": 1.0,
-        "level_timeout_s": 900.0, "request_timeout_s": 300.0, "budget_s": 5400.0,
+        "level_timeout_s": 900.0, "request_timeout_s": 300.0, "budget_s": 7200.0,
     },
 }
 
@@ -78,16 +78,22 @@ def level_conversations(spec: ChatWorkload, level: int, min_tokens: int, round_:
     return vary_user_lengths(make_conversations(seeded, level), seeded.seed, min_tokens)
 
 
-def schedule(levels: Sequence[int], rounds: int, configs: Sequence[str] = CONFIGS) -> list[tuple[int, int, str]]:
-    """(round, level, configuration) in the order they run: round by round, level by level,
-    the configurations' order reversed every other slot, so neither always goes first and
-    both of a level's runs sit next to each other in time (the machine's load drifts)."""
+def sessions(rounds: int, configs: Sequence[str] = CONFIGS) -> list[tuple[int, str]]:
+    """(round, configuration) in the order they run, each its two servers alone (started,
+    every level played, stopped): round by round, the configurations' order reversed every
+    other round, so neither always goes first and a round's two sessions sit next to each
+    other in time (the machine's load drifts)."""
     out = []
     for r in range(rounds):
-        for i, level in enumerate(levels):
-            order = list(configs) if (r * len(levels) + i) % 2 == 0 else list(configs)[::-1]
-            out.extend((r, level, c) for c in order)
+        order = list(configs) if r % 2 == 0 else list(configs)[::-1]
+        out.extend((r, c) for c in order)
     return out
+
+
+def schedule(levels: Sequence[int], rounds: int, configs: Sequence[str] = CONFIGS) -> list[tuple[int, int, str]]:
+    """(round, level, configuration) in the order they run: each :func:`sessions` slot's
+    levels one after another."""
+    return [(r, level, c) for r, c in sessions(rounds, configs) for level in levels]
 
 
 def prompt_lengths(system: int, conv: Conversation, reply_tokens: int) -> list[int]:

@@ -90,10 +90,12 @@ def test_rounds_get_fresh_conversations_and_interleave_the_configurations():
     r0, r1 = replica_workload.level_conversations(s, 4, 16, 0), replica_workload.level_conversations(s, 4, 16, 1)
     assert r0 == replica_workload.level_conversations(s, 4, 16) and r0 != r1
     assert [c.user_texts for c in r1] == [c.user_texts for c in replica_workload.level_conversations(s, 4, 16, 1)]
+    assert replica_workload.sessions(2) == [(0, "shared_remote"), (0, "separate"),
+                                            (1, "separate"), (1, "shared_remote")]
     order = replica_workload.schedule((2, 4), 2)
-    assert order == [(0, 2, "shared_remote"), (0, 2, "separate"), (0, 4, "separate"),
-                     (0, 4, "shared_remote"), (1, 2, "shared_remote"), (1, 2, "separate"),
-                     (1, 4, "separate"), (1, 4, "shared_remote")]
+    assert order == [(0, 2, "shared_remote"), (0, 4, "shared_remote"), (0, 2, "separate"),
+                     (0, 4, "separate"), (1, 2, "separate"), (1, 4, "separate"),
+                     (1, 2, "shared_remote"), (1, 4, "shared_remote")]
     assert replica_workload.schedule((2, 4, 8), 2, ["separate"]) == [(r, lv, "separate") for r in (0, 1) for lv in (2, 4, 8)]
 
 
@@ -259,7 +261,8 @@ def test_report_renders_and_reloads(tmp_path, monkeypatch):
     json_path, md_path, _ = replica_report.write_outputs(payload, tmp_path)
     text = md_path.read_text()
     assert "host tier 342 MiB per replica in both configurations" in text
-    assert "chunk-aligned" in text and "| shared_remote | 2 |" in text
+    assert "0 of 12 a multiple of the chunk" in text and "| shared_remote | 2 |" in text
+    assert "Targets" not in text  # a file from before the targets: none invented
     assert "0.5" in text  # the p50 ratio
     assert "`shared_remote` 1.0–2.5; `separate` 0.5–3.0" in text
     again = replica_report.load_payload(json_path)
