@@ -101,7 +101,8 @@ def scheduler_rows(data: dict[str, Any]) -> dict[str, float]:
 def e2e_rows(data: dict[str, Any]) -> dict[str, float]:
     rows = {f"TTFT {name} (median s)": row["median_s"] for name, row in data["rows"].items()}
     for verdict in data["verdicts"]:
-        rows[f"{verdict['target']} (worse-of ratio)"] = verdict["worse_ratio"]
+        if verdict.get("worse_ratio") is not None:  # a target not judged has no figure
+            rows[f"{verdict['target']} (worse-of ratio)"] = verdict["worse_ratio"]
     return rows
 
 

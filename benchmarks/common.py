@@ -159,11 +159,12 @@ def git_revision(path: Path | None = None) -> str | None:
 def kv_bytes_per_token(model: Mapping[str, int], dtype_bytes: int) -> int:
     """KV-cache bytes one token takes in a Llama-style model: K and V, every layer, every KV head.
 
-    ``model`` holds ``hidden_size``, ``num_layers``, ``num_heads`` and ``num_kv_heads`` (the
-    arguments of ``tieredkv.tools.tiny_model.make_tiny_llama``); ``dtype_bytes`` is the KV
-    cache's element size (2 for bf16, 4 for float32).
+    ``model`` holds ``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads`` and
+    optionally ``head_dim`` (the arguments of ``tieredkv.tools.tiny_model.make_tiny_llama``;
+    without it, hidden / heads); ``dtype_bytes`` is the KV cache's element size (2 for bf16,
+    4 for float32).
     """
-    head_dim = model["hidden_size"] // model["num_heads"]
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_heads"]
     return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
 
 

@@ -10,7 +10,8 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
 1. ``recompute``: no connector, no prefix caching (the ceiling);
 2. ``vllm_prefix``: vLLM's in-memory prefix-cache hit, same prompt twice (the floor);
 3. ``example_connector``: vLLM's ExampleConnector hit (safetensors files in a temp dir),
-   vLLM's prefix cache reset before every measured run;
+   vLLM's prefix cache reset before every measured run (a row for scale, no target: it is
+   vLLM's debug connector);
 4. ``tieredkv_host``: a TieredKVConnector hit from the host tier (prefix cache reset before
    every measured run);
 5. ``tieredkv_disk``: a hit from the disk tier: the host tier holds exactly one prompt, two
@@ -18,16 +19,18 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    is promoted (read + checksum) from the slab file before it is promised;
 6. ``tieredkv_disk_restart``: a fresh engine on the same ``disk_path`` (index recovered from
    the journal), the same alternation;
-7. ``tieredkv_remote`` (row 6 in the table): a hit from the shared remote tier (a real redis-server on loopback),
-   the multi-replica case: one engine (replica A: small host tier, no disk, ``remote_url``)
-   computes both prompts, which writes their whole chunks to Redis, and exits; a fresh engine
-   (replica B, same Redis, host tier holding one prompt) measures, A and B alternating as in
-   the disk rows, so each measured prompt is read from Redis. The remote tier stores whole
-   chunks only (a prompt's partial last chunk stays in the replica that computed it), so this
-   hit is chunk-aligned: shorter than vLLM's prefix-cache hit by the prompt's tail blocks,
-   which replica B computes. It is checked against that chunk-aligned length (and
-   ``hit_tokens_remote``); no target is named for it, its ratios are printed;
-8. hybrid rows (``--no-hybrid`` leaves them out), on a Gemma-2-style variant of the same
+7. ``tieredkv_slow_disk`` (row 5c; ``--no-slow-disk`` leaves it out): row 5a's tiers with
+   every slab read delayed (``TIEREDKV_FAULTS`` ``disk_read_delay_s``, per shape or
+   ``--slow-disk-delay``), far slower than recomputing; after a few unmeasured disk hits
+   teach the cost model (on, the default), each measured hit must be declined (counted; at
+   most the one chunk an exploration reads is loaded), so its TTFT is a recompute's;
+8. ``tieredkv_remote`` (row 6 in the table): a hit from the shared remote tier (a real
+   redis-server on loopback), the multi-replica case: one engine (replica A: small host
+   tier, no disk, ``remote_url``) computes both prompts, which writes their chunks and tails
+   to Redis, and exits; a fresh engine (replica B, same Redis, host tier holding one prompt)
+   measures, A and B alternating as in the disk rows, so each measured prompt is read from
+   Redis. Its hit is as long as the floor's (checked, and ``hit_tokens_remote``);
+9. hybrid rows (``--no-hybrid`` leaves them out), on a Gemma-2-style variant of the same
    model (same hidden size, heads and layers; layers alternate sliding-window attention,
    window ``HYBRID_WINDOW`` = 256 tokens, and full attention), which keeps vLLM's hybrid
    KV-cache manager on: ``hybrid_vllm_prefix`` (vLLM's prefix cache on that model: the
@@ -38,9 +41,8 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    blocks that the floor takes from its cache. The window is smaller than the chunk (512
    tokens) so that a sliding layer stores only its last ``ceil((W-1)/block)`` = 8 of a
    chunk's 16 blocks: with a window of a chunk or more, the sliding layers would copy as
-   much as full attention and the row would show nothing hybrid-specific. The 1.3 x targets
-   of rows 4 and 5a are applied against the hybrid floor (wall clock, and at equal compute);
-9. ``lmcache`` (row 7 in the table; ``--no-lmcache`` leaves it out): a real peer, LMCache
+   much as full attention and the row would show nothing hybrid-specific;
+10. ``lmcache`` (row 7 in the table; ``--no-lmcache`` leaves it out): a real peer, LMCache
    (``benchmarks/peers/lmcache.py``), present when ``.venv-lmcache`` is built
    (``bash benchmarks/peers/lmcache_env.sh``; else the row is skipped with a line saying so).
    Its engine runs with that venv's python (nothing of tieredkv imported or installed there),
@@ -51,9 +53,21 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    prefix cache is on and reset before every measured hit, as in row 4 (LMCache's docs turn
    it off; its connector supports it). LMCache stores whole 256-token chunks only, so its
    hit is chunk-aligned, shorter than the floor's (:func:`lmcache_hit`): it is checked
-   against that length (and against the tokens the server logged as retrieved), not at
-   equal hit tokens; no target is named for it; an info line compares it with row 4
-   (ratio of medians, and the hit-token difference) and does not set the exit status.
+   against that length (and against the tokens the server logged as retrieved). Beside it,
+   ``lmcache_vllm_prefix`` (row 7f): LMCache's own floor, vLLM's prefix-cache hit measured
+   in LMCache's environment (its venv, its engine settings, no connector); LMCache's row is
+   shown over each floor, its own and tieredkv's.
+
+The targets (:mod:`benchmarks.ttft.targets`), each judged on the worse of its cross-engine
+figure (row median over the floor row's median) and its same-engine one (each hit over the
+prefix-cache hit of the same prompt in the same engine right after), printed beside its limit:
+host hit <= 1.3 x floor; disk hits (5a, 5b) <= 1.3 x (floor + KV / raw disk bandwidth);
+remote hit <= 1.5 x floor; slow disk (5c) <= 1.1 x recompute; host hit as a multiple of its
+floor <= LMCache's hit as a multiple of LMCache's own floor (the better of LMCache's two
+figures; not judged when the LMCache rows are missing); hybrid host hit <= 1.3 x the hybrid
+floor. The hybrid disk hit <= 1.3 x (hybrid floor + hybrid KV / raw disk BW) is a reference
+line. ``--model-shape 8b-kv`` runs all of it on a model with an 8B-class model's KV bytes per
+token (128 KiB: 32 layers x 8 KV heads x 128 head dim, bf16; hidden 256), shorter prompts.
 
 Every configuration runs in its own subprocess (vLLM's worker-side connector is a process
 global); the parent orchestrates, measures the raw O_DIRECT read bandwidth of the disk tier's
@@ -69,11 +83,12 @@ host-tier load is a memcpy, not a PCIe transfer.
     python -m benchmarks.e2e_ttft --trace    # also a per-step timeline of tieredkv hits
     python -m benchmarks.e2e_ttft --no-remote   # without the remote-tier row (no redis-server needed)
     python -m benchmarks.e2e_ttft --no-hybrid   # without the hybrid-model rows
-    python -m benchmarks.e2e_ttft --no-lmcache  # without the LMCache peer row
+    python -m benchmarks.e2e_ttft --no-lmcache  # without the LMCache peer rows
+    python -m benchmarks.e2e_ttft --model-shape 8b-kv  # 128 KiB of KV per token (1,500-token prompts)
 
-The exit status is 1 when a target (wall-clock verdict) fails, or when the remote or a hybrid
-row's hits did not happen. The hybrid rows' 1.3x lines are printed as a reference only; the
-LMCache row never sets it (a peer's hits that did not happen are printed as such).
+The exit status is 1 when a target (its worse-of verdict) fails, or when the remote or a hybrid
+row's hits did not happen. The hybrid disk line is a reference only; a target not judged and
+the LMCache peer's own hits never set it (a peer's hits that did not happen are printed as such).
 """
 
 from __future__ import annotations
@@ -93,14 +108,13 @@ from benchmarks.common import kv_bytes_per_token
 from benchmarks.ttft import runner
 from benchmarks.ttft.judging import (
     exit_status,
-    hybrid_verdicts,
     judge_rows,
     remote_ratios,
     remote_ratios_by_prompt,
-    verdicts,
 )
 from benchmarks.ttft.report import print_outcome, print_partial, table_markdown, write_outputs
 from benchmarks.ttft.specs import build_specs
+from benchmarks.ttft.targets import hybrid_verdicts, lmcache_floor_ratios, verdicts
 from benchmarks.ttft.workload import (
     BLOCK_SIZE,
     CHUNK_BLOCKS,
@@ -109,18 +123,20 @@ from benchmarks.ttft.workload import (
     DTYPE_BYTES,
     HERE,
     HYBRID_LABELS,
-    HYBRID_LAYER_TYPES,
     HYBRID_WINDOW,
     LABELS,
     LMCACHE_BUILD,
     LMCACHE_CONFIG,
-    MODEL,
+    MODEL_SHAPES,
     NAME,
     PROFILES,
     PROMPT_SEED,
+    SLOW_DISK_CONFIG,
+    SLOW_DISK_LEARNING_HITS,
     hybrid_hit,
     hybrid_host_slots,
     hybrid_kv_bytes,
+    hybrid_layer_types,
     prefix_hit,
     random_b_length,
     remote_hit,
@@ -131,12 +147,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 def parent_main(args) -> int:
     prof = PROFILES[args.profile]
+    shape = MODEL_SHAPES[args.model_shape]
+    model = shape["model"]
+    prompt_tokens = args.prompt_tokens or shape["prompt_tokens"][args.profile]
+    args.slow_disk_delay = args.slow_disk_delay or shape["slow_disk_read_delay_s"]
     # Lengths that are no multiple of the chunk: vLLM's prefix cache and
     # ExampleConnector hit every block but the one holding the last token, and so must
     # tieredkv (a whole-chunk hit would stop up to a chunk earlier).
-    lengths = {"A": args.prompt_tokens or prof["prompt_tokens"],
-               "B": args.prompt_b_tokens or random_b_length(args.prompt_tokens or prof["prompt_tokens"],
-                                                            args.prompt_seed)}
+    lengths = {"A": prompt_tokens,
+               "B": args.prompt_b_tokens or random_b_length(prompt_tokens, args.prompt_seed)}
     for name, n in lengths.items():
         if n % CHUNK_TOKENS == 0 or n < 2 * CHUNK_TOKENS:
             print(f"prompt {name}: {n} tokens; use a length of at least {2 * CHUNK_TOKENS} "
@@ -144,18 +163,21 @@ def parent_main(args) -> int:
             return 2
     expected_hit = {name: prefix_hit(n) for name, n in lengths.items()}
     expected_remote = {name: remote_hit(n) for name, n in lengths.items()}
-    kv_per_token = kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    kv_per_token = kv_bytes_per_token(model, DTYPE_BYTES)
     kv_bytes = sum(expected_hit.values()) // len(expected_hit) * kv_per_token
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tieredkv_e2e_ttft_", dir=args.tmp_root))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model_dir)
+    # One directory per shape: each is reused while its geometry matches.
+    model_dir = Path(args.model_dir + ("" if args.model_shape == "tiny" else f"_{args.model_shape}"))
     from tieredkv.tools.tiny_model import make_tiny_llama
 
-    make_tiny_llama(model_dir, **MODEL)
+    make_tiny_llama(model_dir, **model)
+    layer_types = hybrid_layer_types(model["num_layers"])
     expected_hybrid = {name: hybrid_hit(n) for name, n in lengths.items()}
-    hybrid_kv = sum(hybrid_kv_bytes(h) for h in expected_hybrid.values()) // len(expected_hybrid)
+    hybrid_kv = sum(hybrid_kv_bytes(h, model=model)
+                    for h in expected_hybrid.values()) // len(expected_hybrid)
     hybrid_info: dict[str, Any] = {
-        "window": HYBRID_WINDOW, "layer_types": HYBRID_LAYER_TYPES,
+        "window": HYBRID_WINDOW, "layer_types": layer_types,
         "sliding_blocks": min(CHUNK_BLOCKS, -(-(HYBRID_WINDOW - 1) // BLOCK_SIZE)),
         "disk_host_slots": hybrid_host_slots(lengths),
     }
@@ -163,9 +185,8 @@ def parent_main(args) -> int:
     if args.no_hybrid:
         hybrid_info = {"skipped": "--no-hybrid"}
     elif not args.rerender:
-        hybrid_dir = Path(f"{args.model_dir}_hybrid_w{HYBRID_WINDOW}")
-        make_tiny_llama(hybrid_dir, **MODEL, sliding_window=HYBRID_WINDOW,
-                        layer_types=HYBRID_LAYER_TYPES)
+        hybrid_dir = Path(f"{model_dir}_hybrid_w{HYBRID_WINDOW}")
+        make_tiny_llama(hybrid_dir, **model, sliding_window=HYBRID_WINDOW, layer_types=layer_types)
     only = set(args.only.split(",")) if args.only else None
     if only and "tieredkv_remote" in only:
         only.add("tieredkv_remote_writer")  # replica B reads what replica A wrote
@@ -181,9 +202,11 @@ def parent_main(args) -> int:
     if args.no_lmcache:
         lmcache_info["skipped"] = "--no-lmcache"
     elif not args.rerender and (only is None or LMCACHE_CONFIG in only):
-        lmcache_server = runner.lmcache_server_for(work, lengths, lmcache_info)
+        lmcache_server = runner.lmcache_server_for(work, lengths, lmcache_info, model)
     specs = build_specs(args, model_dir, work, lengths, redis.url if redis is not None else None,
-                        hybrid_dir, lmcache_info if lmcache_server is not None else None)
+                        hybrid_dir, lmcache_info if lmcache_server is not None else None, model)
+    if args.no_slow_disk:
+        specs.pop(SLOW_DISK_CONFIG, None)
     if only:
         specs = {c: s for c, s in specs.items() if c in only}
     if lmcache_server is not None and LMCACHE_CONFIG in specs:
@@ -237,7 +260,8 @@ def parent_main(args) -> int:
         "git": git if args.rerender else common.git_revision(HERE),
         "params": {
             "allocator": os.environ.get("LD_PRELOAD", "glibc malloc"),
-            "profile": args.profile, "model": MODEL, "block_size": BLOCK_SIZE,
+            "profile": args.profile, "model_shape": args.model_shape, "model": model,
+            "block_size": BLOCK_SIZE,
             "chunk_blocks": CHUNK_BLOCKS, "prompt_lengths": lengths,
             "prompt_seed": args.prompt_seed,
             "expected_hit_tokens": expected_hit, "kv_bytes_per_token": kv_per_token,
@@ -245,6 +269,9 @@ def parent_main(args) -> int:
             "expected_hybrid_hit_tokens": expected_hybrid, "hybrid_window": HYBRID_WINDOW,
             "hybrid_kv_bytes": hybrid_kv,
             "kv_bytes": kv_bytes,
+            "slow_disk": ({"skipped": "--no-slow-disk"} if args.no_slow_disk else
+                          {"disk_read_delay_s": args.slow_disk_delay,
+                           "learning_hits": SLOW_DISK_LEARNING_HITS}),
             "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
             "disk_limit_s": DISK_TARGET * (floor + kv_bytes / (disk["gb_per_s"] * 1e9)),
             "wall_s": wall_s if args.rerender else time.monotonic() - t_start,
@@ -257,6 +284,8 @@ def parent_main(args) -> int:
         "hybrid": hybrid_info,
     }
     payload["verdicts"] = verdicts(rows, kv_bytes, disk["gb_per_s"] * 1e9)
+    if LMCACHE_CONFIG in rows:  # its ratio to its own floor and to tieredkv's
+        lmcache_info["floor_ratios"] = lmcache_floor_ratios(rows)
     payload["hybrid_verdicts"] = hybrid_verdicts(rows, hybrid_kv / (disk["gb_per_s"] * 1e9))
     if "tieredkv_remote" in rows:  # no target: the figures, and whether the hit happened
         remote_info["ratios"] = remote_ratios(rows["tieredkv_remote"], rows["vllm_prefix"],
@@ -284,7 +313,11 @@ def main() -> int:
     parser.add_argument("--full", action="store_const", dest="profile", const="full", default="quick",
                         help="~8k-token prompts and more repeats (default: quick, ~4k tokens)")
     parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="prompt A's length (default 4,000; 8,000 with --full)")
+                        help="prompt A's length (default 4,000; 8,000 with --full; with "
+                             "--model-shape 8b-kv 1,500 and 3,000)")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny",
+                        help="tiny (default: 8 KiB of KV per token) or 8b-kv (an 8B-class "
+                             "model's 128 KiB per token: 32 layers x 8 KV heads x 128, hidden 256)")
     parser.add_argument("--prompt-b-tokens", type=int, default=None,
                         help="prompt B's length (default: random, see --prompt-seed)")
     parser.add_argument("--prompt-seed", type=int, default=PROMPT_SEED,
@@ -305,6 +338,11 @@ def main() -> int:
                         help="skip the remote-tier row (row 6; it needs redis-server)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="skip the hybrid-model rows (H1-H3)")
+    parser.add_argument("--no-slow-disk", action="store_true",
+                        help="skip the slow-disk row (5c)")
+    parser.add_argument("--slow-disk-delay", type=float, default=None, metavar="S",
+                        help="row 5c: seconds every slab read sleeps (default per shape: 0.5 "
+                             "tiny, 2.0 8b-kv; several times a chunk's recompute)")
     parser.add_argument("--no-lmcache", action="store_true",
                         help="skip the LMCache peer row (row 7; it needs .venv-lmcache, built by "
                              f"`{LMCACHE_BUILD}`)")

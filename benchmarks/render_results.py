@@ -144,13 +144,21 @@ def remote_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     return rows, [f"{d.get('deployment')}; versions {d.get('versions')}."]
 
 
-def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+def _e2e_measured(v: Mapping[str, Any]) -> str:
+    """A worse-of e2e_ttft target's figures: the ratio that decides, the two it is the worse
+    of, the equal-compute ratio (info) and a note."""
+    worse = v.get("worse_ratio")
+    out = "n/a" if worse is None else f"{worse:.2f}x (worse of cross/same engine)"
+    if v.get("cross_engine_ratio") is not None and v.get("same_engine_ratio") is not None:
+        out += f"; cross-engine {v['cross_engine_ratio']:.2f}, same-engine {v['same_engine_ratio']:.2f}"
+    if v.get("equal_compute_ratio") is not None:
+        out += f"; at equal compute {v['equal_compute_ratio']:.2f}x (info)"
+    return out + (f" ({v['note']})" if v.get("note") else "")
+
+
+def _e2e_old_rows(d: Mapping[str, Any]) -> list[Row]:
+    """Runs from before the worse-of verdicts (wall-clock and equal-compute views)."""
     rows = []
-    for r in d["rows"].values():
-        hits = r.get("hit_tokens_by_prompt") or {}
-        hit_text = ", ".join(f"{p}: {'/'.join(str(x) for x in sorted(set(v)))}" for p, v in hits.items())
-        rows.append(_row(f"TTFT {r['config']}", f"{r['median_s'] * 1e3:,.1f} ms median (n={r['n']})"
-                         + (f"; hit tokens {hit_text}" if hit_text else ""), "", "info"))
     for v in d.get("verdicts", []):
         wall, eq = v.get("wall", {}), v.get("equal_compute", {})
         measured = f"{v['worse_ratio']:.2f}x floor (worse of cross/same engine)"
@@ -169,6 +177,28 @@ def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
                          f"{eq.get('value_s', math.nan) * 1e3:,.1f} vs {eq.get('limit_s', math.nan) * 1e3:,.1f} ms "
                          f"({'pass' if eq.get('pass') else 'miss'})", v.get("limit", ""),
                          REF_PASS if v["pass"] else REF_MISS))
+    return rows
+
+
+def e2e_ttft_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    rows = []
+    for r in d["rows"].values():
+        hits = r.get("hit_tokens_by_prompt") or {}
+        hit_text = ", ".join(f"{p}: {'/'.join(str(x) for x in sorted(set(v)))}" for p, v in hits.items())
+        rows.append(_row(f"TTFT {r['config']}", f"{r['median_s'] * 1e3:,.1f} ms median (n={r['n']})"
+                         + (f"; hit tokens {hit_text}" if hit_text else ""), "", "info"))
+    if any("wall" in v for v in d.get("verdicts", [])):
+        rows += _e2e_old_rows(d)
+    else:
+        for v in d.get("verdicts", []):
+            # Targets not judged (no LMCache row) are left out of the exit status: info here.
+            info = "(info)" in v["target"] or not v.get("judged", True)
+            rows.append(_row(v["target"], _e2e_measured(v), v.get("limit", ""),
+                             "info" if info else _verdict(bool(v["pass"]))))
+        for v in d.get("hybrid_verdicts", []):  # the host line a target, the disk line a reference
+            ref = bool(v.get("reference", True))
+            rows.append(_row(v["target"], _e2e_measured(v), v.get("limit", ""),
+                             (REF_PASS if v["pass"] else REF_MISS) if ref else _verdict(bool(v["pass"]))))
     notes = []
     lmcache = d.get("lmcache") or {}
     if (lmcache.get("comparison") or {}).get("text"):

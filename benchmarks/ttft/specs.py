@@ -4,6 +4,8 @@ its set-up phases and one measured round's phases (:func:`build_specs`, :func:`r
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,13 @@ from benchmarks.ttft.workload import (
     DTYPE_BYTES,
     HERE,
     LMCACHE_CONFIG,
+    LMCACHE_FLOOR_CONFIG,
     MODEL,
     PROFILES,
     REMOTE_KEY_PREFIX,
+    SLOW_DISK_CONFIG,
+    SLOW_DISK_LEARNING_HITS,
+    SLOW_DISK_READ_DELAY_S,
     WARMUP_TOKENS,
     MiB,
     host_entries,
@@ -39,17 +45,18 @@ def tieredkv_transfer_config(**extra: Any) -> dict[str, Any]:
 def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 remote_url: str | None = None,
                 hybrid_model_dir: Path | None = None,
-                lmcache: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                lmcache: dict[str, Any] | None = None,
+                model: Mapping[str, int] = MODEL) -> dict[str, dict[str, Any]]:
     """Every configuration: engine settings, set-up phases (not measured unless labelled
     ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index,
     ``{AB}`` = prompt A in even rounds, B in odd ones). The remote rows (replica A, which
     only writes, and replica B, which measures) exist when ``remote_url`` is given; the
-    LMCache row when ``lmcache`` is (:func:`lmcache_peer`: the peer venv's python and
-    LMCache's vLLM settings)."""
+    LMCache row and its own floor when ``lmcache`` is (:func:`lmcache_peer`: the peer venv's
+    python and LMCache's vLLM settings). ``model``: the geometry (``--model-shape``)."""
     prof = PROFILES[args.profile]
     longest = max(lengths.values())
-    prompt_kv = longest * kv_bytes_per_token(MODEL, DTYPE_BYTES)
-    chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    prompt_kv = longest * kv_bytes_per_token(model, DTYPE_BYTES)
+    chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(model, DTYPE_BYTES)
     # The disk rows' host tier holds one prompt (the larger one's chunks and tail), not two.
     one_prompt_slots = max(host_entries(n) for n in lengths.values())
     base = {
@@ -111,7 +118,8 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         # 4. tieredkv host tier: plenty of host memory, no disk.
         "tieredkv_host": {
             "prefix_caching": True,
-            "kv_transfer_config": tieredkv_transfer_config(host_bytes=host_tier_bytes(lengths)),
+            "kv_transfer_config": tieredkv_transfer_config(
+                host_bytes=host_tier_bytes(lengths, model)),
             "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
                       gen("B", "cold B"), drain],
             "round": [reset, gen("{AB}", "hit{i}"), drain, gen("{AB}", "pfloor{i}")],
@@ -130,6 +138,23 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         "tieredkv_disk_restart": {
             "prefix_caching": True, "kv_transfer_config": disk_cfg,
             "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
+        },
+        # 5c. a slow disk: every slab read sleeps (TIEREDKV_FAULTS), the tier as row 5a's. A
+        #     few disk hits first, unmeasured (taken: nothing known yet), teach the cost model
+        #     the disk's speed; each measured hit (A, B alternating, the other in host) must
+        #     then be declined, so its TTFT is a recompute's.
+        SLOW_DISK_CONFIG: {
+            "prefix_caching": True,
+            "kv_transfer_config": tieredkv_transfer_config(
+                host_bytes=one_prompt_slots * chunk_payload, disk_path=str(work / SLOW_DISK_CONFIG),
+                disk_bytes=8 * prompt_kv + 64 * MiB),
+            "env": {"TIEREDKV_FAULTS": json.dumps({"disk_read_delay_s": getattr(
+                args, "slow_disk_delay", None) or SLOW_DISK_READ_DELAY_S})},
+            "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
+                      gen("B", "cold B"), drain,
+                      *[p for k in range(SLOW_DISK_LEARNING_HITS)
+                        for p in (reset, gen("AB"[k % 2], f"learn{k}"), drain)]],
+            "round": [reset, gen("{AB}", "hit{i}"), drain],
         },
     }
     if remote_url is not None:
@@ -191,6 +216,13 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
             "env": {**lmcache["env"], "PYTHONPATH": str(sys_path)},
             "lmcache_budget_bytes": lmcache["budget_bytes"],
         }
+        # 9f. LMCache's own floor: vLLM's prefix-cache hit (row 2's phases) in LMCache's
+        #     environment (its venv's vLLM and python, its engine settings, no connector).
+        specs[LMCACHE_FLOOR_CONFIG] = {
+            **{k: v for k, v in specs["vllm_prefix"].items() if k in ("setup", "round")},
+            "prefix_caching": True,
+            **{k: specs[LMCACHE_CONFIG][k] for k in ("llm_kwargs", "python", "cwd", "env")},
+        }
     example_dir.mkdir(parents=True, exist_ok=True)
     for config, spec in specs.items():
         spec.update({k: v for k, v in base.items() if k not in spec})
@@ -218,7 +250,7 @@ def lmcache_peer(server, python: Path | str, version: str) -> dict[str, Any]:
 # Configurations whose rounds are numbered from 0 in their own engine (A/B alternation starts
 # with A); the others continue their numbering when they run again beside the late engines.
 OWN_ROUND_NUMBERS = ("tieredkv_disk", "tieredkv_disk_restart", "tieredkv_remote",
-                     "hybrid_tieredkv_disk")
+                     "hybrid_tieredkv_disk", SLOW_DISK_CONFIG)
 
 
 def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:

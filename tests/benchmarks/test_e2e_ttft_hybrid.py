@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from benchmarks.ttft import judging, workload
+from benchmarks.ttft import judging, targets, workload
 from benchmarks.ttft import specs as ttft_specs
 
 
@@ -88,23 +88,29 @@ def test_a_hybrid_hit_is_checked_against_the_chunk_aligned_length():
     assert floor["hit_ok"]
 
 
-def _row(median: float, overhead: float, ok: bool = True) -> dict:
-    return {"median_s": median, "overhead_median_s": overhead, "forward_median_s": median - overhead,
-            "hit_ok": ok, "problems": [] if ok else ["num_cached_tokens wrong"]}
+def _row(median: float, overhead: float, ok: bool = True, pairs=None) -> dict:
+    row = {"median_s": median, "overhead_median_s": overhead, "forward_median_s": median - overhead,
+           "hit_ok": ok, "problems": [] if ok else ["num_cached_tokens wrong"]}
+    if pairs is not None:
+        row["paired_floor"] = {"pairs_s": pairs}
+    return row
 
 
-def test_hybrid_verdicts_pass_miss_and_equal_compute():
+def test_hybrid_host_is_a_target_on_the_worse_of_and_disk_a_reference():
     rows = {"hybrid_vllm_prefix": _row(0.2, 0.01),
-            "hybrid_tieredkv_host": _row(2.0, 0.02),  # long tail forward, cheap load
+            # cross-engine 0.25 / 0.2 = 1.25 (within 1.3), same engine 0.3 / 0.2 = 1.5 (not)
+            "hybrid_tieredkv_host": _row(0.25, 0.02, pairs=[("A", 0.3, 0.2), ("B", 0.3, 0.2)]),
             "hybrid_tieredkv_disk": _row(0.25, 0.1, ok=False)}
-    out = {v["config"]: v for v in judging.hybrid_verdicts(rows, read_s=0.01)}
+    out = {v["config"]: v for v in targets.hybrid_verdicts(rows, read_s=0.01)}
     host, disk = out["hybrid_tieredkv_host"], out["hybrid_tieredkv_disk"]
-    assert host["wall"]["limit_s"] == pytest.approx(0.26)
-    assert not host["wall"]["pass"] and not host["pass"]
-    assert host["equal_compute"]["value_s"] == pytest.approx(0.19 + 0.02)
-    assert host["equal_compute"]["pass"]
-    assert host["cross_engine_ratio"] == pytest.approx(10.0)
-    assert disk["wall"]["limit_s"] == pytest.approx(1.3 * 0.21)
-    assert not disk["wall"]["pass"] and not disk["equal_compute"]["pass"]  # no hit: FAIL
-    assert "did not happen" in disk["note"]
-    assert judging.hybrid_verdicts({}, 0.01) == []
+    assert host["cross_engine_ratio"] == pytest.approx(1.25)
+    assert host["same_engine_ratio"] == pytest.approx(1.5)
+    assert host["worse_ratio"] == pytest.approx(1.5) and not host["pass"]  # the worse decides
+    assert not host.get("reference") and targets.counts(host)  # a target: in the exit status
+    assert host["equal_compute_ratio"] == pytest.approx((0.19 + 0.02) / 0.2)
+    assert disk["reference"] and not targets.counts(disk)
+    assert not disk["pass"] and "did not happen" in disk["note"]
+    assert disk["cross_engine_ratio"] == pytest.approx(0.25 / 0.21)
+    rows["hybrid_tieredkv_host"]["paired_floor"]["pairs_s"] = [("A", 0.24, 0.2)]
+    assert targets.hybrid_verdicts(rows, read_s=0.01)[0]["pass"]
+    assert targets.hybrid_verdicts({}, 0.01) == []

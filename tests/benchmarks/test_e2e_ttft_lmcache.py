@@ -40,8 +40,8 @@ def test_lmcache_hit_is_whole_256_token_chunks(peer):
     assert workload.lmcache_hit(255, 256) == 0  # no whole chunk: nothing stored
     # Chunks covering the whole prompt: the connector leaves the last token to compute.
     assert workload.lmcache_hit(512, 256) == 511
-    # Not tieredkv's chunk (512 tokens): LMCache's hit can be longer than the remote tier's.
-    assert workload.lmcache_hit(4000, 256) > workload.remote_hit(4000) == 3584
+    # Whole 256-token chunks: shorter than tieredkv's hits, which end where vLLM's does.
+    assert workload.lmcache_hit(4000, 256) < workload.remote_hit(4000) == workload.prefix_hit(4000)
 
 
 def test_llm_kwargs_from_lmcache_flags(peer):
@@ -70,8 +70,15 @@ def test_spec_uses_the_peer_python_and_row_4s_budget(peer, tmp_path):
     without = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS)
     assert workload.LMCACHE_CONFIG not in without
     server, info, specs = lmcache_row(peer, tmp_path)
-    assert set(specs) == set(without) | {workload.LMCACHE_CONFIG}
+    assert set(specs) == set(without) | {workload.LMCACHE_CONFIG, workload.LMCACHE_FLOOR_CONFIG}
     spec, host = specs[workload.LMCACHE_CONFIG], specs["tieredkv_host"]
+    # LMCache's own floor: row 2's phases, no connector, in the peer's environment.
+    floor = specs[workload.LMCACHE_FLOOR_CONFIG]
+    assert "kv_transfer_config" not in floor
+    assert (floor["setup"], floor["round"]) == (specs["vllm_prefix"]["setup"], specs["vllm_prefix"]["round"])
+    assert {k: floor[k] for k in ("python", "cwd", "env", "llm_kwargs")} == {
+        k: spec[k] for k in ("python", "cwd", "env", "llm_kwargs")}
+    assert floor["model"] == spec["model"] and floor["prompts"] == spec["prompts"]
     host_bytes = host["kv_transfer_config"]["kv_connector_extra_config"]["host_bytes"]
     # The same memory budget as row 4: the server's L1 size, in bytes, and on its command line.
     assert host_bytes == workload.host_tier_bytes(LENGTHS) == server.budget_bytes

@@ -14,13 +14,13 @@ from benchmarks.ttft import judging, report, runner, workload
 from benchmarks.ttft import specs as ttft_specs
 
 
-def test_remote_hit_is_whole_chunks_never_more_than_vllms_hit():
+def test_remote_hit_is_as_long_as_vllms_hit():
+    # The prompt's tail is in Redis too (#25 point 1): no longer cut at the last whole chunk.
     assert workload.CHUNK_TOKENS == 512
-    assert workload.remote_hit(4000) == 3584 < workload.prefix_hit(4000) == 3968
-    assert workload.remote_hit(3676) == 3584 < workload.prefix_hit(3676) == 3648
-    assert workload.remote_hit(1100) == 1024
+    assert workload.remote_hit(4000) == workload.prefix_hit(4000) == 3968
+    assert workload.remote_hit(3676) == workload.prefix_hit(3676) == 3648
+    assert workload.remote_hit(1100) == 1088
     assert workload.remote_hit(1024) == workload.prefix_hit(1024) == 992  # vLLM computes the last token
-    assert workload.remote_hit(511) == 0
 
 
 def args(**kw) -> argparse.Namespace:

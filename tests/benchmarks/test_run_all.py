@@ -225,3 +225,27 @@ def test_code_changed_since_sees_a_benchmarks_parts(tmp_path):
     assert not render_results.code_changed_since("HEAD", "scheduler_bench", tmp_path)
     (tmp_path / "benchmarks" / "scheduler" / "sides.py").write_text("a = 2\n")
     assert render_results.code_changed_since("HEAD", "scheduler_bench", tmp_path)
+
+
+def test_e2e_worse_of_verdicts_hybrid_host_is_a_target_unjudged_is_info():
+    payload = json.loads((REPO / "benchmarks" / "results" / "e2e_ttft.json").read_text())
+    payload["verdicts"] = [
+        {"target": "host hit <= 1.3 x floor", "pass": True, "judged": True, "worse_ratio": 1.2,
+         "cross_engine_ratio": 1.1, "same_engine_ratio": 1.2, "limit": "1.3 x floor", "note": ""},
+        {"target": "host hit x floor <= LMCache hit x LMCache's own floor", "pass": False,
+         "judged": False, "worse_ratio": 1.2, "limit": "LMCache's ratio",
+         "note": "not judged: LMCache row not run"}]
+    payload["hybrid_verdicts"] = [
+        {"target": "hybrid host hit <= 1.3 x hybrid floor", "pass": False, "reference": False,
+         "worse_ratio": 4.9, "cross_engine_ratio": 4.0, "same_engine_ratio": 4.9, "limit": "1.3", "note": ""},
+        {"target": "hybrid disk hit <= 1.3 x (hybrid floor + 15 ms) (reference)", "pass": False,
+         "reference": True, "worse_ratio": 4.8, "limit": "1.3", "note": ""}]
+    rows, _ = render_results.e2e_ttft_rows(payload)
+    verdicts = {r["what"]: r["verdict"] for r in rows if not r["what"].startswith("TTFT")}
+    assert verdicts["host hit <= 1.3 x floor"] == "PASS"
+    assert verdicts["host hit x floor <= LMCache hit x LMCache's own floor"] == "info"
+    assert verdicts["hybrid host hit <= 1.3 x hybrid floor"] != "PASS"
+    assert verdicts["hybrid host hit <= 1.3 x hybrid floor"] not in (render_results.REF_MISS, "info")
+    assert verdicts["hybrid disk hit <= 1.3 x (hybrid floor + 15 ms) (reference)"] == render_results.REF_MISS
+    measured = next(r["measured"] for r in rows if r["what"] == "host hit <= 1.3 x floor")
+    assert measured == "1.20x (worse of cross/same engine); cross-engine 1.10, same-engine 1.20"

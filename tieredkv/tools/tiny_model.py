@@ -24,12 +24,15 @@ def make_tiny_llama(
     seed: int = 0,
     sliding_window: int | None = None,
     layer_types: list[str] | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write the model once; later calls with the same geometry reuse it.
 
     ``sliding_window`` with ``layer_types`` (``"sliding_attention"``/``"full_attention"`` per
     layer) makes a hybrid like Gemma 2 (vLLM's hybrid KV-cache manager gives each kind its own
-    group); ``sliding_window`` alone an all-sliding model like Mistral."""
+    group); ``sliding_window`` alone an all-sliding model like Mistral. ``head_dim`` other than
+    hidden / heads gives a large KV per token on a small hidden size (an 8B-class model's
+    128 KiB per token: 32 layers, 8 KV heads, head dim 128, at hidden 256)."""
     path = Path(directory)
     spec = {
         "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
@@ -41,6 +44,8 @@ def make_tiny_llama(
         extra["sliding_window"] = spec["sliding_window"] = sliding_window
     if layer_types is not None:
         extra["layer_types"] = spec["layer_types"] = list(layer_types)
+    if head_dim is not None:
+        extra["head_dim"] = spec["head_dim"] = head_dim
     marker = path / SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path

@@ -1,0 +1,250 @@
+"""e2e_ttft's targets: each judged on the worse of its cross-engine and same-engine figures.
+
+Every hit row is compared with vLLM's prefix-cache hit twice: cross-engine (the row's median
+over the floor row's median, another engine) and same-engine (the median over rounds of
+``hit{i} / pfloor{i}``, the same prompt hit in vLLM's prefix cache of the row's own engine
+right after). The verdict takes the worse (larger) of the two: a target passes only when both
+are within it. For a disk target the floor is ``floor + KV / raw disk bandwidth`` on both
+sides. "At equal compute" (the floor's forward + the row's TTFT − forward) is printed beside
+as information; it does not decide.
+
+The targets: host hit <= 1.3 x floor; disk hits (5a, 5b) <= 1.3 x (floor + KV / raw disk BW);
+remote hit <= 1.5 x floor; a hit from a slow disk (5c) <= 1.1 x recompute (the cost model
+declines it); host hit, as a multiple of its floor, <= LMCache's hit as a multiple of LMCache's
+own floor (measured in LMCache's environment; the smaller of its two figures); the hybrid host
+hit <= 1.3 x the hybrid floor. The hybrid disk line is a reference (MISS, not in the exit
+status). A row whose hits did not happen FAILs; a target whose reference row (LMCache) is
+missing or did not hit is not judged, and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.ttft.judging import fmt_ms, fmt_or_na, median_of, same_hits
+from benchmarks.ttft.workload import (
+    DISK_TARGET,
+    HOST_TARGET,
+    LMCACHE_CONFIG,
+    LMCACHE_FLOOR_CONFIG,
+    REMOTE_TARGET,
+    SLOW_DISK_CONFIG,
+    SLOW_DISK_TARGET,
+)
+
+
+def floor_ratios(row: dict[str, Any], floor_row: dict[str, Any],
+                 extra_s: float = 0.0) -> dict[str, float | None]:
+    """``row`` over ``floor + extra_s``: cross-engine (medians of two engines), same-engine
+    (median of each round's hit over its own engine's prefix-cache hit right after, plus
+    ``extra_s``), and the worse of the two."""
+    cross = None
+    if row.get("median_s") and floor_row.get("median_s"):
+        cross = row["median_s"] / (floor_row["median_s"] + extra_s)
+    pairs = (row.get("paired_floor") or {}).get("pairs_s") or []
+    same = median_of([hit / (floor + extra_s) for _, hit, floor in pairs if floor + extra_s > 0])
+    worse = max((r for r in (cross, same) if r is not None), default=None)
+    return {"cross_engine_ratio": cross, "same_engine_ratio": same, "worse_ratio": worse}
+
+
+def _entry(target: str, config: str, limit: str, factor: float, ratios: dict[str, float | None],
+           ok_hit: bool, note: str, **extra: Any) -> dict[str, Any]:
+    worse = ratios["worse_ratio"]
+    return {"target": target, "config": config, "limit": limit, "factor": factor,
+            "note": note, "judged": True, **ratios, **extra,
+            "pass": bool(ok_hit and worse is not None and worse <= factor)}
+
+
+def _problem(row: dict[str, Any] | None, floor_row: dict[str, Any], what: str) -> str:
+    if row is None:
+        return f"{what} not run"
+    if not row["hit_ok"]:
+        return "hit did not happen: " + "; ".join(row["problems"])
+    if not floor_row["hit_ok"]:
+        return "the floor's hits did not happen: " + "; ".join(floor_row["problems"])
+    return ""
+
+
+def _equal_compute(row: dict[str, Any], floor_row: dict[str, Any], extra_s: float) -> float | None:
+    """Info: (floor's forward + row's TTFT − forward) / (floor + extra)."""
+    compute, ovh, floor = (floor_row.get("forward_median_s"), row.get("overhead_median_s"),
+                           floor_row.get("median_s"))
+    if compute is None or ovh is None or not floor:
+        return None
+    return (compute + ovh) / (floor + extra_s)
+
+
+def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> list[dict[str, Any]]:
+    """Every target of the non-hybrid rows present, judged on the worse-of figure."""
+    floor_row = rows["vllm_prefix"]
+    read_s = kv_bytes / disk_bw
+    out: list[dict[str, Any]] = []
+    for config, label, factor, extra in (
+        ("tieredkv_host", "host hit", HOST_TARGET, 0.0),
+        ("tieredkv_disk", "disk hit", DISK_TARGET, read_s),
+        ("tieredkv_disk_restart", "disk hit after restart", DISK_TARGET, read_s),
+        ("tieredkv_remote", "remote hit", REMOTE_TARGET, 0.0),
+    ):
+        row = rows.get(config)
+        if row is None:
+            continue
+        equal = same_hits(row, floor_row)
+        note = _problem(row, floor_row, config) or ("" if equal else "hit tokens differ from the floor's")
+        base = "floor" if not extra else f"(floor + KV / raw disk BW = {fmt_ms(read_s)} ms)"
+        out.append(_entry(f"{label} <= {factor:g} x {base}", config, f"{factor:g} x {base}", factor,
+                          floor_ratios(row, floor_row, extra), not note, note,
+                          equal_hit_tokens=equal,
+                          equal_compute_ratio=_equal_compute(row, floor_row, extra)))
+    slow = rows.get(SLOW_DISK_CONFIG)
+    if slow is not None:
+        recompute = rows["recompute"]
+        ratio = (slow["median_s"] / recompute["median_s"]
+                 if slow.get("median_s") and recompute.get("median_s") else None)
+        note = "" if slow["hit_ok"] else "not declined as it should be: " + "; ".join(slow["problems"])
+        out.append(_entry(f"slow disk <= {SLOW_DISK_TARGET:g} x recompute", SLOW_DISK_CONFIG,
+                          f"{SLOW_DISK_TARGET:g} x recompute", SLOW_DISK_TARGET,
+                          {"cross_engine_ratio": ratio, "same_engine_ratio": None,
+                           "worse_ratio": ratio}, not note, note))
+    lmcache = lmcache_verdict(rows)
+    if lmcache is not None:
+        out.append(lmcache)
+    return out
+
+
+def lmcache_floor_ratios(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """LMCache's row over each floor: its own (vLLM's prefix cache in LMCache's environment:
+    the ``lmcache_vllm_prefix`` row cross-engine, its engine's ``pfloor`` same-engine) and
+    tieredkv's (row 2, cross-engine: another vLLM build)."""
+    peer = rows.get(LMCACHE_CONFIG)
+    if peer is None:
+        return {}
+    out = {"tieredkv_floor": floor_ratios({**peer, "paired_floor": None}, rows["vllm_prefix"])}
+    own = rows.get(LMCACHE_FLOOR_CONFIG)
+    same_only = floor_ratios({"paired_floor": peer.get("paired_floor")}, {})
+    out["own_floor"] = floor_ratios(peer, own) if own is not None else same_only
+    figures = [r for r in (out["own_floor"]["cross_engine_ratio"],
+                           out["own_floor"]["same_engine_ratio"]) if r is not None]
+    out["own_floor"]["better_ratio"] = min(figures, default=None)
+    return out
+
+
+def lmcache_verdict(rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Host hit x its floor (worse of) <= LMCache hit x its own floor (the better of its
+    cross- and same-engine figures: the harder bar). Not judged when LMCache's row, its
+    floor, or its hits are missing; None when no LMCache row was asked for."""
+    host = rows.get("tieredkv_host")
+    if host is None or (LMCACHE_CONFIG not in rows and LMCACHE_FLOOR_CONFIG not in rows):
+        return None
+    mine = floor_ratios(host, rows["vllm_prefix"])
+    theirs = lmcache_floor_ratios(rows).get("own_floor") or {}
+    bar = theirs.get("better_ratio")
+    peer, own = rows.get(LMCACHE_CONFIG), rows.get(LMCACHE_FLOOR_CONFIG)
+    reason = ("LMCache row not run" if peer is None else
+              "LMCache's hits did not happen" if not peer["hit_ok"] else
+              "LMCache's floor row not run" if own is None else
+              "LMCache's floor's hits did not happen" if not own["hit_ok"] else
+              "no LMCache figure" if bar is None else "")
+    text = "host hit x floor <= LMCache hit x LMCache's own floor"
+    if reason:
+        return {"target": text, "config": "tieredkv_host", "limit": "LMCache's ratio",
+                "factor": None, "note": f"not judged: {reason}", "judged": False, "pass": False,
+                **mine}
+    note = _problem(host, rows["vllm_prefix"], "tieredkv_host")
+    return _entry(text, "tieredkv_host", f"LMCache x own floor = {bar:.2f}", bar, mine,
+                  not note, note, lmcache_own_floor=theirs)
+
+
+def hybrid_verdicts(rows: dict[str, dict[str, Any]], read_s: float) -> list[dict[str, Any]]:
+    """The hybrid rows against the hybrid floor: host hit <= 1.3 x hybrid floor (a target),
+    disk hit <= 1.3 x (hybrid floor + hybrid KV / raw disk BW = ``read_s``) (a reference:
+    ``reference`` True, not in the exit status); each on the worse-of figure. The hybrid hit
+    is chunk-aligned, so its TTFT includes a forward over the tail blocks the floor takes from
+    its cache; the equal-compute ratio beside it leaves that out."""
+    floor_row = rows.get("hybrid_vllm_prefix")
+    if floor_row is None:
+        return []
+    out = []
+    for config, label, factor, extra, reference in (
+        ("hybrid_tieredkv_host", "hybrid host hit", HOST_TARGET, 0.0, False),
+        ("hybrid_tieredkv_disk", "hybrid disk hit", DISK_TARGET, read_s, True),
+    ):
+        row = rows.get(config)
+        if row is None:
+            continue
+        base = "hybrid floor" if not extra else f"(hybrid floor + {fmt_ms(read_s)} ms)"
+        note = _problem(row, floor_row, config)
+        out.append(_entry(f"{label} <= {factor:g} x {base}" + (" (reference)" if reference else ""),
+                          config, f"{factor:g} x {base}", factor,
+                          floor_ratios(row, floor_row, extra), not note, note,
+                          reference=reference,
+                          equal_compute_ratio=_equal_compute(row, floor_row, extra)))
+    return out
+
+
+def lmcache_floor_text(rows: dict[str, dict[str, Any]]) -> str:
+    """LMCache's hit over each floor: its own (row 7f, vLLM's prefix cache in LMCache's
+    environment; and its engine's same-engine floor) and tieredkv's (row 2)."""
+    ratios = lmcache_floor_ratios(rows)
+    if not ratios:
+        return ""
+    own, theirs = ratios["own_floor"], ratios["tieredkv_floor"]
+    own_row = rows.get(LMCACHE_FLOOR_CONFIG)
+    return ("LMCache's hit over its own floor (row 7f, measured in `.venv-lmcache`"
+            + (f", median {fmt_ms(own_row['median_s'])} ms" if own_row else ", **not run**")
+            + f"): cross-engine {fmt_or_na(own['cross_engine_ratio'])}, same-engine "
+            f"{fmt_or_na(own['same_engine_ratio'])}, the better of the two "
+            f"**{fmt_or_na(own['better_ratio'])}** (the bar of the target 'host hit x floor <= "
+            f"LMCache hit x LMCache's own floor'); over tieredkv's floor (row 2, another "
+            f"environment): {fmt_or_na(theirs['cross_engine_ratio'])}.")
+
+
+def slow_disk_text(payload: dict[str, Any]) -> str:
+    """Row 5c's set-up: the delay injected, the unmeasured hits that taught the cost model."""
+    info = payload["params"].get("slow_disk") or {}
+    if SLOW_DISK_CONFIG not in payload["rows"]:
+        return f"**Row 5c (slow disk) not run**: {info.get('skipped', 'not selected')}."
+    return (f"**Row 5c, a slow disk.** Every read of the slab file sleeps "
+            f"{info.get('disk_read_delay_s', '?')} s first (`TIEREDKV_FAULTS` "
+            "`disk_read_delay_s`), far slower than recomputing; the cost model is on (the "
+            f"default). {info.get('learning_hits', '?')} unmeasured disk hits first teach it "
+            "the disk's speed; each measured hit must then be declined (counted in "
+            "`hits_declined{tier=\"disk\",reason=\"slower_than_recompute\"}`, at most the one "
+            "chunk an exploration reads loaded), so its TTFT is judged against recompute (row 1).")
+
+
+def counts(v: dict[str, Any]) -> bool:
+    """Whether a verdict sets the exit status: judged, and not a reference line."""
+    return bool(v.get("judged", True)) and not v.get("reference")
+
+
+def verdict_table(entries: list[dict[str, Any]], title: str = "target") -> str:
+    """Each target with its figures beside it: cross-engine, same-engine, the worse of the
+    two (which decides) against the limit, and the equal-compute ratio (info)."""
+    out = [f"| {title} | limit | x cross-engine | x same-engine | **worse of (decides)** "
+           "| verdict | at equal compute (info) |", "|---|---|---:|---:|---:|---|---:|"]
+    for v in entries:
+        if not v.get("judged", True):
+            verdict = "**NOT JUDGED**"
+        elif v["pass"]:
+            verdict = "**PASS**"
+        else:
+            verdict = "**MISS**" if v.get("reference") else "**FAIL**"
+        note = f" ({v['note']})" if v["note"] else ""
+        out.append(f"| {v['target']} | {v['limit']} | {fmt_or_na(v.get('cross_engine_ratio'))} "
+                   f"| {fmt_or_na(v.get('same_engine_ratio'))} "
+                   f"| **{fmt_or_na(v.get('worse_ratio'))}** vs {fmt_or_na(v.get('factor'))} "
+                   f"| {verdict}{note} | {fmt_or_na(v.get('equal_compute_ratio'))} |")
+    return "\n".join(out)
+
+
+def print_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """One line per target for the terminal: the deciding figure beside its limit."""
+    lines = []
+    for v in entries:
+        state = ("not judged" if not v.get("judged", True) else "PASS" if v["pass"]
+                 else "MISS" if v.get("reference") else "FAIL")
+        lines.append(f"{state:>10}  {v['target']}: {fmt_or_na(v.get('worse_ratio'))} "
+                     f"(cross-engine {fmt_or_na(v.get('cross_engine_ratio'))}, same-engine "
+                     f"{fmt_or_na(v.get('same_engine_ratio'))}) vs {fmt_or_na(v.get('factor'))}"
+                     + (f" — {v['note']}" if v["note"] else ""))
+    return lines

