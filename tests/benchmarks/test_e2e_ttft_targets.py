@@ -214,3 +214,15 @@ def test_report_states_kv_per_token_and_the_targets(tmp_path):
     assert "declined, every run (0 run(s) explored one chunk)" in text
     assert "**Row 5c, a slow disk.** Every read of the slab file sleeps 0.5 s" in text
     assert "ExampleConnector" in text and "faster than ExampleConnector" not in text
+
+
+def test_the_plot_draws_the_new_rows(tmp_path):
+    from benchmarks.ttft import plot
+
+    rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"), tieredkv_slow_disk=slow_disk(),
+                lmcache_vllm_prefix=hit_rounds(0.2, None))
+    payload = {"rows": rows, "machine": {"cpu": "test cpu"}, "lmcache": {},
+               "raw_disk_read": {"gb_per_s": 1.0},
+               "params": {"kv_bytes": 4 << 20, "prompt_lengths": LENGTHS, "expected_hit_tokens": FLOOR}}
+    plot.plot(payload, tmp_path / "e2e_ttft.png")
+    assert (tmp_path / "e2e_ttft.png").stat().st_size > 0
