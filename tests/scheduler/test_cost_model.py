@@ -120,6 +120,22 @@ def test_the_prefill_rate_counts_only_prefill_sized_steps():
     assert cost.recompute_seconds(1000) == pytest.approx(0.1)
 
 
+def test_the_rate_pairs_each_output_with_its_own_step_under_async_scheduling():
+    """vLLM's async scheduling schedules step k+1 before step k's output comes back: each
+    output belongs to the oldest step still out, not to the latest one scheduled."""
+    clock = Clock()
+    cost = model(clock)
+    for _ in range(MIN_SAMPLES):
+        cost.step_scheduled(2 * CHUNK_TOKENS)  # step k: a prefill
+        clock.now += 0.001
+        cost.step_scheduled(1)  # step k+1, a decode, scheduled before k's output
+        clock.now += 0.2
+        cost.step_done()  # k's output: two chunks' tokens over 0.201 s
+        clock.now += 0.01
+        cost.step_done()  # k+1's output: a decode, no sample
+    assert cost.prefill_tokens_per_s == pytest.approx(2 * CHUNK_TOKENS / 0.201)
+
+
 def test_a_slow_tier_is_declined_once_per_request_and_explored_one_chunk_at_a_time():
     clock = Clock()
     counters = Counts()

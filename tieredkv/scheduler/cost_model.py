@@ -49,6 +49,7 @@ from tieredkv.metrics.specs import Count, Counts
 
 WINDOW = 8  # fill rounds per tier the fit looks at: a recovered tier counts after ~5 rounds
 RATE_WINDOW = 16  # prefill steps the rate's median looks at
+STEPS_IN_FLIGHT = 4  # steps scheduled ahead of their output (async scheduling runs 1 ahead)
 MIN_SAMPLES = 3  # below this, no estimate: every fill is allowed
 EXPLORE_INTERVAL_S = 5.0  # while a tier is declined, one chunk read this often
 DEFAULT_MARGIN = 0.2
@@ -121,7 +122,11 @@ class CostModel:
         self._reads: dict[str, ReadEstimate] = {}
         self._rounds: dict[int, _Round] = {}
         self._rates: deque[float] = deque(maxlen=RATE_WINDOW)
-        self._step: tuple[float, int] | None = None
+        # Steps scheduled, not yet reported: (time, tokens), oldest first. vLLM's async
+        # scheduling schedules step k+1 before step k's output comes back, and outputs come
+        # back in order, so each output is the oldest step's (pairing it with the latest
+        # one would divide step k+1's tokens by step k's time).
+        self._steps: deque[tuple[float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
         self._explored: dict[str, float] = {}
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
         self._probe_waits: dict[str, float] = {}
@@ -147,15 +152,17 @@ class CostModel:
 
     def step_scheduled(self, tokens: int) -> None:
         """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``)."""
-        self._step = (self._clock(), tokens) if tokens >= self.chunk_tokens else None
+        self._steps.append((self._clock(), tokens))
 
     def step_done(self) -> None:
-        """The step's output came back (``update_connector_output``): a prefill-rate sample."""
-        step, self._step = self._step, None
-        if step is not None:
-            elapsed = self._clock() - step[0]
-            if elapsed > 0:
-                self._rates.append(step[1] / elapsed)
+        """The oldest scheduled step's output came back (``update_connector_output``): a
+        prefill-rate sample if it computed at least a chunk's tokens."""
+        if not self._steps:
+            return
+        started, tokens = self._steps.popleft()
+        elapsed = self._clock() - started
+        if tokens >= self.chunk_tokens and elapsed > 0:
+            self._rates.append(tokens / elapsed)
 
     # ------------------------------------------------------------------ estimates
 
