@@ -352,3 +352,31 @@ def test_a_chats_next_turn_on_another_replica_hits_the_previous_turns_tail(
     assert all(torch.equal(x, y) for x, y in zip(got, _rows(a.kv, a_blocks[:n]), strict=True))
     b.planner.take_counter_deltas()
     assert b.planner.counters["remote_probes"] == 2  # the chunks, then the tail inside
+
+
+def test_a_tail_that_could_add_no_token_is_never_asked_for(make_replica, redis_server):
+    """vLLM's own cache already covers every block a hit could use: the lookup answers 0 at
+    once instead of waiting for a probe of the tail (review of #25)."""
+    prompt = list(range(3, 3 + 2 * CHUNK_TOKENS + 2 * BLOCK + 5))
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("a", prompt, list(range(-(-len(prompt) // BLOCK))))
+    b = make_replica(redis_server.url, seed=2)
+    limit = (len(prompt) - 1) // BLOCK * BLOCK
+    assert b.planner.lookup("b", keys_for(prompt), limit, len(prompt)) == 0
+    b.planner.take_counter_deltas()
+    assert b.planner.counters["remote_probes"] == 0
+
+
+def test_a_local_tail_serving_every_usable_block_wins_over_a_remote_one(make_replica, redis_server):
+    """Redis holds a three-block tail whose last block the hit cannot use (the prompt ends on
+    that block's boundary); host holds a two-block tail of the same prefix: the hit is served
+    from host at once, no remote read (review of #25)."""
+    prompt = list(range(9, 9 + CHUNK_TOKENS + 3 * BLOCK))
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("a", prompt, list(range(len(prompt) // BLOCK)))
+    b = make_replica(redis_server.url, seed=2)
+    shorter = prompt[:CHUNK_TOKENS + 2 * BLOCK + 5]
+    b.compute_and_store("s", shorter, list(range(20, 20 + -(-len(shorter) // BLOCK))))
+    hit = b.planner.lookup("b", keys_for(prompt), 0, len(prompt))
+    assert hit == CHUNK_TOKENS + 2 * BLOCK
+    assert b.planner.take_plan().of(Move.REMOTE_READ) == []

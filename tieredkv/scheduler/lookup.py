@@ -74,7 +74,7 @@ class Lookup:
             return
         limit = (num_tokens - 1) // self.unit * self.unit
         last = min(len(keys), -(-limit // self.chunk_tokens))
-        tail = self._remote_tail_keys(keys, last, limit)
+        tail = self._remote_tail_keys(keys, last, limit, 0)
         if last > 0 or tail:
             materialize = getattr(keys, "materialize", None)
             chunks = (materialize(last) if materialize is not None else keys)[:last]
@@ -151,9 +151,9 @@ class Lookup:
         remote_tail: tuple[bytes, int] | None = None
         tail: tuple[bytes, ...] = ()
         if self.remote is not None and not state.remote_done:
-            tail = self._remote_tail_keys(request_keys, last, limit)
-            if tail and i == last and self._held_here(tail[-1]):
-                tail = ()  # host or disk holds the whole partial chunk: nothing to ask
+            tail = self._remote_tail_keys(request_keys, last, limit, num_computed_tokens)
+            if tail and i == last and self._held_here(request_keys, limit):
+                tail = ()  # host or disk holds every block a hit could use: nothing to ask
         if self.remote is not None and (i < last or tail) and not state.remote_done:
             if materialize is not None:
                 keys = materialize(last)
@@ -178,8 +178,9 @@ class Lookup:
                 # (where an earlier, shorter prompt ended: a chat's previous turn) may be
                 # there. One more call, once the first answered; never for a prompt no tier
                 # holds a chunk of (a cold miss does not wait a second round trip).
-                inner = self._tail_keys_in(request_keys, end, limit)
-                if inner and not self._held_here(inner[-1]):
+                inner = self._tail_keys_in(request_keys, end, limit, num_computed_tokens)
+                longest = min(limit, (end + 1) * self.chunk_tokens - self.block_size)
+                if inner and not self._held_here(request_keys, longest):
                     tail_id = req_id + INNER_TAIL
                     if self.remote.poll(tail_id, keys[:end], inner) is None:
                         if self._cost is None or self._cost.may_wait_for_probe(
@@ -206,7 +207,8 @@ class Lookup:
                     lower_chunks.append(partial_key)
                 elif kind == PENDING:
                     pending = True
-        if remote_tail is not None and remote_tail[1] > partial_blocks:
+        if (remote_tail is not None
+                and self._usable(remote_tail[1], i + len(remote_chunks), limit) > partial_blocks):
             if partial_key is not None:  # a shorter tail here: the remote one serves more
                 run.pop()
                 if lower_chunks and lower_chunks[-1] == partial_key:
@@ -283,27 +285,43 @@ class Lookup:
         return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],
                 partial_key if partial_key in kept else None)
 
-    def _remote_tail_keys(self, keys: Any, last: int, limit: int) -> tuple[bytes, ...]:
+    def _remote_tail_keys(self, keys: Any, last: int, limit: int,
+                          computed: int) -> tuple[bytes, ...]:
         """:meth:`_tail_keys_in` the partial chunk right after chunk ``last - 1``, if the
         prompt's limit lies in it (asked with the whole chunks, in the first call)."""
         if limit // self.chunk_tokens != last:
             return ()
-        return self._tail_keys_in(keys, last, limit)
+        return self._tail_keys_in(keys, last, limit, computed)
 
-    def _tail_keys_in(self, keys: Any, chunk: int, limit: int) -> tuple[bytes, ...]:
-        """The block keys of ``chunk`` in block order, but its last (the whole chunk's key),
-        up to the block holding ``limit`` (a tail is keyed by its last block, and a prompt
-        that ends on a block boundary stored that block too; the hit still ends at
-        ``limit``): where the remote tier may hold a tail. Empty when keys are not
-        block-granular or the model is hybrid (its hits end on chunk boundaries)."""
+    def _tail_keys_in(self, keys: Any, chunk: int, limit: int,
+                      computed: int) -> tuple[bytes, ...]:
+        """The block keys of ``chunk`` in block order, from its first block to the block
+        holding ``limit`` (a tail is keyed by its last block: one ending on a block boundary
+        holds that block, which the hit never covers, and every block before it), never its
+        last (the whole chunk's key): where the remote tier may hold a tail. Empty when no
+        tail there could serve a block past the ``computed`` tokens, keys are not
+        block-granular, or the model is hybrid (its hits end on chunk boundaries)."""
         if self.slot_rows is not None or not getattr(keys, "block_granular", False):
             return ()
-        base = chunk * self.chunk_blocks
-        stop = min(limit // self.block_size + 1, keys.num_blocks, base + self.chunk_blocks - 1)
-        return keys.block_keys(base, stop) if stop > base else ()
+        C, bs = self.chunk_blocks, self.block_size
+        base = chunk * C
+        usable_end = min(limit // bs, base + C - 1)  # blocks a hit may cover end before this
+        if usable_end <= max(base, computed // bs):
+            return ()
+        stop = min(usable_end + 1, keys.num_blocks, base + C - 1)
+        return keys.block_keys(base, stop)
 
-    def _held_here(self, key: bytes) -> bool:
-        """Whether host or the lower tier holds the block named ``key`` (a tail there)."""
+    def _usable(self, blocks: int, chunk: int, limit: int) -> int:
+        """Blocks of a tail of ``chunk`` holding ``blocks`` that a hit ending by ``limit`` uses."""
+        return max(0, min(blocks, limit // self.block_size - chunk * self.chunk_blocks))
+
+    def _held_here(self, keys: Any, end_token: int) -> bool:
+        """Whether host or the lower tier holds the last block a hit ending by ``end_token``
+        could use (then its partial entry serves every block a remote tail could)."""
+        block = min(end_token, keys.num_blocks * self.block_size) // self.block_size - 1
+        if block < 0:
+            return False
+        key = keys.block_key(block)
         if self.host.ready_holder(key) is not None:
             return True
         lower = self.lower
