@@ -245,8 +245,10 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         "\n".join(f"- peer (does not fail the run): {e}" for e in payload.get("peer_errors", [])),
     ]
     out_dir = common.results_dir(out_dir)
-    json_path = common.write_json(out_dir / f"{NAME}.json", payload)
-    md_path = common.write_markdown(out_dir / f"{NAME}.md", "Serving benchmark: multi-round long-context chat",
+    # Another model shape writes files of its own: the tiny default's are not overwritten.
+    stem = NAME if payload.get("model_shape", "tiny") == "tiny" else f"{NAME}_{payload['model_shape']}"
+    json_path = common.write_json(out_dir / f"{stem}.json", payload)
+    md_path = common.write_markdown(out_dir / f"{stem}.md", "Serving benchmark: multi-round long-context chat",
                                     [s for s in sections if s])
     png_path = None
     levels = payload["levels"]
@@ -279,7 +281,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         exceed_note = (f"working set > device KV cache from {min(exceeding)} users on"
                        if exceeding else "working set never exceeds the device KV cache")
         png_path = common.plot_panels(
-            out_dir / f"{NAME}.png",
+            out_dir / f"{stem}.png",
             [
                 {"title": f"TTFT p50 (whisker: p99), medians of {payload.get('repeats', 1)} repeat(s)\n"
                           f"{exceed_note}",

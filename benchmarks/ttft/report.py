@@ -39,9 +39,10 @@ from benchmarks.ttft.workload import (
 
 def write_outputs(payload: dict[str, Any]) -> tuple[Path, Path, Path]:
     out = common.results_dir()
-    json_path = out / f"{NAME}.json"
-    md_path = out / f"{NAME}.md"
-    png_path = out / f"{NAME}.png"
+    # Another model shape writes files of its own: the tiny default's are not overwritten.
+    shape = payload["params"].get("model_shape", "tiny")
+    stem = NAME if shape == "tiny" else f"{NAME}_{shape}"
+    json_path, md_path, png_path = (out / f"{stem}.{ext}" for ext in ("json", "md", "png"))
     text = json.dumps(payload, indent=2, default=str) + "\n"
     json_path.write_text(text)
     md_path.write_text(f"# End-to-end TTFT\n\n{payload['markdown']}\n")

@@ -189,7 +189,7 @@ def test_the_child_imports_without_tieredkv():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_report_states_kv_per_token_and_the_targets(tmp_path):
+def test_report_states_kv_per_token_and_the_targets(tmp_path, monkeypatch):
     rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"),
                 tieredkv_slow_disk=slow_disk())
     rows["example_connector"] = judging.summarize("example_connector", hit_rounds(0.2, 0.1), FLOOR)
@@ -214,6 +214,12 @@ def test_report_states_kv_per_token_and_the_targets(tmp_path):
     assert "declined, every run (0 run(s) explored one chunk)" in text
     assert "**Row 5c, a slow disk.** Every read of the slab file sleeps 0.5 s" in text
     assert "ExampleConnector" in text and "faster than ExampleConnector" not in text
+    # Another shape's results go to files of their own (the tiny default's are kept).
+    monkeypatch.setenv("TIEREDKV_RESULTS_DIR", str(tmp_path / "results"))
+    payload.update(markdown=text, machine={"name": "test", "cpu": "test cpu"})
+    paths = report.write_outputs(payload)
+    assert [p.name for p in paths] == ["e2e_ttft_8b-kv.json", "e2e_ttft_8b-kv.md", "e2e_ttft_8b-kv.png"]
+    assert json.loads(paths[0].read_text())["params"]["kv_bytes_per_token"] == 131072
 
 
 def test_the_plot_draws_the_new_rows(tmp_path):

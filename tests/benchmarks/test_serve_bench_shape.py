@@ -23,6 +23,8 @@ def test_results_state_kv_bytes_per_token(tmp_path):
     payload = payload_for(tmp_path)
     payload.update(model=workload.MODEL_SHAPES["8b-kv"], model_shape="8b-kv",
                    kv_bytes_per_token=131072)
-    _, md_path, _ = report.write_outputs(payload, tmp_path / "a")
+    json_path, md_path, _ = report.write_outputs(payload, tmp_path / "a")
+    # Its own files: the tiny default's results are not overwritten.
+    assert (json_path.name, md_path.name) == ("serve_bench_8b-kv.json", "serve_bench_8b-kv.md")
     md = md_path.read_text()
     assert "32 layers, 4 KV heads, head dim 128), shape `8b-kv`, **131,072 bytes (128 KiB) of KV per token**" in md
