@@ -320,7 +320,8 @@ def lmcache_comparison(rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None
         + ("" if v["lmcache_fewer_tokens"] is None else f" (LMCache {v['lmcache_fewer_tokens']} fewer)")
         for k, v in out["by_prompt"].items()
     ) + " (LMCache stores whole 256-token chunks only; its hit computes the rest of the prompt)"
-    out["text"] = "info (no target, not in the exit status): " + text
+    out["text"] = ("info (ratio of raw medians, not in the exit status; the target compares "
+                   "each row's ratio to its own floor): " + text)
     return out
 
 

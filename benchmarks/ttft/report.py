@@ -272,7 +272,8 @@ def hybrid_markdown(payload: dict[str, Any]) -> str:
 
 def remote_markdown(payload: dict[str, Any]) -> str:
     """Row 6 on its own: how replica A filled Redis, the chunk-aligned hit replica B got, and
-    its ratios to the floor and to recompute (no target is named for it)."""
+    its ratios to the floor and to recompute (its target, <= 1.5 x floor, is in the targets'
+    table)."""
     remote = payload.get("remote") or {}
     rows = payload["rows"]
     if "tieredkv_remote" not in rows:
@@ -290,7 +291,8 @@ def remote_markdown(payload: dict[str, Any]) -> str:
     hit = "yes" if row["hit_ok"] else "**NO — FAIL** (" + "; ".join(row["problems"]) + ")"
     read_chunks = sorted({c.get("remote_read_chunks", 0) for c in row.get("tieredkv_counters", [])})
     table = [
-        "| remote-tier row (no target named) | TTFT median (ms) | x floor, cross-engine "
+        "| remote-tier row (target: <= 1.5 x floor, worse of the two) | TTFT median (ms) "
+        "| x floor, cross-engine "
         "| x floor, same engine | x recompute (row / recompute) | recompute / row "
         "| hit tokens per prompt | expected (whole chunks) | floor's hit | tokens computed per "
         "prompt (remote hit vs floor) | forward compute, median (ms) | TTFT − compute, median (ms) "
@@ -389,8 +391,8 @@ def lmcache_markdown(payload: dict[str, Any]) -> str:
         f"{info.get('chunk_tokens', '?')}-token chunks only, so each hit must be "
         + "; ".join(f"{k} {expected.get(k, 0):,} tokens (the floor's {floor_hit[k]:,}; computed "
                     f"{lengths[k] - expected.get(k, 0)} vs {lengths[k] - floor_hit[k]})" for k in lengths)
-        + " — checked through `num_cached_tokens` (not at equal hit tokens: no target is named "
-        "for this row), and against the server's log: it logged "
+        + " — checked through `num_cached_tokens` (not at equal hit tokens: its target compares "
+        "ratios to each row's own floor), and against the server's log: it logged "
         f"{counts.get('retrieved_tokens', 'n/a')} tokens retrieved and "
         f"{counts.get('stored_tokens', 'n/a')} stored over the run. Hits: "
         + ("yes" if row["hit_ok"] else "**NO** (" + "; ".join(row["problems"]) + ")") + ".",

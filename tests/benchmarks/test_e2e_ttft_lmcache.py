@@ -183,7 +183,7 @@ def test_comparison_is_info_and_needs_both_hits():
                                      "lmcache_fewer_tokens": 128,
                                      "tieredkv_host_over_lmcache": pytest.approx(0.5)}
     assert out["by_prompt"]["B"]["lmcache_fewer_tokens"] == 64
-    assert out["text"].startswith("info (no target")
+    assert out["text"].startswith("info (ratio of raw medians")
     assert "= 0.50" in out["text"] and "LMCache 128 fewer" in out["text"]
     missed = judging.summarize(workload.LMCACHE_CONFIG, rounds(FLOOR, 0.10), FLOOR, expected_lmcache=LMCACHE)
     out = judging.lmcache_comparison({"tieredkv_host": host, workload.LMCACHE_CONFIG: missed})
@@ -205,7 +205,7 @@ def test_report_states_the_settings_and_skips(peer, tmp_path):
     for needed in ("lmcache 0.5.6", "chunk 256 tokens", f"{workload.host_tier_bytes(LENGTHS) / 2**20:.0f} MiB",
                    "A 3,840 tokens (the floor's 3,968; computed 160 vs 32)",
                    "LMCacheMPConnector", "`disable_hybrid_kv_cache_manager=True`", "--chunk-size 256",
-                   "14848 tokens retrieved", "info (no target"):
+                   "14848 tokens retrieved", "info (ratio of raw medians"):
         assert needed in text, needed
     brief = report.brief_table(rows, FLOOR, LMCACHE)
     assert "| lmcache | 50.0 | 4 |" in brief and "A 3840 ×2; B 3584 ×2 | A 3840; B 3584 | A 3968 ×2" in brief
