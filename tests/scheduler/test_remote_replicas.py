@@ -380,3 +380,16 @@ def test_a_local_tail_serving_every_usable_block_wins_over_a_remote_one(make_rep
     hit = b.planner.lookup("b", keys_for(prompt), 0, len(prompt))
     assert hit == CHUNK_TOKENS + 2 * BLOCK
     assert b.planner.take_plan().of(Move.REMOTE_READ) == []
+
+
+def test_a_shorter_prompt_still_hits_its_tail_after_the_chat_moved_on(make_replica, redis_server):
+    """Replica A served turn 1 (a tail in chunk 1), then turn 2 stored chunk 1 whole: a
+    retry of turn 1 on replica B still hits all of turn 1's full blocks from Redis (the tail
+    stays there; B could never find turn 2's longer entry under turn 1's keys)."""
+    turn1 = list(range(4, 4 + CHUNK_TOKENS + 2 * BLOCK + 3))
+    turn2 = turn1 + list(range(900, 900 + CHUNK_TOKENS))
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("t1", turn1, list(range(-(-len(turn1) // BLOCK))))
+    a.compute_and_store("t2", turn2, list(range(-(-len(turn2) // BLOCK))))
+    b = make_replica(redis_server.url, seed=2)
+    assert b.lookup("b", turn1) == (len(turn1) - 1) // BLOCK * BLOCK

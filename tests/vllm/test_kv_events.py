@@ -262,7 +262,7 @@ def with_remote_tier(h: SchedulerHalf) -> None:
     probe = SimpleNamespace(known=lambda key: False, unknow=lambda key: None,
                             names=lambda key: [key.hex()])
     tier = RemoteTier(probe, is_up=lambda: True, writes=True, admission=1,
-                      seen_limit=64, server_info=lambda: None, delete=lambda names: len(names))
+                      seen_limit=64, server_info=lambda: None)
     h.planner = Planner(old.config, block_size=BLOCK, num_host_slots=old.host.num_slots,
                         remote=tier)
     h.planner.host.listener = h.events
@@ -292,8 +292,8 @@ def test_the_shared_tier_is_announced_as_remote_storage_once_written():
     (event,) = h.take_events()
     assert (event.medium, event.locality, event.ownership) == ("STORAGE", "REMOTE", "shared")
     assert event.block_hashes == ext(a, [0])
-    # Its whole chunk is written later: only the new blocks are announced; the tail's value,
-    # deleted as superseded, removes nothing (the chunk's value holds its block).
+    # Its whole chunk is written later: only the new blocks are announced; the tail's value
+    # stays in Redis (and the chunk's value holds its block too): nothing is removed.
     b = request("b", list(range(CHUNK + 1)))
     store_without_probe(h, b)
     writes = h.planner.take_plan().of(Move.REMOTE_WRITE)

@@ -11,8 +11,9 @@
   (``remote_admission``) and not known to be there; :meth:`Placer.plan_remote_writes` turns
   the queue into write jobs, the host copy pinned until every rank copied it out. A prompt's
   tail goes there too (one KV-cache group): its value holds only its own rows, never the
-  rest of its slot (a previous tenant's rows, issue #23); once a longer entry of its chunk
-  is written, the tails of that chunk this engine wrote are deleted (one copy in Redis).
+  rest of its slot (a previous tenant's rows, issue #23). A tail stays in Redis when a
+  longer entry of its chunk lands: Redis has no aliases, so a prompt ending at the tail
+  finds only the tail (its keys stop where it ends), never the longer entry.
 * Settle/supersede: an entry that becomes READY drops the shorter entries of its tier whose
   blocks it holds, or is dropped itself when a longer READY entry holds all of its blocks
   (a prompt's tail that grew leaves one copy, not two).
@@ -253,17 +254,9 @@ class Placer:
         assert remote is not None
         if not outcome.failed:
             self.counters[Count.REMOTE_WRITTEN_CHUNKS] += 1
-            placement = self.host.get(key)  # pinned until now: still there
             listener = self.host.listener  # KV events: the shared tier holds it now
             if listener is not None:
                 listener.entry_ready(Tier.REMOTE, key, ())
-            if placement is not None and placement.aliases:
-                gone = remote.delete_superseded(placement.aliases)
-                if gone:
-                    self.counters[Count.SUPERSEDED, Tier.REMOTE] += gone
-                if listener is not None:
-                    for alias in placement.aliases:
-                        listener.entry_gone(Tier.REMOTE, alias)
             return
         remote.forget_key(key)  # not (all) there: a later sighting may write it again
         if outcome.failure == FailureCause.DROPPED:

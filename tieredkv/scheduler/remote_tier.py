@@ -320,13 +320,9 @@ class RemoteTier(LowerTier):
         seen_limit: int,
         written_capacity: int = WRITTEN_CAPACITY,
         server_info: ServerInfo | None = None,
-        delete: Callable[[list[bytes]], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``delete``: removes Redis keys (every rank's, at once) without waiting; a tail this
-        engine wrote is deleted once a longer entry of its chunk is written."""
         self.probe = probe
-        self._delete = delete
         # Tails a lookup found, until their fill ends: entry key -> blocks it holds.
         self._tails: dict[bytes, int] = {}
         self._is_up = is_up
@@ -410,22 +406,6 @@ class RemoteTier(LowerTier):
         written.move_to_end(key)
         while len(written) > self._written_capacity:
             written.popitem(last=False)
-
-    def wrote(self, key: bytes) -> bool:
-        """Whether this engine wrote ``key`` (and no read of it failed since)."""
-        return key in self._written
-
-    def delete_superseded(self, keys: Sequence[bytes]) -> int:
-        """A longer entry of their chunk is written: delete these tails this engine wrote
-        (every rank's key, one call, not waited for), so Redis keeps one copy. Returns how
-        many were deleted."""
-        gone = [key for key in keys if key in self._written]
-        if not gone or self._delete is None:
-            return 0
-        for key in gone:
-            self.forget_key(key)
-        self._delete([name for key in gone for name in self.probe.names(key)])
-        return len(gone)
 
     def forget_key(self, key: bytes) -> None:
         """A read of ``key`` failed: it is not there (or not usable); it may be written again."""

@@ -151,7 +151,6 @@ class SchedulerHalf:
             admission=config.remote_admission,
             seen_limit=max(1024, 4 * (host_slots + disk_slots)),
             server_info=lambda: store.run(lambda: store.store.server_info(), None),
-            delete=lambda names: store.batch_delete(names, timeout_s=config.remote_timeout_s),
         )
 
     def _open_events(self, vllm_config: Any, kv_cache_config: Any, hash_block: int):
