@@ -151,3 +151,120 @@ def test_tiers_are_announced_with_vllms_hashes_evictions_removed_and_disk_after_
     again = block_tokens(of(second, "BlockStored", "STORAGE"))
     assert on_disk <= set(again)
     assert all(again[h] == storage[h] for h in on_disk)
+
+
+class Router:
+    """The tiny cache-aware router of the demonstration: per replica, the block hashes its
+    events say it holds (any medium); a prompt goes to the replica holding its longest prefix.
+
+    Block hashes of a prompt are learned from the events themselves (``parent_block_hash`` and
+    each block's ``token_ids``), as a router that does not compute vLLM's hashes does."""
+
+    def __init__(self, subscribers: list[Subscriber]) -> None:
+        self.subscribers = subscribers
+        self.seen = [0] * len(subscribers)
+        self.held: list[dict[str, set]] = [{} for _ in subscribers]
+        self.learned: dict[tuple, int] = {}
+        self.load = [0] * len(subscribers)
+
+    def _catch_up(self) -> None:
+        for r, sub in enumerate(self.subscribers):
+            new = sub.events[self.seen[r]:]
+            self.seen[r] += len(new)
+            for e in new:
+                name = type(e).__name__
+                if name == "BlockStored":
+                    for i, h in enumerate(e.block_hashes):
+                        parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
+                        tokens = tuple(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
+                        self.learned[parent, tokens] = h
+                    self.held[r].setdefault(e.medium, set()).update(e.block_hashes)
+                elif name == "BlockRemoved":
+                    self.held[r].get(e.medium, set()).difference_update(e.block_hashes)
+                elif name == "AllBlocksCleared":
+                    self.held[r].clear()
+
+    def score(self, r: int, tokens: list[int], media: tuple[str, ...] | None = None) -> int:
+        """Blocks of ``tokens``' prefix replica ``r`` holds (in ``media``; None: any)."""
+        self._catch_up()
+        sets = [s for m, s in self.held[r].items() if media is None or m in media]
+        parent, n = None, 0
+        for b in range(len(tokens) // BLOCK_SIZE):
+            h = self.learned.get((parent, tuple(tokens[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE])))
+            if h is None or not any(h in s for s in sets):
+                break
+            parent, n = h, n + 1
+        return n
+
+    def route(self, tokens: list[int]) -> int:
+        scores = [self.score(r, tokens) for r in range(len(self.subscribers))]
+        best = max(range(len(scores)), key=lambda r: (scores[r], -self.load[r]))
+        self.load[best] += 1
+        return best
+
+    def wait_for(self, r: int, tokens: list[int], blocks: int, timeout_s: float = 120.0) -> None:
+        """Until replica ``r``'s events cover ``blocks`` blocks of ``tokens`` (fails after
+        ``timeout_s``, never passes for it)."""
+        deadline = time.monotonic() + timeout_s
+        while self.score(r, tokens) < blocks:
+            assert time.monotonic() < deadline, "the replica's events never covered the prompt"
+            time.sleep(0.05)
+
+
+def test_a_router_fed_by_the_events_beats_round_robin(tiny_model, tmp_path: Path):
+    """Two replicas with small device caches; three documents asked four times each,
+    interleaved. Round-robin computes every document on both replicas; the router sends each to
+    the replica whose events (device and tieredkv's host tier) cover it."""
+    import json
+
+    from tests.e2e.conftest import make_prompt
+    from tieredkv.tools.vllm_server import Server
+
+    subs = [Subscriber(), Subscriber()]
+    servers = []
+    try:
+        for i, sub in enumerate(subs):
+            events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": sub.endpoint, "topic": "kv"}
+            servers.append(Server(
+                Path(tiny_model), tieredkv_config(host_bytes="64MiB"), tmp_path / f"replica{i}.log",
+                extra_args=["--enable-prefix-caching", "--num-gpu-blocks-override", "48",
+                            "--max-model-len", "1280", "--kv-events-config", json.dumps(events)],
+            ).start())
+        router = Router(subs)
+        doc_blocks = 1024 // BLOCK_SIZE
+
+        def workload(seed: int) -> list[list[int]]:
+            docs = [make_prompt(seed + d, 1024) for d in range(3)]
+            return [make_prompt(seed * 100 + k, 1024 + 64, prefix=docs[k % 3]) for k in range(12)]
+
+        def run(prompts: list[list[int]], choose) -> int:
+            hits = 0
+            for k, prompt in enumerate(prompts):
+                r = choose(k, prompt)
+                _, _, cached = servers[r].complete_with_usage(prompt, max_tokens=4)
+                hits += cached
+                router.wait_for(r, prompt, doc_blocks)
+            return hits
+
+        cpu_only = []
+
+        def routed(k: int, prompt: list[int]) -> int:
+            r = router.route(prompt)
+            if router.score(r, prompt) > router.score(r, prompt, media=("GPU",)):
+                cpu_only.append(k)  # routed by blocks the device had evicted
+            return r
+
+        routed_hits = run(workload(10), routed)
+        round_robin_hits = run(workload(20), lambda k, prompt: k % 2)
+        print(f"cached prompt tokens: routed {routed_hits}, round-robin {round_robin_hits} "
+              f"(of {12 * 1088}); routed by host-tier events only: requests {cpu_only}")
+        # Round-robin: each document misses once per replica (6 misses); routed: once (3).
+        assert routed_hits > round_robin_hits, (routed_hits, round_robin_hits)
+        assert routed_hits >= 9 * (1024 - BLOCK_SIZE), routed_hits
+        assert cpu_only, "no request was routed by tieredkv's host-tier events"
+    finally:
+        for server in servers:
+            server.stop()
+        for sub in subs:
+            sub.close()
