@@ -17,6 +17,19 @@ from typing import Any
 from benchmarks.ttft.workload import BLOCK_SIZE
 
 
+def flat_counts(snapshot: dict[str, Any]) -> dict[str, int]:
+    """tieredkv's counters under one flat name each (``hit_tokens_host``,
+    ``hits_declined_slower_than_recompute_disk``): the stats snapshot nests a counter kept by
+    tier or cause as ``{count: {label: n}}``, and a run's records are per-run differences."""
+    out: dict[str, int] = {}
+    for count, value in snapshot.items():
+        if isinstance(value, dict):
+            out.update({f"{count}_{label}": n for label, n in value.items()})
+        else:
+            out[count] = value
+    return out
+
+
 def _scheduler_half(llm) -> Any:
     core = llm.llm_engine.engine_core
     core = getattr(core, "engine_core", core)
@@ -297,7 +310,7 @@ def child_main(spec_path: str) -> None:
 
     def counters() -> dict[str, Any]:
         half = _scheduler_half(llm)
-        return half.planner.counters.snapshot() if half is not None else {}
+        return flat_counts(half.planner.counters.snapshot()) if half is not None else {}
 
     def run(phase: dict[str, Any]) -> dict[str, Any] | None:
         kind = phase["kind"]

@@ -232,3 +232,18 @@ def test_the_plot_draws_the_new_rows(tmp_path):
                "params": {"kv_bytes": 4 << 20, "prompt_lengths": LENGTHS, "expected_hit_tokens": FLOOR}}
     plot.plot(payload, tmp_path / "e2e_ttft.png")
     assert (tmp_path / "e2e_ttft.png").stat().st_size > 0
+
+
+def test_the_childs_counters_are_flat_per_run_names():
+    """The stats snapshot nests a counter kept by tier ({count: {label: n}}); the child's
+    per-run differences (``after - before``) need one flat number per name, the names the
+    judging reads (hit_tokens_disk, hits_declined_slower_than_recompute_disk)."""
+    from benchmarks.ttft.child import flat_counts
+    from tieredkv.metrics.specs import Count, Counts
+
+    counts = Counts()
+    counts[Count.HIT_TOKENS, "disk"] = 3968
+    counts[Count.HITS_DECLINED_SLOWER, "disk"] = 1
+    flat = flat_counts(counts.snapshot())
+    assert flat["hit_tokens_disk"] == 3968 and flat[judging.DECLINED_DISK] == 1
+    assert all(isinstance(v, int) for v in flat.values())
