@@ -51,9 +51,9 @@ def whole_chunks(name: str) -> int:
 
 
 def has_tail(name: str) -> bool:
-    """Whether the prompt has full blocks past its last whole chunk (a tail the writer
-    stores, and writes to Redis as its own value)."""
-    return len(PROMPTS[name]) // BLOCK_SIZE > whole_chunks(name) * CHUNK_BLOCKS
+    """Whether the prompt has two or more full blocks past its last whole chunk (a tail the
+    writer stores and writes to Redis as its own value; a one-block tail stays local)."""
+    return len(PROMPTS[name]) // BLOCK_SIZE >= whole_chunks(name) * CHUNK_BLOCKS + 2
 
 
 def written_values(name: str) -> int:

@@ -299,7 +299,7 @@ def test_a_probe_sent_on_arrival_saves_the_first_ask_again(make_replica, redis_s
 @pytest.mark.parametrize("tokens", [
     5 * CHUNK_TOKENS + 2 * BLOCK + 7,  # five chunks and a two-block tail
     2 * CHUNK_TOKENS + (CHUNK_BLOCKS - 1) * BLOCK + 1,  # the longest tail a chunk has
-    BLOCK + 5,  # shorter than a chunk: the tail is all there is
+    2 * BLOCK + 5,  # shorter than a chunk: the tail is all there is
     3 * CHUNK_TOKENS + BLOCK // 2,  # no full block past the chunks: nothing more to find
 ])
 def test_a_prompts_tail_in_redis_makes_the_hit_as_long_as_vllms_prefix_cache(

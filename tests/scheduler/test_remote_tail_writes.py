@@ -38,7 +38,7 @@ from tieredkv.transfer.remote_jobs import RemoteJobs
 FINGERPRINT = hashlib.sha256(b"tests/scheduler remote tail writes").digest()
 NUM_BLOCKS = 24
 HOST_SLOTS = 2
-A_TOKENS = list(range(CHUNK_TOKENS + BLOCK + 5))  # one whole chunk, one full block, 5 tokens
+A_TOKENS = list(range(CHUNK_TOKENS + 2 * BLOCK + 5))  # one whole chunk, two full blocks, 5 tokens
 B_TOKENS = list(range(1000, 1000 + 2 * CHUNK_TOKENS))  # two whole chunks
 A_BLOCKS = [0, 1, 2, 3, 4, 5]
 B_BLOCKS = [6, 7, 8, 9, 10, 11, 12, 13]  # A's neighbours on the device
@@ -123,24 +123,24 @@ def _written(redis_server, prefix: str) -> dict[bytes, bytes]:
     return out
 
 
-def test_a_one_block_tail_never_reaches_redis_with_another_tenants_rows(
+def test_a_tail_never_reaches_redis_with_another_tenants_rows(
     harness: Harness, redis_server, prefix: str,
 ) -> None:
     kv = harness.kv
     harness.compute_and_store("b", B_TOKENS, B_BLOCKS, salt="tenant-b")
     assert harness.planner.counters["remote_written_chunks"] == 2  # B's own two chunks
     b_values = set(_written(redis_server, prefix))
-    # A's chunk and tail evict B's chunks: A's tail slot still holds B's rows 1..3.
+    # A's chunk and tail evict B's chunks: A's tail slot still holds B's rows 2..3.
     harness.compute_and_store("a", A_TOKENS, A_BLOCKS, salt="tenant-a")
     assert harness.planner.counters["stored_partial_chunks"] == 1  # the tail was stored
 
     a_keys = keys_for(A_TOKENS, "tenant-a")
     a_values = {k: v for k, v in _written(redis_server, prefix).items() if k not in b_values}
     foreign = _device_rows(kv, B_BLOCKS)
-    tail_key = a_keys.block_key(CHUNK_BLOCKS)  # a tail is keyed by its last block
+    tail_key = a_keys.block_key(CHUNK_BLOCKS + 1)  # a tail is keyed by its last block
     assert set(a_values) == {a_keys[0], tail_key}
     for key, value in a_values.items():
-        blocks = CHUNK_BLOCKS if key == a_keys[0] else 1
+        blocks = CHUNK_BLOCKS if key == a_keys[0] else 2
         decoded = decode(value, fingerprint=FINGERPRINT, key=key, rank=0,
                          expected_len=blocks * sum(kv.block_bytes))
         assert isinstance(decoded, Verified), decoded
@@ -153,7 +153,17 @@ def test_a_one_block_tail_never_reaches_redis_with_another_tenants_rows(
         assert rows == want  # A's own blocks, exactly
 
 
-@pytest.mark.parametrize("tail_blocks", [1, 2, CHUNK_BLOCKS - 1])
+def test_a_one_block_tail_stays_local(harness: Harness, redis_server, prefix: str) -> None:
+    """A one-block tail has no aliases, like a whole chunk promoted after a restart whose
+    disk header could not keep every alias: neither is written (a one-row value under a
+    whole chunk's key would be a miss for every replica that reads it)."""
+    tokens = list(range(CHUNK_TOKENS + BLOCK + 3))
+    harness.compute_and_store("a", tokens, A_BLOCKS, salt="a")
+    assert harness.planner.counters["stored_partial_chunks"] == 1
+    assert set(_written(redis_server, prefix)) == {keys_for(tokens, "a")[0]}
+
+
+@pytest.mark.parametrize("tail_blocks", [2, CHUNK_BLOCKS - 1])
 def test_a_tail_is_written_as_its_own_rows_whatever_its_length(
     harness: Harness, redis_server, prefix: str, tail_blocks: int,
 ) -> None:

@@ -194,14 +194,17 @@ class Placer:
         With block-granular keys an entry's aliases say how many blocks it holds, and a
         one-block tail has none, just like a whole chunk under keys that are not granular: so
         an entry without every alias is whole only once keys are known not to be granular.
-        A hybrid model's tail is never written (its rows are not the first rows of its slot).
+        A hybrid model's tail is never written (its rows are not the first rows of its slot),
+        nor an entry with no aliases that is not known whole: a one-block tail looks like a
+        whole chunk promoted after a restart whose disk header could not keep every alias
+        (``chunk_blocks`` above 167), which a one-row value would misname.
         """
         placement = self.host.get(key)
         if placement is None:
             return False
         if placement.blocks == self.chunk_blocks or self._granular is False:
             return True
-        return self._granular is True and self.slot_rows is None
+        return self._granular is True and self.slot_rows is None and bool(placement.aliases)
 
     @property
     def _slot_rows(self) -> int:
