@@ -268,3 +268,33 @@ def test_a_router_fed_by_the_events_beats_round_robin(tiny_model, tmp_path: Path
             server.stop()
         for sub in subs:
             sub.close()
+
+
+def test_a_hybrid_model_announces_what_each_group_serves(subscriber, tmp_path: Path):
+    """Gemma-2-like tiny model (a 64-token sliding window between full-attention layers: two
+    KV-cache groups): the full-attention group's blocks are announced with vLLM's hashes and its
+    group index; the sliding group's only where a hit at a chunk boundary needs them (the last
+    two blocks of each 4-block chunk)."""
+    from tests.e2e.conftest import CHUNK_BLOCKS
+    from tieredkv.tools.tiny_model import make_tiny_llama
+
+    model = str(make_tiny_llama(tmp_path / "alternating", sliding_window=64,
+                                layer_types=["sliding_attention", "full_attention"] * 2))
+    run_with_events(model, subscriber.endpoint, [generate("p1"), {"kind": "drain"}],
+                    host_bytes="256MiB")
+    subscriber.settle()
+    events = list(subscriber.events)
+    cpu = of(events, "BlockStored", "CPU")
+    kinds = {e.group_idx: e.kv_cache_spec_kind for e in cpu}
+    assert sorted(kinds.values()) == ["full_attention", "sliding_window"]
+    full_idx = next(g for g, k in kinds.items() if k == "full_attention")
+    sliding_idx = next(g for g, k in kinds.items() if k == "sliding_window")
+    full = [h for e in cpu if e.group_idx == full_idx for h in e.block_hashes]
+    sliding = [h for e in cpu if e.group_idx == sliding_idx for h in e.block_hashes]
+    chunks = (1500 - 1) // (BLOCK_SIZE * CHUNK_BLOCKS)
+    assert len(full) == chunks * CHUNK_BLOCKS
+    gpu_full = block_tokens([e for e in of(events, "BlockStored", "GPU") if e.group_idx == full_idx])
+    full_tokens = block_tokens([e for e in cpu if e.group_idx == full_idx])
+    assert set(full) <= set(gpu_full) and all(full_tokens[h] == gpu_full[h] for h in full)
+    assert sliding == [h for j, h in enumerate(full) if j % CHUNK_BLOCKS >= CHUNK_BLOCKS - 2]
+    assert all(e.kv_cache_spec_sliding_window == 64 for e in cpu if e.group_idx == sliding_idx)
