@@ -42,7 +42,7 @@ ORDER = ("client_ttft", "server_ttft", "waiting", "probe", "read", "load", "comp
 def derivations() -> dict[str, str]:
     """How each figure of :func:`per_request` is derived (printed with the table)."""
     out = {CLIENT[0]: CLIENT[1], OVERHEAD[0]: OVERHEAD[1]}
-    out.update({key: f"{how} (`{metric}`{_labels(labels)} growth over the run, both replicas, "
+    out.update({key: f"{how} (`{metric}{_labels(labels)}` growth over the run, both replicas, "
                      "/ completed requests)" for key, (metric, labels, how) in PARTS.items()})
     return {key: out[key] for key in ORDER}
 
