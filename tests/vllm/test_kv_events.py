@@ -281,9 +281,9 @@ def store_without_probe(h: SchedulerHalf, req: Request):
 
 
 def test_the_shared_tier_is_announced_as_remote_storage_once_written():
-    h = half()
+    h = half(chunk_blocks=4)  # a chunk of 4 blocks: a tail of 2 goes to Redis (one block does not)
     with_remote_tier(h)
-    a = request("a", list(range(BLOCK + 1)))  # a one-block tail first
+    a = request("a", list(range(2 * BLOCK + 1)))  # a two-block tail first
     store_without_probe(h, a)
     writes = h.planner.take_plan().of(Move.REMOTE_WRITE)
     assert len(writes) == 1
@@ -291,21 +291,22 @@ def test_the_shared_tier_is_announced_as_remote_storage_once_written():
     h.planner.apply([JobResult(writes[0].job_id, ok=1)])
     (event,) = h.take_events()
     assert (event.medium, event.locality, event.ownership) == ("STORAGE", "REMOTE", "shared")
-    assert event.block_hashes == ext(a, [0])
-    # Its whole chunk is written later: only the new blocks are announced; the tail's value
-    # stays in Redis (and the chunk's value holds its block too): nothing is removed.
-    b = request("b", list(range(CHUNK + 1)))
+    assert event.block_hashes == ext(a, [0, 1])
+    # Its whole chunk is written later: only the new blocks are announced; the tail's value,
+    # deleted as superseded, removes nothing (the chunk's value holds its blocks).
+    b = request("b", list(range(4 * BLOCK + 1)))
     store_without_probe(h, b)
     writes = h.planner.take_plan().of(Move.REMOTE_WRITE)
     h.take_events()
     h.planner.apply([JobResult(w.job_id, ok=1) for w in writes])
     (event,) = h.take_events()
     assert isinstance(event, BlockStored) and event.locality == "REMOTE"
-    assert event.block_hashes == ext(b, range(1, CHUNK_BLOCKS))
+    assert event.block_hashes == ext(b, [2, 3])
     # A failed write announces nothing.
-    c = request("c", list(range(5000, 5000 + CHUNK + 1)))
+    c = request("c", list(range(5000, 5000 + 4 * BLOCK + 1)))
     store_without_probe(h, c)
     writes = h.planner.take_plan().of(Move.REMOTE_WRITE)
+    assert writes
     h.take_events()
     h.planner.apply([JobResult(w.job_id, ok=0, failed=1, failure=FailureCause.IO_ERROR) for w in writes])
     assert [e for e in h.take_events() if e.locality == "REMOTE"] == []

@@ -332,6 +332,8 @@ class Fill:
         tier.fill_done(key, not outcome.failed)
         if outcome.failed:
             self.host.abort(key)
+            if self.host.listener is not None:  # KV events: that tier does not serve it
+                self.host.listener.entry_gone(tier.name, key)
             self.counters[READ_FAILED[tier.name], outcome.failure or FailureCause.UNKNOWN] += 1
         elif self.host.mark_ready(key):
             self.counters[tier.fill_counter] += 1
