@@ -22,6 +22,7 @@ from benchmarks.ttft.workload import (
     REMOTE_KEY_PREFIX,
     SLOW_DISK_CONFIG,
     SLOW_DISK_LEARNING_HITS,
+    SLOW_DISK_RATE_PROMPTS,
     SLOW_DISK_READ_DELAY_S,
     WARMUP_TOKENS,
     MiB,
@@ -140,8 +141,8 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
             "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
         },
         # 5c. a slow disk: every slab read sleeps (TIEREDKV_FAULTS), the tier as row 5a's. A
-        #     few disk hits first, unmeasured (taken: nothing known yet), teach the cost model
-        #     the disk's speed; each measured hit (A, B alternating, the other in host) must
+        #     few cold prompts (the engine's prefill rate) and disk hits first, unmeasured
+        #     (taken: nothing known yet), teach the cost model the disk's speed; each measured hit (A, B alternating, the other in host) must
         #     then be declined, so its TTFT is a recompute's.
         SLOW_DISK_CONFIG: {
             "prefix_caching": True,
@@ -150,8 +151,11 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 disk_bytes=8 * prompt_kv + 64 * MiB),
             "env": {"TIEREDKV_FAULTS": json.dumps({"disk_read_delay_s": getattr(
                 args, "slow_disk_delay", None) or SLOW_DISK_READ_DELAY_S})},
+            "prompts": {**base["prompts"], **{f"C{k}": make_prompt(11 + k, lengths["A"])
+                                              for k in range(SLOW_DISK_RATE_PROMPTS)}},
             "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
                       gen("B", "cold B"), drain,
+                      *[p for k in range(SLOW_DISK_RATE_PROMPTS) for p in (gen(f"C{k}", f"cold C{k}"), drain)],
                       *[p for k in range(SLOW_DISK_LEARNING_HITS)
                         for p in (reset, gen("AB"[k % 2], f"learn{k}"), drain)]],
             "round": [reset, gen("{AB}", "hit{i}"), drain],

@@ -67,6 +67,12 @@ SLOW_DISK_TARGET = 1.1  # a hit from a disk slower than recompute <= 1.1 x recom
 SLOW_DISK_READ_DELAY_S = 0.5
 
 
+# Prompts computed cold before (C0..C2, the length of A): the cost model's prefill rate counts
+# only steps of at least a chunk's tokens, and needs MIN_SAMPLES (3) of them before it decides;
+# A and B's cold runs alone can be two steps, and a hit's steps compute a tail only.
+SLOW_DISK_RATE_PROMPTS = 3
+
+
 # Unmeasured disk hits first (A, B, A, B): at least the cost model's MIN_SAMPLES (3) fill
 # rounds, an even number so that B is in host and round 0's A is read from disk.
 SLOW_DISK_LEARNING_HITS = 4

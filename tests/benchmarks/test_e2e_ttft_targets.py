@@ -159,8 +159,13 @@ def test_slow_disk_spec_throttles_reads_and_reads_round_0_from_disk(tmp_path):
     spec = specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS)[workload.SLOW_DISK_CONFIG]
     assert json.loads(spec["env"]["TIEREDKV_FAULTS"]) == {
         "disk_read_delay_s": workload.SLOW_DISK_READ_DELAY_S}
+    # At least MIN_SAMPLES cold prefills (the cost model's rate) before the disk hits.
+    from tieredkv.scheduler.cost_model import MIN_SAMPLES
+
+    cold = [p["prompt"] for p in spec["setup"] if p.get("label", "").startswith("cold")]
+    assert len(cold) >= MIN_SAMPLES and all(len(spec["prompts"][c]) >= workload.CHUNK_TOKENS for c in cold)
     learned = [p["prompt"] for p in spec["setup"] if p.get("label", "").startswith("learn")]
-    assert len(learned) >= 3 and learned[-1] == "B"  # B in host: round 0's A is on disk
+    assert len(learned) >= MIN_SAMPLES and learned[-1] == "B"  # B in host: round 0's A is on disk
     assert workload.SLOW_DISK_CONFIG in specs.OWN_ROUND_NUMBERS
     assert [p["prompt"] for p in specs.round_phases(spec, 0) if p["kind"] == "generate"] == ["A"]
     extra = spec["kv_transfer_config"]["kv_connector_extra_config"]
