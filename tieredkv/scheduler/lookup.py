@@ -30,7 +30,7 @@ from tieredkv.protocol import NO_BLOCK, FailureCause, Job, JobResult, LoadChunk,
 from tieredkv.scheduler.ledger import JobRecord, PendingHit, PlannerParts, RequestState
 from tieredkv.scheduler.lower_tier import Fill
 from tieredkv.scheduler.placement import Placer
-from tieredkv.scheduler.remote_tier import INNER_TAIL
+from tieredkv.scheduler.remote_tier import INNER_TAIL, tail_keys
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Lookup:
             return
         limit = (num_tokens - 1) // self.unit * self.unit
         last = min(len(keys), -(-limit // self.chunk_tokens))
-        tail = self._remote_tail_keys(keys, last, limit, 0)
+        tail = self._tail_keys(keys, last, limit, 0) if limit // self.chunk_tokens == last else ()
         if last > 0 or tail:
             materialize = getattr(keys, "materialize", None)
             chunks = (materialize(last) if materialize is not None else keys)[:last]
@@ -151,7 +151,8 @@ class Lookup:
         remote_tail: tuple[bytes, int] | None = None
         tail: tuple[bytes, ...] = ()
         if self.remote is not None and not state.remote_done:
-            tail = self._remote_tail_keys(request_keys, last, limit, num_computed_tokens)
+            if limit // self.chunk_tokens == last:  # the prompt's limit lies in the next chunk
+                tail = self._tail_keys(request_keys, last, limit, num_computed_tokens)
             if tail and i == last and self._held_here(request_keys, limit):
                 tail = ()  # host or disk holds every block a hit could use: nothing to ask
         if self.remote is not None and (i < last or tail) and not state.remote_done:
@@ -178,7 +179,7 @@ class Lookup:
                 # (where an earlier, shorter prompt ended: a chat's previous turn) may be
                 # there. One more call, once the first answered; never for a prompt no tier
                 # holds a chunk of (a cold miss does not wait a second round trip).
-                inner = self._tail_keys_in(request_keys, end, limit, num_computed_tokens)
+                inner = self._tail_keys(request_keys, end, limit, num_computed_tokens)
                 longest = min(limit, (end + 1) * self.chunk_tokens - self.block_size)
                 if inner and not self._held_here(request_keys, longest):
                     tail_id = req_id + INNER_TAIL
@@ -207,8 +208,8 @@ class Lookup:
                     lower_chunks.append(partial_key)
                 elif kind == PENDING:
                     pending = True
-        if (remote_tail is not None
-                and self._usable(remote_tail[1], i + len(remote_chunks), limit) > partial_blocks):
+        usable = limit // self.block_size - (i + len(remote_chunks)) * self.chunk_blocks
+        if remote_tail is not None and min(remote_tail[1], usable) > partial_blocks:
             if partial_key is not None:  # a shorter tail here: the remote one serves more
                 run.pop()
                 if lower_chunks and lower_chunks[-1] == partial_key:
@@ -285,35 +286,12 @@ class Lookup:
         return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],
                 partial_key if partial_key in kept else None)
 
-    def _remote_tail_keys(self, keys: Any, last: int, limit: int,
-                          computed: int) -> tuple[bytes, ...]:
-        """:meth:`_tail_keys_in` the partial chunk right after chunk ``last - 1``, if the
-        prompt's limit lies in it (asked with the whole chunks, in the first call)."""
-        if limit // self.chunk_tokens != last:
+    def _tail_keys(self, keys: Any, chunk: int, limit: int, computed: int) -> tuple[bytes, ...]:
+        """Where the remote tier may hold a tail of ``chunk`` (:func:`tail_keys`); none for a
+        hybrid model (its hits end on chunk boundaries)."""
+        if self.slot_rows is not None:
             return ()
-        return self._tail_keys_in(keys, last, limit, computed)
-
-    def _tail_keys_in(self, keys: Any, chunk: int, limit: int,
-                      computed: int) -> tuple[bytes, ...]:
-        """The block keys of ``chunk`` in block order, from its first block to the block
-        holding ``limit`` (a tail is keyed by its last block: one ending on a block boundary
-        holds that block, which the hit never covers, and every block before it), never its
-        last (the whole chunk's key): where the remote tier may hold a tail. Empty when no
-        tail there could serve a block past the ``computed`` tokens, keys are not
-        block-granular, or the model is hybrid (its hits end on chunk boundaries)."""
-        if self.slot_rows is not None or not getattr(keys, "block_granular", False):
-            return ()
-        C, bs = self.chunk_blocks, self.block_size
-        base = chunk * C
-        usable_end = min(limit // bs, base + C - 1)  # blocks a hit may cover end before this
-        if usable_end <= max(base, computed // bs):
-            return ()
-        stop = min(usable_end + 1, keys.num_blocks, base + C - 1)
-        return keys.block_keys(base, stop)
-
-    def _usable(self, blocks: int, chunk: int, limit: int) -> int:
-        """Blocks of a tail of ``chunk`` holding ``blocks`` that a hit ending by ``limit`` uses."""
-        return max(0, min(blocks, limit // self.block_size - chunk * self.chunk_blocks))
+        return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size)
 
     def _held_here(self, keys: Any, end_token: int) -> bool:
         """Whether host or the lower tier holds the last block a hit ending by ``end_token``

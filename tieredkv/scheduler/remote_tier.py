@@ -54,7 +54,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import FailureCause, Job, Move, StepPlan, Tier
@@ -291,6 +291,22 @@ class RemoteProbe:
         self._failures.clear()
         self._latency = []
         return stats
+
+
+def tail_keys(keys: Any, chunk: int, limit: int, computed: int, chunk_blocks: int,
+              block_size: int) -> tuple[bytes, ...]:
+    """The block keys of ``chunk`` in block order, from its first block to the block holding
+    ``limit`` (a tail is keyed by its last block: one ending on a block boundary holds that
+    block, which the hit never covers, and every block before it), never its last (the whole
+    chunk's key): where the remote tier may hold a tail. Empty when no tail there could
+    serve a block past the ``computed`` tokens or keys are not block-granular."""
+    if not getattr(keys, "block_granular", False):
+        return ()
+    base = chunk * chunk_blocks
+    usable_end = min(limit // block_size, base + chunk_blocks - 1)  # a hit's blocks end here
+    if usable_end <= max(base, computed // block_size):
+        return ()
+    return keys.block_keys(base, min(usable_end + 1, keys.num_blocks, base + chunk_blocks - 1))
 
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
