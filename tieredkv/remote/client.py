@@ -56,6 +56,15 @@ class _SlicedWrites:
                     await writer.drain()
         await writer.drain()
 
+    async def _connect(self) -> None:
+        # asyncio's StreamReader pauses the socket whenever it holds more than twice its limit
+        # (64 KiB by default) and resumes it on the next read: for a MiB-sized reply that is a
+        # pause and a resume per 256 KiB received. Let it hold a read's worth instead.
+        await super()._connect()  # type: ignore[misc]
+        reader = getattr(self, "_reader", None)
+        if isinstance(reader, asyncio.StreamReader):
+            reader._limit = READ_SIZE_BYTES  # noqa: SLF001 - no public setter
+
 
 class SlicedConnection(_SlicedWrites, Connection):
     pass

@@ -26,13 +26,14 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
 from tieredkv.protocol import FailureCause
+from tieredkv.remote.bounded_read import exists_each, read_bounded
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
 from tieredkv.remote.results import BatchResult, RemoteStats
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Fill = Callable[[Any], object]  # adds the batch's commands to a pipeline
+Run = Callable[[RemoteClient], Awaitable[list[Any]]]  # sends a batch, returns one reply per item
 
 
 def _exists(reply: Any) -> bool:
@@ -232,8 +234,8 @@ class RemoteStore:
     ) -> BatchResult[bool]:
         """Which keys exist, in one round trip (the scheduler's probe)."""
         result = await self._batch(
-            "exists", len(keys), lambda pipe: [pipe.exists(k) for k in keys], _exists, False,
-            timeout_s,
+            "exists", len(keys), None, _exists, False, timeout_s,
+            run=lambda client: exists_each(client, keys),
         )
         if result.ok and keys:
             with self._lock:
@@ -265,8 +267,8 @@ class RemoteStore:
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
         return await self._batch(
-            "get", len(keys), lambda pipe: [pipe.getrange(k, 0, max_len) for k in keys],
-            _bounded_head(max_len), None, timeout_s,
+            "get", len(keys), None, _bounded_head(max_len), None, timeout_s,
+            run=lambda client: read_bounded(client, keys, max_len),
         )
 
     async def batch_set(
@@ -305,12 +307,14 @@ class RemoteStore:
         self,
         op: str,
         count: int,
-        fill: Fill,
+        fill: Fill | None,
         convert: Callable[[Any], T],
         default: T,
         timeout_s: float | None,
+        run: Run | None = None,
     ) -> BatchResult[T]:
-        """``fill`` adds one command per item; ``convert`` gets an item's reply."""
+        """``fill`` adds one command per item to a pipeline, or ``run`` sends the batch its
+        own way (the bounded read's reader); ``convert`` gets an item's reply."""
         with self._lock:
             self._calls[op] += 1
         if count == 0:
@@ -323,7 +327,7 @@ class RemoteStore:
         started = time.monotonic()
         try:
             replies = await asyncio.wait_for(
-                self._execute(client, fill), self.timeout_s if timeout_s is None else timeout_s
+                self._execute(client, fill, run), self.timeout_s if timeout_s is None else timeout_s
             )
         except asyncio.CancelledError:
             self._failed(op, count, default, FailureCause.CANCELLED)
@@ -340,7 +344,12 @@ class RemoteStore:
         latency = time.monotonic() - started
         return self._convert(op, gen, replies, count, convert, default, latency)
 
-    async def _execute(self, client: RemoteClient, fill: Fill) -> list[Any]:
+    async def _execute(self, client: RemoteClient, fill: Fill | None, run: Run | None) -> list[Any]:
+        if run is not None:
+            with self._lock:
+                self._round_trips += 1
+            return await run(client)
+        assert fill is not None
         async with client.pipeline(transaction=False) as pipe:
             fill(pipe)
             with self._lock:

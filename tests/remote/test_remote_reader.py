@@ -1,0 +1,126 @@
+"""The bounded read's own reply reader (tieredkv.remote.bounded_read): a hostile or broken
+server fails the read with a cause, at once and without reading what it announced; a Cluster
+whose slot map went stale still reads the right values (issue #25, point 3).
+
+The hostile servers are small asyncio servers speaking just enough RESP for the store's
+handshake; the Cluster is a real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import RedisCluster
+
+from tests.remote.remote_helpers import RedisClusterProcs, chunk_items
+from tieredkv.protocol import FailureCause
+from tieredkv.remote.store import Head
+
+OpenStore = Callable[..., Awaitable[Any]]
+HUGE = 1 << 40  # announced, never sent: a reader that believed it would wait or allocate
+
+
+async def _command(reader: asyncio.StreamReader) -> list[bytes]:
+    """One RESP array of bulk strings (what redis-py sends)."""
+    count = int((await reader.readuntil(b"\r\n"))[1:-2])
+    parts = []
+    for _ in range(count):
+        size = int((await reader.readuntil(b"\r\n"))[1:-2])
+        parts.append((await reader.readexactly(size + 2))[:-2])
+    return parts
+
+
+def _server(answer: bytes, *, close: bool = False) -> Callable[..., Awaitable[None]]:
+    """A server that answers the handshake and every GETRANGE/EXISTS with ``answer``."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                name = (await _command(reader))[0].upper()
+                if name in (b"GETRANGE", b"EXISTS"):
+                    writer.write(answer)
+                    await writer.drain()
+                    if close:
+                        break
+                else:
+                    writer.write(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(answer: bytes, *, close: bool = False) -> str:
+        server = await asyncio.start_server(_server(answer, close=close), "127.0.0.1", 0)
+        servers.append(server)
+        return f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0"
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"$%d\r\n" % HUGE,  # far past the bound, then nothing: refused on the header alone
+    b"+OK\r\n",  # not a bulk string
+    b"$abc\r\n",  # not a length
+    b"$5\r\nabcdefgh\r\n",  # the bytes after the value are not its end
+], ids=["announces-more-than-the-bound", "wrong-type", "bad-length", "bad-terminator"])
+async def test_a_reply_the_bound_does_not_allow_fails_the_read_at_once(
+    answer: bytes, fake: Callable[..., Awaitable[str]], open_store: OpenStore,
+) -> None:
+    # A long deadline: the read must fail on what it got, not by running out of time.
+    store = await open_store(await fake(answer), timeout_s=60.0)
+    got = await asyncio.wait_for(store.batch_get_bounded([b"k1", b"k2"], 64), 30.0)
+    assert got.values == [None, None]
+    assert got.failed == 2 and got.cause is FailureCause.IO_ERROR
+
+
+async def test_a_server_that_closes_mid_reply_fails_the_read_with_io_error(
+    fake: Callable[..., Awaitable[str]], open_store: OpenStore,
+) -> None:
+    store = await open_store(await fake(b"$40\r\nonly-part", close=True), timeout_s=60.0)
+    got = await asyncio.wait_for(store.batch_get_bounded([b"k1"], 64), 30.0)
+    assert got.values == [None] and got.cause is FailureCause.IO_ERROR
+
+
+async def test_a_probe_reply_that_is_not_an_integer_fails_the_probe(
+    fake: Callable[..., Awaitable[str]], open_store: OpenStore,
+) -> None:
+    store = await open_store(await fake(b"$1\r\n1\r\n"), timeout_s=60.0)
+    got = await asyncio.wait_for(store.batch_exists([b"k1", b"k2"]), 30.0)
+    assert got.values == [False, False] and got.cause is FailureCause.IO_ERROR
+
+
+async def test_a_stale_cluster_slot_map_still_reads_and_probes_the_right_keys(
+    redis_cluster: RedisClusterProcs, open_store: OpenStore, prefix: str,
+) -> None:
+    store = await open_store(redis_cluster.url)
+    items = chunk_items(prefix, 12, size=2048)
+    names = [name for _, name, _ in items]
+    assert (await store.batch_set([(name, value) for _, name, value in items])).ok
+    client, _gen = store._conn.current()  # noqa: SLF001 - the slot map under test
+    assert isinstance(client, RedisCluster)
+    cache = client.nodes_manager.slots_cache
+    primaries = client.get_primaries()
+    for name in names[:6]:  # point these keys' slots at a node that does not own them
+        slot = client.keyslot(name)
+        owner = cache[slot][0]
+        cache[slot] = [next(n for n in primaries if n.name != owner.name)]
+
+    absent = names[0] + b"-absent"
+    got = await store.batch_get_bounded([*names, absent], len(items[0][2]))
+    assert got.ok, got
+    assert got.values == [*(Head(value, len(value)) for _, _, value in items), None]
+    probed = await store.batch_exists([*names, absent])
+    assert probed.ok and probed.values == [True] * len(names) + [False]
