@@ -138,9 +138,14 @@ def remote_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
             rate = f"{r['tieredkv_mb_s']:,.0f} vs {r['baseline_mb_s']:,.0f} MB/s"
         else:
             rate = f"{r['tieredkv_ops_s']:,.0f} vs {r['baseline_ops_s']:,.0f} ops/s"
-        rows.append(_row(f"{r['op']} {r['size_label'].split(' (')[0]} c={r['clients']} vs {r['baseline']}",
-                         f"{r['ratio']:.2f} ({rate})",
-                         f">= {r['target']}", _verdict(r.get("verdict"))))
+        target = "reference" if r.get("target") is None else f">= {r['target']}"
+        where = f"{r['deployment']}: " if r.get("deployment") else ""
+        rows.append(_row(f"{where}{r['op']} {r['size_label'].split(' (')[0]} c={r['clients']} vs {r['baseline']}",
+                         f"{r['ratio']:.2f} ({rate})", target, _verdict(r.get("verdict"))))
+    for v in d.get("verdicts", []):  # the judged figure: the worse deployment
+        rows.append(_row(f"verdict: {v['op']} {v['size_label'].split(' (')[0]} c={v['clients']} vs {v['baseline']}",
+                         f"{v['ratio']:.2f} ({v['worse_deployment']}, the worse)", f">= {v['target']}",
+                         _verdict(v.get("verdict"))))
     return rows, [f"{d.get('deployment')}; versions {d.get('versions')}."]
 
 
