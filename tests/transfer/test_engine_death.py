@@ -296,3 +296,24 @@ def test_worker_half_reports_every_request_when_the_engine_cannot_start(monkeypa
         }
     finally:
         finishes(worker.shutdown)
+
+
+def test_a_death_racing_a_store_submit_leaves_no_ticket_behind(kv, host, slab, make_engine, caplog) -> None:
+    """The engine dies right after submit recorded a store and before its handler ran: the
+    store fails (cancelled) and its fence ticket goes with it, so no later fence waits on or
+    cancels a store that will never run (review of #24's handlers)."""
+    caplog.set_level(logging.CRITICAL, logger=ENGINE_LOGGER)
+    engine = make_engine()
+    device = engine._device
+    submit_stores = device.submit_stores
+
+    def die_first(entries) -> None:
+        engine.die("a test, between submit and the store handler", RuntimeError("injected"))
+        submit_stores(entries)
+
+    engine._routes[Move.STORE] = die_first
+    job = Job.store(1, b"k" * 32, 0, (1, 2, 3, 4))
+    engine.submit([job])
+    results = results_by_id(engine, 1, timeout_s=HANG_S)
+    assert results[1].failure == "cancelled"
+    assert device._tickets == {} and device._block_tickets == {}

@@ -310,6 +310,7 @@ def tail_keys(keys: Any, chunk: int, limit: int, computed: int, chunk_blocks: in
 
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
+TAILS_CAPACITY = 4096  # tails found and not yet filled (see RemoteTier._tails)
 # The probe's second request for a lookup (``req_id + INNER_TAIL``): a tail inside the
 # prompt, asked once the whole chunks answered (see ``Lookup.lookup``).
 INNER_TAIL = "\x00inner-tail"
@@ -339,8 +340,9 @@ class RemoteTier(LowerTier):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.probe = probe
-        # Tails a lookup found, until their fill ends: entry key -> blocks it holds.
-        self._tails: dict[bytes, int] = {}
+        # Tails a lookup found, until their fill ends (bounded: a tail the lookup then did
+        # not fill, cut by the cost model or a full host, is never popped): key -> blocks.
+        self._tails: OrderedDict[bytes, int] = OrderedDict()
         self._is_up = is_up
         self.writes = writes
         self._sightings = Sightings(admission, seen_limit)
@@ -378,6 +380,9 @@ class RemoteTier(LowerTier):
             return None
         key = tail[blocks - 1]
         self._tails[key] = blocks
+        self._tails.move_to_end(key)
+        while len(self._tails) > TAILS_CAPACITY:
+            self._tails.popitem(last=False)
         return key, blocks
 
     def forget(self, req_id: str) -> None:

@@ -99,14 +99,15 @@ class DeviceJobs:
 
     # ================================================================== stores
 
+    def admit_store_locked(self, entry: Entry) -> None:
+        """A store was submitted (engine lock held, with its record of pending jobs): a fence
+        sees it from now on, and a death or shutdown that fails it settles its ticket."""
+        self._tickets[entry.seq] = StoreTicket(entry)
+        for block in real_blocks(entry.job.block_ids):
+            self._block_tickets.setdefault(block, set()).add(entry.seq)
+
     def submit_stores(self, entries: list[Entry]) -> None:
-        """From submit: a fence sees each store from now on; the copies start on the loop."""
-        with self._lock:
-            for entry in entries:
-                ticket = StoreTicket(entry)
-                self._tickets[entry.seq] = ticket
-                for block in real_blocks(entry.job.block_ids):
-                    self._block_tickets.setdefault(block, set()).add(entry.seq)
+        """The stores' copies start on the loop (their tickets were taken at submit)."""
         self._runtime.on_loop(self._start_stores, entries)
 
     def _start_stores(self, entries: list[Entry]) -> None:

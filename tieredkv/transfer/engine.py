@@ -164,6 +164,8 @@ class TransferEngine:
                     refused.append(entry)
                 else:
                     routed.setdefault(job.move, []).append(entry)
+                    if job.move is Move.STORE:
+                        self._device.admit_store_locked(entry)
         for entry in refused:
             self.finish(entry, cancelled(entry.job))
         if any(Medium.REMOTE not in (move.src, move.dst) for move in routed):
