@@ -174,11 +174,12 @@ class Lookup:
             end = i + len(remote_chunks)
             if tail and end == last:
                 remote_tail = self.remote.found_tail(req_id, tail)
-            elif 0 < end < last:
-                # The run ends before the prompt's last whole chunk: a tail of chunk ``end``
-                # (where an earlier, shorter prompt ended: a chat's previous turn) may be
-                # there. One more call, once the first answered; never for a prompt no tier
-                # holds a chunk of (a cold miss does not wait a second round trip).
+            elif i < end < last:
+                # Redis's run ends before the prompt's last whole chunk: a tail of chunk
+                # ``end`` (where an earlier, shorter prompt ended: a chat's previous turn on
+                # another replica) may be there. One more call, once the first answered, only
+                # when Redis held chunks past host and disk (they are read anyway): a cold
+                # miss, or a prefix host or disk serve, never waits a second round trip.
                 inner = self._tail_keys(request_keys, end, limit, num_computed_tokens)
                 longest = min(limit, (end + 1) * self.chunk_tokens - self.block_size)
                 if inner and not self._held_here(request_keys, longest):
