@@ -127,6 +127,7 @@ from benchmarks.ttft.workload import (
     LABELS,
     LMCACHE_BUILD,
     LMCACHE_CONFIG,
+    LMCACHE_FLOOR_CONFIG,
     MODEL_SHAPES,
     NAME,
     PROFILES,
@@ -190,6 +191,8 @@ def parent_main(args) -> int:
     only = set(args.only.split(",")) if args.only else None
     if only and "tieredkv_remote" in only:
         only.add("tieredkv_remote_writer")  # replica B reads what replica A wrote
+    if only and LMCACHE_CONFIG in only:
+        only.add(LMCACHE_FLOOR_CONFIG)  # LMCache's row is read against its own floor
     remote_info: dict[str, Any] = {}
     redis = None
     if not args.no_remote and not args.rerender and (only is None or "tieredkv_remote" in only):

@@ -55,6 +55,7 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
     LMCache row and its own floor when ``lmcache`` is (:func:`lmcache_peer`: the peer venv's
     python and LMCache's vLLM settings). ``model``: the geometry (``--model-shape``)."""
     prof = PROFILES[args.profile]
+    reps = getattr(args, "repeats", None) or prof["hit_repeats"]  # measured rounds per row
     longest = max(lengths.values())
     prompt_kv = longest * kv_bytes_per_token(model, DTYPE_BYTES)
     chunk_payload = CHUNK_TOKENS * kv_bytes_per_token(model, DTYPE_BYTES)
@@ -142,23 +143,27 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         },
         # 5c. a slow disk: every slab read sleeps (TIEREDKV_FAULTS), the tier as row 5a's. A
         #     few cold prompts (the engine's prefill rate) and disk hits first, unmeasured
-        #     (taken: nothing known yet), teach the cost model the disk's speed; each measured hit (A, B alternating, the other in host) must
-        #     then be declined, so its TTFT is a recompute's.
+        #     (taken: nothing known yet), teach the cost model the disk's speed; each measured
+        #     hit must then be declined, so its TTFT is a recompute's. A declined prompt is
+        #     computed, not stored again (it is on disk), so host would keep what it held: a
+        #     fresh filler prompt (F{i}, A's length) computed before each measured hit takes
+        #     every host slot, and the measured prompt is on disk only. The disk holds them all.
         SLOW_DISK_CONFIG: {
             "prefix_caching": True,
             "kv_transfer_config": tieredkv_transfer_config(
                 host_bytes=one_prompt_slots * chunk_payload, disk_path=str(work / SLOW_DISK_CONFIG),
-                disk_bytes=8 * prompt_kv + 64 * MiB),
+                disk_bytes=(reps + SLOW_DISK_RATE_PROMPTS + 8) * prompt_kv + 64 * MiB),
             "env": {"TIEREDKV_FAULTS": json.dumps({"disk_read_delay_s": getattr(
                 args, "slow_disk_delay", None) or SLOW_DISK_READ_DELAY_S})},
-            "prompts": {**base["prompts"], **{f"C{k}": make_prompt(11 + k, lengths["A"])
-                                              for k in range(SLOW_DISK_RATE_PROMPTS)}},
+            "prompts": {**base["prompts"],
+                        **{f"C{k}": make_prompt(11 + k, lengths["A"]) for k in range(SLOW_DISK_RATE_PROMPTS)},
+                        **{f"F{i}": make_prompt(1000 + i, lengths["A"]) for i in range(reps)}},
             "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
                       gen("B", "cold B"), drain,
                       *[p for k in range(SLOW_DISK_RATE_PROMPTS) for p in (gen(f"C{k}", f"cold C{k}"), drain)],
                       *[p for k in range(SLOW_DISK_LEARNING_HITS)
                         for p in (reset, gen("AB"[k % 2], f"learn{k}"), drain)]],
-            "round": [reset, gen("{AB}", "hit{i}"), drain],
+            "round": [reset, gen("F{i}", "fill{i}"), drain, reset, gen("{AB}", "hit{i}"), drain],
         },
     }
     if remote_url is not None:
@@ -264,6 +269,6 @@ def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
         phase = dict(phase)
         if "label" in phase:
             phase["label"] = phase["label"].format(i=i)
-            phase["prompt"] = phase["prompt"].replace("{AB}", "AB"[i % 2])
+            phase["prompt"] = phase["prompt"].replace("{AB}", "AB"[i % 2]).replace("{i}", str(i))
         out.append(phase)
     return out

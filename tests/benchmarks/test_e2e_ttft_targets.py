@@ -167,7 +167,13 @@ def test_slow_disk_spec_throttles_reads_and_reads_round_0_from_disk(tmp_path):
     learned = [p["prompt"] for p in spec["setup"] if p.get("label", "").startswith("learn")]
     assert len(learned) >= MIN_SAMPLES and learned[-1] == "B"  # B in host: round 0's A is on disk
     assert workload.SLOW_DISK_CONFIG in specs.OWN_ROUND_NUMBERS
-    assert [p["prompt"] for p in specs.round_phases(spec, 0) if p["kind"] == "generate"] == ["A"]
+    # A fresh filler of A's length before each measured hit takes every host slot: the
+    # measured prompt is on disk only (a declined prompt is computed, not stored again).
+    rounds = [[(p["prompt"], p["label"]) for p in specs.round_phases(spec, i) if p["kind"] == "generate"]
+              for i in range(10)]
+    assert rounds[0] == [("F0", "fill0"), ("A", "hit0")] and rounds[1] == [("F1", "fill1"), ("B", "hit1")]
+    assert len({r[0][0] for r in rounds}) == 10 and all(r[0][0] in spec["prompts"] for r in rounds)
+    assert len(spec["prompts"]["F9"]) == LENGTHS["A"]
     extra = spec["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["disk_path"].endswith(workload.SLOW_DISK_CONFIG) and "cost_model" not in extra
 
