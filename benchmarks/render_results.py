@@ -140,8 +140,10 @@ def remote_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
             rate = f"{r['tieredkv_ops_s']:,.0f} vs {r['baseline_ops_s']:,.0f} ops/s"
         target = "reference" if r.get("target") is None else f">= {r['target']}"
         where = f"{r['deployment']}: " if r.get("deployment") else ""
+        # With verdicts (the worse deployment, below), a deployment's own row is information.
+        verdict = "info" if d.get("verdicts") else _verdict(r.get("verdict"))
         rows.append(_row(f"{where}{r['op']} {r['size_label'].split(' (')[0]} c={r['clients']} vs {r['baseline']}",
-                         f"{r['ratio']:.2f} ({rate})", target, _verdict(r.get("verdict"))))
+                         f"{r['ratio']:.2f} ({rate})", target, verdict))
     for v in d.get("verdicts", []):  # the judged figure: the worse deployment
         rows.append(_row(f"verdict: {v['op']} {v['size_label'].split(' (')[0]} c={v['clients']} vs {v['baseline']}",
                          f"{v['ratio']:.2f} ({v['worse_deployment']}, the worse)", f">= {v['target']}",
