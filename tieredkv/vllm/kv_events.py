@@ -26,7 +26,7 @@ import logging
 import os
 import struct
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +94,8 @@ class Record:
 
     hashes: tuple[Any, ...]
     parent: Any
-    token_ids: tuple[int, ...]
-    extra_keys: tuple[Any, ...] | None
+    token_ids: Sequence[int]
+    extra_keys: tuple[Any, ...] | None  # None: no block has any
     lora_id: int | None = None
     lora_name: str | None = None
 
@@ -109,7 +109,7 @@ class Record:
         key, hashes, parent, tokens, extra, lora_id, lora_name = msgspec.msgpack.decode(data)
         extra_keys = None if extra is None else tuple(
             None if e is None else tuple(e) for e in extra)
-        return bytes(key), Record(tuple(hashes), parent, tuple(tokens), extra_keys, lora_id, lora_name)
+        return bytes(key), Record(tuple(hashes), parent, tokens, extra_keys, lora_id, lora_name)
 
 
 class KVEvents:
@@ -155,19 +155,18 @@ class KVEvents:
         convert = self._convert
         ext = tuple(convert(hashes[j]) for j in range(first, last_block + 1))
         parent = convert(hashes[first - 1]) if first else None
-        if (request.lora_request is None and not request.mm_features
-                and not request.cache_salt and request.prompt_embeds is None):
-            extra: list[Any] = [None] * len(ext)  # what vLLM's extra keys are without them
-        else:
+        event_extra = None  # None: no block has extra keys (vLLM's events then say None each)
+        if (request.lora_request is not None or request.mm_features or request.cache_salt
+                or request.prompt_embeds is not None):
             extra = []
             mm_idx = 0
             for j in range(first, last_block + 1):
                 keys, mm_idx = generate_block_hash_extra_keys(request, j * bs, (j + 1) * bs, mm_idx)
                 extra.append(keys)
-        event_extra = to_event_extra_keys(extra)
-        lora = getattr(request, "lora_request", None)
+            event_extra = to_event_extra_keys(extra)
+        lora = request.lora_request
         self._records[key] = Record(
-            ext, parent, tuple(request.all_token_ids[first * bs:(last_block + 1) * bs]),
+            ext, parent, request.all_token_ids[first * bs:(last_block + 1) * bs],
             None if event_extra is None else tuple(event_extra),
             lora.adapter_id if lora is not None else None, lora.name if lora is not None else None)
         if not any(key in on for on in self._on.values()):
@@ -280,7 +279,7 @@ class KVEvents:
             lora_id=record.lora_id,
             medium=medium,
             lora_name=record.lora_name,
-            extra_keys=list(extra[i0:i1]) if extra is not None else None,
+            extra_keys=list(extra[i0:i1]) if extra is not None else [None] * (i1 - i0),
             group_idx=group.idx,
             kv_cache_spec_kind=group.kind,
             kv_cache_spec_sliding_window=group.sliding_window,
