@@ -22,8 +22,8 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
 7. ``tieredkv_slow_disk`` (row 5c; ``--no-slow-disk`` leaves it out): row 5a's tiers with
    every slab read delayed (``TIEREDKV_FAULTS`` ``disk_read_delay_s``, per shape or
    ``--slow-disk-delay``), far slower than recomputing; after a few unmeasured disk hits
-   teach the cost model (on, the default), each measured hit must be declined (counted; at
-   most the one chunk an exploration reads is loaded), so its TTFT is a recompute's;
+   teach the cost model (on, the default), each measured hit must be declined (counted; an
+   exploration reads its chunk aside, never on the request's path), so its TTFT is a recompute's;
 8. ``tieredkv_remote`` (row 6 in the table): a hit from the shared remote tier (a real
    redis-server on loopback), the multi-replica case: one engine (replica A: small host
    tier, no disk, ``remote_url``) computes both prompts, which writes their chunks and tails

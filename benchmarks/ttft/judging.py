@@ -51,7 +51,7 @@ def _check_hits(runs: list[dict[str, Any]], expected: dict[str, int], tier: str 
 
 def _check_declined(runs: list[dict[str, Any]]) -> list[str]:
     """The slow-disk row: every measured run's disk hit declined by the cost model (counted),
-    and what it loaded at most the one chunk an exploration reads."""
+    (an exploration reads its chunk aside: the request loads nothing from disk)."""
     problems = []
     taken = [r["label"] for r in runs if not r["tieredkv"].get(DECLINED_DISK)]
     if taken:

@@ -111,7 +111,7 @@ def table_markdown(payload: dict[str, Any]) -> str:
         hit = "n/a (ceiling)" if config == "recompute" else ("yes" if row["hit_ok"] else "**NO — FAIL**")
         if config == SLOW_DISK_CONFIG:
             hit = ("declined, every run" if row["hit_ok"] else "**NOT DECLINED — FAIL**") + (
-                f" ({row.get('explored_runs', 0)} run(s) explored one chunk)")
+                f" ({row.get('explored_runs', 0)} run(s) still loaded a disk chunk)")
         aligned = {LMCACHE_CONFIG: "LMCache's whole 256-token chunks"}.get(config, "")
         if config == "tieredkv_remote" and p["expected_remote_hit_tokens"] != p["expected_hit_tokens"]:
             aligned = "whole chunks"

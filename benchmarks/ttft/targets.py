@@ -208,8 +208,9 @@ def slow_disk_text(payload: dict[str, Any]) -> str:
             "`disk_read_delay_s`), far slower than recomputing; the cost model is on (the "
             f"default). {info.get('learning_hits', '?')} unmeasured disk hits first teach it "
             "the disk's speed; each measured hit must then be declined (counted in "
-            "`hits_declined{tier=\"disk\",reason=\"slower_than_recompute\"}`, at most the one "
-            "chunk an exploration reads loaded), so its TTFT is judged against recompute (row 1).")
+            "`hits_declined{tier=\"disk\",reason=\"slower_than_recompute\"}`; an exploration reads "
+            "its chunk aside, never on the request's path), so its TTFT is judged against "
+            "recompute (row 1).")
 
 
 def counts(v: dict[str, Any]) -> bool:

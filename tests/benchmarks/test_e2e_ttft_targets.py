@@ -222,7 +222,7 @@ def test_report_states_kv_per_token_and_the_targets(tmp_path, monkeypatch):
     text = report.table_markdown(payload)
     assert "**131,072 bytes (128 KiB) of KV per token**" in text and "head dim 128" in text
     assert "| slow disk <= 1.1 x recompute | 1.1 x recompute |" in text
-    assert "declined, every run (0 run(s) explored one chunk)" in text
+    assert "declined, every run (0 run(s) still loaded a disk chunk)" in text
     assert "**Row 5c, a slow disk.** Every read of the slab file sleeps 0.5 s" in text
     assert "ExampleConnector" in text and "faster than ExampleConnector" not in text
     # Another shape's results go to files of their own (the tiny default's are kept).

@@ -47,13 +47,14 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
         *(generate(name) for name in COLD), DRAIN,  # 0-5: cold, stored, spilled
         # 6-11: three disk hits while nothing is known: taken (each read sleeps 0.5 s).
         RESET, generate("p1"), RESET, generate("p2"), RESET, generate("p3"),
-        # 12-15: the disk is now known slow: the hits are declined (one chunk explored).
+        # 12-15: the disk is now known slow: the hits are declined (one chunk explored aside).
         RESET, generate("on_boundary"), RESET, generate("boundary_plus_1"),
         # 16-17: the fault is removed; an exploration interval passes.
         {"kind": "remove_file", "path": str(slow)},
         {"kind": "sleep", "seconds": EXPLORE_INTERVAL_S + 0.5},
-        # 18-21: one chunk explored, read fast: the estimate starts over, hits return.
-        RESET, generate("p1"), RESET, generate("p2"),
+        # 18-22: one chunk explored in the background (read fast: the estimate starts over;
+        # the drain lets that read end first), then hits return.
+        RESET, generate("p1"), DRAIN, RESET, generate("p2"),
     ]
     result = run_engine({
         "model": tiny_model, "max_tokens": MAX_TOKENS, "phases": phases_in,
@@ -73,16 +74,16 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
         assert counter_delta(phases, index, "hit_tokens_disk") > 0, index
         assert sum(cached_tokens(phases[index]).values()) == full, index
     # Known slow: each request's disk hit is declined once and counted; what it still loads
-    # is at most the one chunk explored (and what host holds).
+    # is at most what host holds (the explored chunk is read aside, never waited for).
     for index, name in ((13, "on_boundary"), (15, "boundary_plus_1")):
         assert counter_delta(phases, index, DECLINED) == 1, index
         assert sum(cached_tokens(phases[index]).values()) < expected_hit_tokens(
             len(PROMPTS[name])), index
     # The fault removed: the exploration reads fast, and the next disk hit is whole again.
     assert counter_delta(phases, 19, DECLINED) == 1
-    assert counter_delta(phases, 21, DECLINED) == 0
-    assert counter_delta(phases, 21, "hit_tokens_disk") > 0
-    assert sum(cached_tokens(phases[21]).values()) == full
+    assert counter_delta(phases, 22, DECLINED) == 0
+    assert counter_delta(phases, 22, "hit_tokens_disk") > 0
+    assert sum(cached_tokens(phases[22]).values()) == full
 
 
 class ThrottledProxy:
@@ -136,13 +137,14 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
         generate("p1"), generate("p2"), generate("p3"), DRAIN,  # 0-3: cold, written to Redis
         # 4-9: three remote hits while nothing is known: taken (each 16 KiB waits 5 ms).
         RESET_ALL, generate("p1"), RESET_ALL, generate("p2"), RESET_ALL, generate("p3"),
-        # 10-13: Redis is now known slow: the hits are declined (one chunk explored first).
+        # 10-13: Redis is now known slow: the hits are declined (one chunk explored aside).
         RESET_ALL, generate("p1"), RESET_ALL, generate("p2"),
         # 14-15: the throttle is removed; an exploration interval passes.
         {"kind": "remove_file", "path": str(slow)},
         {"kind": "sleep", "seconds": EXPLORE_INTERVAL_S + 0.5},
-        # 16-19: one chunk explored, read fast: the estimate starts over, hits return.
-        RESET_ALL, generate("p3"), RESET_ALL, generate("p1"),
+        # 16-20: one chunk explored in the background (read fast: the estimate starts over;
+        # the drain lets that read end first), then hits return.
+        RESET_ALL, generate("p3"), DRAIN, RESET_ALL, generate("p1"),
     ]
     try:
         result = run_engine({
@@ -167,12 +169,12 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
         assert declined(index) == 0, index
         assert counter_delta(phases, index, "hit_tokens_remote") == full, index
     # Known slow: each request's remote hit is declined once and counted (at the probe, or
-    # once it answered); what it still loads is at most the one chunk explored.
+    # once it answered); the explored chunk is read aside, never waited for.
     for index in (11, 13):
         assert declined(index) == 1, index
         assert sum(cached_tokens(phases[index]).values()) < full, index
     assert counter_delta(phases, 11, REMOTE_DECLINED[0]) == 1  # the exploration: one chunk
     # The throttle removed: the exploration reads fast, and the next remote hit is whole.
     assert declined(17) == 1
-    assert declined(19) == 0
-    assert counter_delta(phases, 19, "hit_tokens_remote") == full
+    assert declined(20) == 0
+    assert counter_delta(phases, 20, "hit_tokens_remote") == full

@@ -136,24 +136,26 @@ def test_the_rate_pairs_each_output_with_its_own_step_under_async_scheduling():
     assert cost.prefill_tokens_per_s == pytest.approx(2 * CHUNK_TOKENS / 0.201)
 
 
-def test_a_slow_tier_is_declined_once_per_request_and_explored_one_chunk_at_a_time():
+def test_a_slow_tier_is_declined_once_per_request_and_explored_in_the_background():
     clock = Clock()
     counters = Counts()
     cost = model(clock, counters)
     learn_rate(cost, clock, 64_000)  # a chunk recomputes in 1 ms
     learn_reads(cost, clock, DISK, 1.0)  # two chunks read in 1 s
-    # First decline: one disk chunk explored (the run keeps h0 and d1), the rest computed.
-    assert keep(cost, "a") == 2
+    # First decline: the run stops before the disk's chunks, and the disk is due to be
+    # measured again: the lookup reads one of its chunks in the background.
+    assert keep(cost, "a") == 1
+    assert cost.take_explorations() == {DISK} and cost.take_explorations() == set()
     assert counters[SLOWER, DISK] == 1
     # Asked again, the same request gets the same answer, counted once.
     assert keep(cost, "a") == 1 and keep(cost, "a") == 1
     assert counters[SLOWER, DISK] == 1
-    # Another request within the exploration interval: no chunk of the disk at all.
-    assert keep(cost, "b") == 1
+    # Another request within the exploration interval: declined, nothing explored.
+    assert keep(cost, "b") == 1 and cost.take_explorations() == set()
     assert counters[SLOWER, DISK] == 2
-    # After the interval, one more chunk is explored.
+    # After the interval, the disk is explored again (still never on a request's path).
     clock.now += EXPLORE_INTERVAL_S
-    assert keep(cost, "c") == 2
+    assert keep(cost, "c") == 1 and cost.take_explorations() == {DISK}
     assert counters == Counts({(SLOWER, DISK): 3})
 
 
@@ -183,7 +185,8 @@ def test_a_slow_remote_tier_is_cut_before_a_fast_disk_one():
     learn_rate(cost, clock, 64_000)
     learn_reads(cost, clock, DISK, 0.0001)
     learn_reads(cost, clock, REMOTE, 2.0)
-    assert keep(cost, "a") == 4  # disk kept, one remote chunk explored
+    assert keep(cost, "a") == 3  # disk kept, remote declined (and due to be explored)
+    assert cost.take_explorations() == {REMOTE}
     assert keep(cost, "b") == 3  # disk kept, remote declined
     assert counters == Counts({(SLOWER, REMOTE): 2})
 
@@ -207,7 +210,7 @@ def test_a_recovered_tier_is_used_again_after_one_fast_exploration():
     cost = model(clock, counters)
     learn_rate(cost, clock, 64_000)
     learn_reads(cost, clock, DISK, 1.0)
-    assert keep(cost, "a") == 2  # explores d1
+    assert keep(cost, "a") == 1 and cost.take_explorations() == {DISK}  # d1 read aside
     learn_reads(cost, clock, DISK, 0.0001, chunks=1, rounds=1)  # the exploration was fast
     assert keep(cost, "a") == 1  # "a" keeps its answer
     assert keep(cost, "b") == len(RUN)  # a new request takes the whole hit again

@@ -57,8 +57,9 @@ def fast_engine(planner: Planner, clock: Clock) -> None:
 
 
 def hit_after_fills(planner: Planner, clock: Clock, req: str, tokens: list[int],
-                    read_s: float) -> tuple[int, int]:
-    """Look ``tokens`` up; fills take ``read_s``. Returns (promotions issued, the hit)."""
+                    read_s: float) -> tuple[int, int, int]:
+    """Look ``tokens`` up; fills take ``read_s``. Returns (promotions the request waited
+    for, promotions read in the background after it got its answer, the hit)."""
     keys = keys_for(tokens)
     answer = planner.lookup(req, keys, 0, len(tokens))
     promotions = 0
@@ -69,7 +70,12 @@ def hit_after_fills(planner: Planner, clock: Clock, req: str, tokens: list[int],
         ok_all(planner, plan)
         answer = planner.lookup(req, keys, 0, len(tokens))
     planner.finished(req)
-    return promotions, answer
+    plan = planner.take_plan()  # an exploration: read while the request computes
+    background = len(plan.of(Move.PROMOTE))
+    if background:
+        clock.now += read_s
+        ok_all(planner, plan)
+    return promotions, background, answer
 
 
 def test_a_slow_disk_hit_is_declined_and_counted_and_returns_once_the_disk_is_fast():
@@ -79,21 +85,22 @@ def test_a_slow_disk_hit_is_declined_and_counted_and_returns_once_the_disk_is_fa
     full = 2 * CHUNK_TOKENS
     # Learning: no estimate yet, every disk hit is taken (each read takes 1 s).
     for n in range(MIN_SAMPLES):
-        assert hit_after_fills(planner, clock, f"learn{n}", on_disk_only(planner, n), 1.0) == (2, full)
+        assert hit_after_fills(planner, clock, f"learn{n}", on_disk_only(planner, n), 1.0) == (
+            2, 0, full)
     assert planner.counters[DECLINED_DISK] == 0
     # The disk reads 2 chunks in 1 s, the engine recomputes them in 2 ms: declined. The first
-    # decline explores one chunk (its hit ends after it); the next request gets no disk chunk.
-    assert hit_after_fills(planner, clock, "explore", on_disk_only(planner, 10), 1.0) == (
-        1, CHUNK_TOKENS)
-    assert hit_after_fills(planner, clock, "declined", on_disk_only(planner, 11), 1.0) == (0, 0)
+    # decline explores one chunk in the background (the request never waits for it: it
+    # computes its prompt); the next request gets no disk chunk and explores nothing.
+    assert hit_after_fills(planner, clock, "explore", on_disk_only(planner, 10), 1.0) == (0, 1, 0)
+    assert hit_after_fills(planner, clock, "declined", on_disk_only(planner, 11), 1.0) == (0, 0, 0)
     assert planner.counters[DECLINED_DISK] == 2
     deltas = planner.take_counter_deltas()
     assert deltas["hits_declined_slower_than_recompute"] == {"disk": 2}
     # The disk recovers: the next exploration reads fast, and hits return in full.
     clock.now += EXPLORE_INTERVAL_S
     assert hit_after_fills(planner, clock, "recovering", on_disk_only(planner, 12), 0.0001) == (
-        1, CHUNK_TOKENS)
-    assert hit_after_fills(planner, clock, "back", on_disk_only(planner, 13), 0.0001) == (2, full)
+        0, 1, 0)
+    assert hit_after_fills(planner, clock, "back", on_disk_only(planner, 13), 0.0001) == (2, 0, full)
     assert planner.counters[DECLINED_DISK] == 3
 
 
@@ -103,7 +110,7 @@ def test_with_the_cost_model_off_a_slow_disk_is_still_used():
     fast_engine(planner, clock)
     for n in range(MIN_SAMPLES + 2):
         assert hit_after_fills(planner, clock, f"r{n}", on_disk_only(planner, n), 1.0) == (
-            2, 2 * CHUNK_TOKENS)
+            2, 0, 2 * CHUNK_TOKENS)
     assert planner.counters[DECLINED_DISK] == 0
 
 
@@ -171,12 +178,17 @@ def test_a_slow_remote_tier_hit_is_declined_and_counted():
             planner.apply([JobResult(job.job_id, ok=1) for job in jobs])
             answer = planner.lookup(req, keys, 0, len(tokens))
         planner.finished(req)
-        return reads, answer
+        aside = planner.take_plan().of(Move.REMOTE_READ)  # an exploration, not waited for
+        if aside:
+            clock.now += 1.0
+            planner.apply([JobResult(job.job_id, ok=1) for job in aside])
+        return reads + 100 * len(aside), answer
 
     for n in range(MIN_SAMPLES):
         assert remote_hit(f"learn{n}", n) == (4, 4 * CHUNK_TOKENS)
-    # Known slow, due to be explored: the probe is waited for, one chunk is read.
-    assert remote_hit("explore", 10) == (1, CHUNK_TOKENS)
+    # Known slow, due to be explored: the probe is waited for, one chunk is read in the
+    # background (100 x reads aside), the request computes its prompt.
+    assert remote_hit("explore", 10) == (100, 0)
     assert planner.counters[Count.HITS_DECLINED_SLOWER, Tier.REMOTE] == 1
     # Known slow, explored a moment ago: the hit could save nothing, so its probe is not even
     # waited for; the request computes its prompt.

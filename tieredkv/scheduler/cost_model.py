@@ -128,6 +128,7 @@ class CostModel:
         # one would divide step k+1's tokens by step k's time).
         self._steps: deque[tuple[float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
         self._explored: dict[str, float] = {}
+        self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
         self._probe_waits: dict[str, float] = {}
 
@@ -212,7 +213,8 @@ class CostModel:
         return keep
 
     def _allowed(self, req_id: str, tier: str, chunks: int, tokens: int) -> int:
-        """Chunks of ``tier`` this request may fill: all, none, or one (exploration)."""
+        """Chunks of ``tier`` this request may fill: all or none. A decline while the tier is
+        due to be explored queues it for :meth:`take_explorations`."""
         declined = self._declined.get(req_id)
         if declined is not None and tier in declined:
             return 0
@@ -225,8 +227,14 @@ class CostModel:
         now = self._clock()
         if now - self._explored.get(tier, float("-inf")) >= EXPLORE_INTERVAL_S:
             self._explored[tier] = now
-            return 1
+            self._exploring.add(tier)
         return 0
+
+    def take_explorations(self) -> set[str]:
+        """Tiers due for an exploration read since the last call: the lookup reads one chunk
+        of each in the background (no request waits for it), which measures the tier again."""
+        tiers, self._exploring = self._exploring, set()
+        return tiers
 
     def may_wait_for_probe(self, req_id: str, tier: str, tokens: int, chunks: int) -> bool:
         """Whether the request may wait (on) for its remote probe: False once it has waited

@@ -220,8 +220,8 @@ class Lookup:
             remote_chunks.append(partial_key)
         if self._cost is not None and (lower_chunks or remote_chunks):
             run, lower_chunks, remote_chunks, partial_key = self._affordable(
-                req_id, run, lower_chunks, remote_chunks, partial_key, first,
-                num_computed_tokens, limit)
+                state, run, lower_chunks, remote_chunks, partial_key, first,
+                num_computed_tokens, limit, request_keys)
         timed_out = False
         if state.promote_deadline or lower_chunks or pending or remote_chunks:
             now = time.monotonic()
@@ -270,18 +270,27 @@ class Lookup:
         return hit
 
     def _affordable(
-        self, req_id: str, run: list[bytes], lower_chunks: list[bytes],
+        self, state: RequestState, run: list[bytes], lower_chunks: list[bytes],
         remote_chunks: list[bytes], partial_key: bytes | None, first: int,
-        num_computed_tokens: int, limit: int,
+        num_computed_tokens: int, limit: int, request_keys: Sequence[bytes],
     ) -> tuple[list[bytes], list[bytes], list[bytes], bytes | None]:
         """The run cut before a tier's chunks whose read the cost model predicts slower than
-        recomputing them (remote first: it lies past disk), and what is left of each list."""
+        recomputing them (remote first: it lies past disk), and what is left of each list. A
+        declined tier due to be measured again gets one chunk read in the background, which
+        the request does not wait for: exploring never makes a request slower than a miss."""
         assert self._cost is not None
         keep = self._cost.affordable(
-            req_id, run, ((Tier.REMOTE, set(remote_chunks)), (self._lower_name, set(lower_chunks))),
+            state.req_id, run,
+            ((Tier.REMOTE, set(remote_chunks)), (self._lower_name, set(lower_chunks))),
             first, num_computed_tokens, limit)
         if keep == len(run):
             return run, lower_chunks, remote_chunks, partial_key
+        for name in self._cost.take_explorations():
+            tier, chunks = ((self.remote, remote_chunks) if name == Tier.REMOTE
+                            else (self.lower, lower_chunks))
+            cut = [key for key in chunks if key in run[keep:]]
+            if tier is not None and cut:
+                self._fill.plan(state, tier, run, {cut[0]}, first, request_keys)
         run = run[:keep]
         kept = set(run)
         return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],
