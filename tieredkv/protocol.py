@@ -303,6 +303,9 @@ class JobResult:
     failed: int = 0
     failure: FailureCause | None = None
     failed_block_ids: tuple[int, ...] = ()
+    # Seconds the job took on the worker, submit to result (merged: the slowest rank's); 0
+    # when not known. The cost model times reads no request waited for by it.
+    seconds: float = field(default=0.0, compare=False)
 
     @classmethod
     def done(cls, job_id: int) -> JobResult:
@@ -323,6 +326,7 @@ class JobResult:
             failed=self.failed + other.failed,
             failure=self.failure or other.failure,
             failed_block_ids=tuple(sorted(set(self.failed_block_ids) | set(other.failed_block_ids))),
+            seconds=max(self.seconds, other.seconds),
         )
 
 

@@ -191,6 +191,29 @@ def test_a_slow_remote_tier_is_cut_before_a_fast_disk_one():
     assert counters == Counts({(SLOWER, REMOTE): 2})
 
 
+def test_an_exploration_is_timed_by_the_workers_not_by_the_steps_beside_it():
+    """A background read runs while the request that declined it computes: the steps' time
+    is the compute's, not the read's. Timed by the workers, a disk that recovered is seen to
+    have recovered; a read a request waited for is still timed as the request waited."""
+    clock = Clock()
+    cost = model(clock)
+    learn_rate(cost, clock, 64_000)
+    learn_reads(cost, clock, DISK, 1.0, chunks=1)  # slow: a chunk in 1 s
+    assert keep(cost, "a") == 1 and cost.take_explorations() == {DISK}
+    job = next(_job_ids)
+    cost.fills_started(DISK, [job], background=True)
+    clock.now += 2.0  # the compute step the read ran beside
+    cost.fill_done(job, worker_s=0.001)  # the read itself: 1 ms
+    assert keep(cost, "b") == len(RUN)  # recovered: the whole hit again
+    waited = model(clock)
+    for _ in range(MIN_SAMPLES):  # reads requests waited for: timed as they waited
+        job = next(_job_ids)
+        waited.fills_started(DISK, [job])
+        clock.now += 0.5
+        waited.fill_done(job, worker_s=0.001)
+    assert waited.read_seconds(DISK, 1) == pytest.approx(0.5)
+
+
 def test_the_model_turned_off_takes_every_hit():
     clock = Clock()
     counters = Counts()

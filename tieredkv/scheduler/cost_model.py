@@ -62,6 +62,8 @@ class _Round:
     started: float
     chunks: int
     remaining: int
+    background: bool = False  # no request waits for it: timed by the workers' own clocks
+    worker_s: float = 0.0  # the slowest job's time on the workers
 
 
 class ReadEstimate:
@@ -134,21 +136,27 @@ class CostModel:
 
     # ------------------------------------------------------------------ observations
 
-    def fills_started(self, tier: str, job_ids: Sequence[int]) -> None:
-        """One lookup sent these fill jobs to ``tier`` together: one round."""
+    def fills_started(self, tier: str, job_ids: Sequence[int], background: bool = False) -> None:
+        """One lookup sent these fill jobs to ``tier`` together: one round. A ``background``
+        round (an exploration no request waits for) runs beside other requests' compute
+        steps, so it is timed by the workers (job submit to result), not by the steps."""
         if job_ids:
-            round_ = _Round(tier, self._clock(), len(job_ids), len(job_ids))
+            round_ = _Round(tier, self._clock(), len(job_ids), len(job_ids), background)
             for job_id in job_ids:
                 self._rounds[job_id] = round_
 
-    def fill_done(self, job_id: int) -> None:
-        """Every rank reported the fill job (ok or not: a failure took its time too)."""
+    def fill_done(self, job_id: int, worker_s: float = 0.0) -> None:
+        """Every rank reported the fill job (ok or not: a failure took its time too);
+        ``worker_s``: its time on the slowest rank (0: not known)."""
         round_ = self._rounds.pop(job_id, None)
         if round_ is None:
             return
         round_.remaining -= 1
+        round_.worker_s = max(round_.worker_s, worker_s)
         if round_.remaining == 0:
             elapsed = self._clock() - round_.started
+            if round_.background and round_.worker_s > 0:
+                elapsed = round_.worker_s
             self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
 
     def step_scheduled(self, tokens: int) -> None:

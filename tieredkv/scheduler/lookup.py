@@ -290,7 +290,7 @@ class Lookup:
                             else (self.lower, lower_chunks))
             cut = [key for key in chunks if key in run[keep:]]
             if tier is not None and cut:
-                self._fill.plan(state, tier, run, {cut[0]}, first, request_keys)
+                self._fill.plan(state, tier, run, {cut[0]}, first, request_keys, background=True)
         run = run[:keep]
         kept = set(run)
         return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],

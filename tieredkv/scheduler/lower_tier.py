@@ -283,10 +283,11 @@ class Fill:
 
     def plan(
         self, state: RequestState, tier: LowerTier, run: list[bytes], wanted: set[bytes],
-        first: int, request_keys: Sequence[bytes],
+        first: int, request_keys: Sequence[bytes], background: bool = False,
     ) -> list[bytes]:
         """Bring the ``wanted`` chunks of ``run`` into host slots from ``tier``; the run is cut
-        at the first one that cannot get a slot or that someone else holds now."""
+        at the first one that cannot get a slot or that someone else holds now.
+        ``background``: no request waits for these (an exploration of a declined tier)."""
         host, C = self.host, self.chunk_blocks
         issued: list[int] = []
         for pos, key in enumerate(run):
@@ -316,7 +317,7 @@ class Fill:
             issued.append(job_id)
         if issued:
             if self._cost is not None:
-                self._cost.fills_started(tier.name, issued)  # one round, timed
+                self._cost.fills_started(tier.name, issued, background)  # one round, timed
             state.promote_rounds += 1
             state.promote_deadline = time.monotonic() + self.load_timeout_s
         return run
@@ -325,7 +326,7 @@ class Fill:
         """Every rank reported a fill: the chunk is READY in host, or dropped and counted."""
         (key,) = job.keys
         if self._cost is not None:
-            self._cost.fill_done(job.job_id)
+            self._cost.fill_done(job.job_id, outcome.seconds)
         if self.in_flight.get(key) == job.job_id:
             del self.in_flight[key]
         tier = self._tiers[job.move]

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tieredkv.protocol import FailureCause, Job, JobResult, Medium, Move
@@ -291,6 +292,9 @@ class TransferEngine:
         self._finish(entry.seq, result, entry.t0)
 
     def _finish(self, seq: int, result: JobResult, t0: float | None) -> None:
+        seconds = None if t0 is None else time.monotonic() - t0
+        if seconds is not None:
+            result = replace(result, seconds=seconds)
         with self._lock:
             job = self._pending.pop(seq, None)
             if job is None:
@@ -298,7 +302,6 @@ class TransferEngine:
             self._results.append(result)
             self._result_ready.notify_all()
             self._device.settle_locked(seq)
-        seconds = None if t0 is None else time.monotonic() - t0
         self.stats.finished(job.move, result, seconds)
 
     def on_loop(self, start: Callable[[list[Entry]], None], entries: list[Entry]) -> None:
