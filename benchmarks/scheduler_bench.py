@@ -28,6 +28,13 @@ timed calls (collected between iterations) for both sides alike.
 
     python -m benchmarks.scheduler_bench            # quick profile (< 3 minutes)
     python -m benchmarks.scheduler_bench --full     # more iterations
+    python -m benchmarks.scheduler_bench --kv-events  # + tieredkv with KV events on (issue 26)
+
+``--kv-events`` adds a third side, interleaved with the other two: tieredkv built from a copy
+of the config with vLLM's KV events on (``KVEventsConfig(enable_kv_cache_events=True,
+publisher="null")``), ``take_events()`` called after each ``update_connector_output`` as
+vLLM's scheduler does. Each row then shows events on / events off (ratio of medians; events
+off is the plain tieredkv side). Results go to ``scheduler_bench_events.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -52,7 +59,15 @@ from benchmarks.scheduler.measure import (
     bench_prefill,
     cprofile_hot_paths,
 )
-from benchmarks.scheduler.report import COLUMNS, build_rows, keying_summary, load_average, plot
+from benchmarks.scheduler.report import (
+    COLUMNS,
+    EVENTS_COLUMNS,
+    build_rows,
+    events_summary,
+    keying_summary,
+    load_average,
+    plot,
+)
 from benchmarks.scheduler.sides import Engine
 from benchmarks.scheduler.workload import (
     DECODE_PROMPT_TOKENS,
@@ -84,12 +99,13 @@ def run(
     make_plot: bool = True,
     show_progress: bool = True,
     model_dir: Path | None = None,
+    kv_events: bool = False,
 ) -> Result:
     """Run one profile in-process; returns the rows and (optionally) writes the results."""
     profile = PROFILES[profile_name]
     started = time.time()
     load_before = load_average()
-    engine = Engine(model_dir)
+    engine = Engine(model_dir, kv_events=kv_events)
     gc.collect()
     gc.freeze()  # as vLLM's engine does after start-up: long-lived objects leave the GC's scans
     samples = Samples()
@@ -107,7 +123,7 @@ def run(
     finally:
         progress.close()
         gc.unfreeze()
-    rows = build_rows(samples, profile)
+    rows = build_rows(samples, profile, events=kv_events)
     machine = common.machine_name()
     judged = [r for r in rows if r["group"] != "target"]
     fails = [r for r in judged if r["verdict"] == "FAIL"]
@@ -145,7 +161,7 @@ def run(
         "hit_tokens": lookup_info["hit_tokens"],
         "keying": {**keying_info, "summary": keying_summary(samples)},
         "rows": [{k: v for k, v in r.items() if not k.endswith("_text") and k not in
-                  ("tieredkv_us", "vllm_us")} for r in rows],
+                  ("tieredkv_us", "vllm_us", "tieredkv_events_us")} for r in rows],
     }
     load = payload["machine"].get("load_average")
     notes = (
@@ -164,22 +180,27 @@ def run(
         f"{DECODE_PROMPT_TOKENS} tokens already stored, 1 token scheduled each, nothing to plan. "
         "Prefill: each request's second 512-token chunk is scheduled, one store planned each."
     )
-    table = common.markdown_table(rows, COLUMNS)
+    table = common.markdown_table(rows, EVENTS_COLUMNS if kv_events else COLUMNS)
     summary = (
         f"**Target 'no slower than vLLM on any row': {payload['targets']['no_slower_than_vllm']}**"
         + (f" (FAIL rows: {', '.join(payload['targets']['failing_rows'])})" if fails else "")
         + f"  \n**Target '128k-token lookup under 2 ms': {payload['targets']['lookup_128k_under_2ms']}**"
     )
-    markdown = "\n\n".join([notes, summary, table, keying_summary(samples)])
+    parts = [notes, summary, table, keying_summary(samples)]
+    if kv_events:
+        payload["kv_events"] = {"summary": events_summary(rows)}
+        parts.insert(2, payload["kv_events"]["summary"])
+    markdown = "\n\n".join(parts)
     result = Result(rows, payload, markdown)
     if write:
         out = common.results_dir(out_dir)
-        result.paths["json"] = str(common.write_json(out / f"{NAME}.json", payload))
+        name = f"{NAME}_events" if kv_events else NAME  # the kept default files stay as they are
+        title = "Scheduler-half benchmark: tieredkv vs vLLM OffloadingConnector"
+        result.paths["json"] = str(common.write_json(out / f"{name}.json", payload))
         result.paths["md"] = str(common.write_markdown(
-            out / f"{NAME}.md", "Scheduler-half benchmark: tieredkv vs vLLM OffloadingConnector",
-            [markdown]))
+            out / f"{name}.md", title + (", KV events on/off" if kv_events else ""), [markdown]))
         if make_plot:
-            result.paths["png"] = str(plot(rows, out / f"{NAME}.png", machine, profile))
+            result.paths["png"] = str(plot(rows, out / f"{name}.png", machine, profile))
     return result
 
 
@@ -195,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="also tieredkv with vLLM's KV events on, interleaved; per row the "
+                        "events on/off ratio (writes scheduler_bench_events.*)")
     parser.add_argument("--cprofile", action="store_true",
                         help="only print cProfile reports of the hot paths, no timing run")
     args = parser.parse_args(argv)
@@ -210,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         make_plot=not args.no_plot,
         show_progress=not args.quiet,
         model_dir=args.model_dir,
+        kv_events=args.kv_events,
     )
     return common.print_written(result.markdown, result.paths)
 

@@ -3,6 +3,7 @@ noise band, lookups under their target), the Markdown table and the plot."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -33,12 +34,13 @@ def verdict(ratio: float) -> str:
 
 
 def _row(
-    samples: Samples, operation: str, key: tuple[str, ...], size: int, unit: str, **extra: Any
+    samples: Samples, operation: str, key: tuple[str, ...], size: int, unit: str,
+    events: bool = False, **extra: Any
 ) -> dict[str, Any]:
     t = common.summarize(samples.get(("tieredkv", *key)))
     v = common.summarize(samples.get(("vllm", *key)))
     ratio = t["median"] / v["median"] if v["median"] else float("nan")
-    return {
+    row = {
         "operation": operation,
         "size": size,
         "size_label": fmt_size(size) + (" tokens" if unit == "tokens" else f" {unit}")
@@ -54,9 +56,12 @@ def _row(
         "samples": min(t["n"], v["n"]),
         **extra,
     }
+    if events:
+        row.update(_events_fields(samples, key, t["median"]))
+    return row
 
 
-def build_rows(samples: Samples, profile: Profile) -> list[dict[str, Any]]:
+def build_rows(samples: Samples, profile: Profile, events: bool = False) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for state in ("hit", "miss"):
         for phase in ("cold", "repeat"):
@@ -65,14 +70,14 @@ def build_rows(samples: Samples, profile: Profile) -> list[dict[str, Any]]:
                 rows.append(_row(
                     samples, f"get_num_new_matched_tokens {state} ({what})",
                     ("lookup", state, phase, str(n)), n, "tokens",
-                    group="lookup", state=state, phase=phase,
+                    events, group="lookup", state=state, phase=phase,
                 ))
     for variant, what in (("decode", "decode, 1 token each"),
                           ("prefill", "prefill, 512-token chunk each, 1 store each")):
         for count in profile.running:
             rows.append(_row(
                 samples, f"build_connector_meta ({what})", ("meta", variant, "", str(count)),
-                count, "requests", group="meta", variant=variant,
+                count, "requests", events, group="meta", variant=variant,
             ))
     n = KEYING_TOKENS
     rows.append(_row(samples, "keying alone: chunk keys from block hashes (256 keys)",
@@ -98,7 +103,42 @@ def build_rows(samples: Samples, profile: Profile) -> list[dict[str, Any]]:
         row["vllm_us"] = _us(row["vllm_median_us"], row["vllm_p90_us"])
         row["ratio_text"] = f"{row['ratio']:.2f}" if row["ratio"] == row["ratio"] else "n/a"
         row["target_text"] = f"{row['target']}: {row['verdict']}"
+        if events:
+            row["tieredkv_events_us"] = _us(row.get("tieredkv_events_median_us", math.nan),
+                                            row.get("tieredkv_events_p90_us", math.nan))
+            ratio = row.get("events_ratio", math.nan)
+            row["events_ratio_text"] = f"{ratio:.2f}" if ratio == ratio else "n/a"
     return rows
+
+
+def _events_fields(samples: Samples, key: tuple[str, ...], off: float) -> dict[str, Any]:
+    """--kv-events: tieredkv with events on beside the plain tieredkv side (events off), the
+    ratio of medians as for the vLLM ratio; keying rows have no events side (n/a)."""
+    e = common.summarize(samples.get(("tieredkv_events", *key)))
+    ratio = e["median"] / off if off and e["n"] else float("nan")
+    return {
+        "tieredkv_events_median_us": e["median"],
+        "tieredkv_events_p90_us": e["p90"],
+        "events_ratio": ratio,
+    }
+
+
+def events_summary(rows: list[dict[str, Any]]) -> str:
+    """One line on the on/off ratios; the events-off figures are the plain tieredkv side."""
+    ratios = [(r["events_ratio"], r) for r in rows
+              if r["group"] != "target" and not math.isnan(r.get("events_ratio", math.nan))]
+    if not ratios:
+        return "**KV events on/off: no rows measured.**"
+    worst, row = max(ratios, key=lambda pair: pair[0])
+    middle = common.summarize([ratio for ratio, _ in ratios])["median"]
+    return (
+        "**KV events: tieredkv events on / events off, ratio of medians per row (column "
+        f"'ratio events on/off'): median {middle:.2f} over {len(ratios)} rows, highest "
+        f"{worst:.2f} ({row['operation']} @ {row['size_label']}).** The events-off figures are "
+        "the plain tieredkv side (column 'tieredkv µs median (p90)'); events on: vLLM's KVEventsConfig "
+        "(enable_kv_cache_events, publisher 'null'), take_events() after each "
+        "update_connector_output, calls interleaved with the other two sides."
+    )
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -125,6 +165,13 @@ COLUMNS = [
     ("vllm_us", "vLLM µs median (p90)"),
     ("ratio_text", "ratio tieredkv/vLLM"),
     ("target_text", "target"),
+]
+
+EVENTS_COLUMNS = [
+    *COLUMNS[:4],
+    ("tieredkv_events_us", "tieredkv events on µs median (p90)"),
+    ("events_ratio_text", "ratio events on/off"),
+    *COLUMNS[4:],
 ]
 
 

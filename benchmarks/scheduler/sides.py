@@ -26,7 +26,7 @@ from tieredkv.protocol import Move
 class Engine:
     """The vLLM configs, the block hasher and request factories shared by both connectors."""
 
-    def __init__(self, model_dir: Path | None = None) -> None:
+    def __init__(self, model_dir: Path | None = None, *, kv_events: bool = False) -> None:
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.sampling_params import SamplingParams
@@ -70,6 +70,17 @@ class Engine:
                 "blocks_per_chunk": CHUNK_BLOCKS,
             },
         )
+        # --kv-events: a third side, tieredkv with vLLM's KV events on (the "null" publisher:
+        # vLLM's scheduler would publish what take_events() yields; here it is dropped).
+        self.kv_events = kv_events
+        self.vllm_config_events = None
+        if kv_events:
+            from vllm.config import KVEventsConfig
+
+            self.vllm_config_events = copy.copy(self.vllm_config)
+            self.vllm_config_events.kv_events_config = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null"
+            )
         model_config = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
         num_layers = model_config.get_num_layers(parallel)
@@ -117,6 +128,17 @@ class Engine:
 
         return TieredKVConnector(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
 
+    def tieredkv_events(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from tieredkv.connector import TieredKVConnector
+
+        connector = TieredKVConnector(
+            self.vllm_config_events, KVConnectorRole.SCHEDULER, self.kv_cache_config
+        )
+        assert connector._scheduler.events is not None, "tieredkv: KV events not switched on"
+        return connector
+
     def offloading(self) -> Any:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -128,7 +150,11 @@ class Engine:
         )
 
     def pair(self) -> list[Side]:
-        return [TieredSide(self.tieredkv()), VllmSide(self.offloading())]
+        """tieredkv and vLLM's sides (and, with ``kv_events``, tieredkv with events on)."""
+        sides: list[Side] = [TieredSide(self.tieredkv()), VllmSide(self.offloading())]
+        if self.kv_events:
+            sides.append(EventsSide(self.tieredkv_events()))
+        return sides
 
     def request(self, req_id: str, tokens: list[int]) -> Any:
         """A request whose block hashes vLLM's own hasher computes."""
@@ -262,6 +288,18 @@ class TieredSide(Side):
         assert planner.host.pinned_count == 0, "tieredkv: host chunks still pinned"
         assert not planner.pending_jobs, "tieredkv: jobs still pending"
         assert not self.half._keys, "tieredkv: per-request keys not released"
+
+
+class EventsSide(TieredSide):
+    """tieredkv with vLLM's KV events on: events are taken after each worker report, as
+    vLLM's scheduler calls ``take_events()`` after ``update_connector_output``."""
+
+    name = "tieredkv_events"
+    label = "tieredkv, KV events on"
+
+    def complete(self, job_ids: Sequence[int]) -> None:
+        super().complete(job_ids)
+        list(self.connector.take_events())
 
 
 class VllmSide(Side):

@@ -68,6 +68,31 @@ def test_smoke_profile_gives_sane_rows(bench, tmp_path):
     assert not (tmp_path / "scheduler_bench.png").exists()
 
 
+def test_kv_events_side_is_measured_and_its_ratio_printed(bench, tmp_path, capsys):
+    """Issue 26: --kv-events adds tieredkv with vLLM's KV events on as a third, interleaved
+    side; each measured row shows events on / events off, and the results go to their own
+    files so the kept default ones are not overwritten."""
+    argv = ["--profile", "smoke", "--kv-events", "--out-dir", str(tmp_path), "--quiet",
+            "--no-plot"]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| ratio events on/off |" in printed
+    assert "The events-off figures are the plain tieredkv side" in printed
+    assert not (tmp_path / "scheduler_bench.json").exists()
+    data = json.loads((tmp_path / "scheduler_bench_events.json").read_text())
+    assert "ratio events on/off" in (tmp_path / "scheduler_bench_events.md").read_text()
+    profile = bench.PROFILES["smoke"]
+    measured = [r for r in data["rows"] if r["group"] in ("lookup", "meta")]
+    assert len(measured) == 2 * 2 * len(profile.sizes) + 2 * len(profile.running)
+    for row in measured:
+        on, off = row["tieredkv_events_median_us"], row["tieredkv_median_us"]
+        assert math.isfinite(on) and 0 < on < 1e6, row
+        assert row["events_ratio"] == pytest.approx(on / off)
+        assert f"| {row['events_ratio']:.2f} |" in printed
+    # The events side hit what plain tieredkv hit (JSON keys are strings).
+    assert data["hit_tokens"]["tieredkv_events"] == data["hit_tokens"]["tieredkv"]
+
+
 def test_percentiles_and_table(bench):
     common = bench.common
     assert common.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == pytest.approx(9.1)
