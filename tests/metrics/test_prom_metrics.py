@@ -96,13 +96,17 @@ def test_every_metric_exists_at_zero_with_vllm_labels(connector_prom, registry) 
         family = families[spec.name]
         assert family.documentation == spec.help and spec.help
         values = spec.values if spec.label else (None,)
+        values2 = spec.values2 if spec.label2 else (None,)
         for engine in ("0", "1"):
             for value in values:
-                labels = {"model_name": "tiny", "engine": engine}
-                if value is not None:
-                    labels[spec.label] = value
-                name = spec.exposed_names[0] if spec.kind != HISTOGRAM else spec.name + "_count"
-                assert registry.get_sample_value(name, labels) == 0.0, (name, labels)
+                for value2 in values2:
+                    labels = {"model_name": "tiny", "engine": engine}
+                    if value is not None:
+                        labels[spec.label] = value
+                    if value2 is not None:
+                        labels[spec.label2] = value2
+                    name = spec.exposed_names[0] if spec.kind != HISTOGRAM else spec.name + "_count"
+                    assert registry.get_sample_value(name, labels) == 0.0, (name, labels)
     for kind in ("load_failures", "store_failures", "spill_failures"):
         name = METRIC_SPECS[kind].name + "_total"
         for cause in FAILURE_CAUSES:
