@@ -15,7 +15,9 @@ wrong, and both are settled here once per session, before any ordering test:
 
 from __future__ import annotations
 
+import gc
 import statistics
+import time
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -97,21 +99,34 @@ class IssueProbe(CopyBackend):
         self.inner = inner
         self.forward = forward
         self.pending_at_issue: list[tuple[str, bool]] = []
+        # (direction, pending, ms since the probe was made at issue, ms the call took): says
+        # whether a copy call itself synchronised the device (a long call, the next not
+        # pending) or the lane was late (a late first issue).
+        self.timeline: list[tuple[str, bool, float, float]] = []
+        self._t0 = time.perf_counter()
+
+    def _issue(self, direction: str, copy: Callable[..., None], args: tuple[Any, ...]) -> None:
+        pending = still_pending(self.forward)
+        self.pending_at_issue.append((direction, pending))
+        start = time.perf_counter()
+        copy(*args)
+        end = time.perf_counter()
+        self.timeline.append((direction, pending, round((start - self._t0) * 1e3, 2),
+                              round((end - start) * 1e3, 2)))
 
     def d2h(self, *args: Any) -> None:
-        self.pending_at_issue.append(("d2h", still_pending(self.forward)))
-        self.inner.d2h(*args)
+        self._issue("d2h", self.inner.d2h, args)
 
     def h2d(self, *args: Any) -> None:
-        self.pending_at_issue.append(("h2d", still_pending(self.forward)))
-        self.inner.h2d(*args)
+        self._issue("h2d", self.inner.h2d, args)
 
     def assert_issued_while_pending(self, direction: str) -> None:
         issued = [pending for d, pending in self.pending_at_issue if d == direction]
         assert issued, f"no {direction} copy was issued"
         assert all(issued), (
             f"a {direction} copy was issued after the forward had finished: the bytes prove "
-            "nothing about stream ordering (something synchronised the device first)"
+            "nothing about stream ordering (something synchronised the device first); "
+            f"(direction, pending, issued at ms, call ms): {self.timeline}"
         )
 
 
@@ -123,3 +138,6 @@ def rehearse(device: torch.device, run: Callable[[], object]) -> None:
     run()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # Garbage from earlier tests (a pinned pool's unregistering, a freed stream) must not be
+    # collected while the measured forward is queued: both synchronise the device.
+    gc.collect()

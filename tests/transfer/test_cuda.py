@@ -191,7 +191,7 @@ def test_a_busy_d2h_lane_does_not_hold_back_h2d(cuda_warm: float) -> None:
     d2h, h2d = CopyLane("d2h", kv.device, None), CopyLane("h2d", kv.device, None)
     up_blocks = (40, 41, 42, 43)
     up_ids = torch.tensor(up_blocks).to(kv.device)  # no pageable upload while the lane is held
-    host.slot(1).fill(9)
+    host.slot(1).fill_(9)
     try:
         # Both copies once with nothing held, so no first launch (lazy kernel loading can
         # synchronise the context) makes the h2d wait for the held lane; with the measured
