@@ -56,6 +56,8 @@ class _TorchCopyBlocksOp:
 def _backend(name: str):
     if name == "torch":
         return TorchCopyBackend()
+    if name == "torch-dma":
+        return TorchCopyBackend(mapped=False)
     if name == "vllm":
         return VllmCopyBackend(_TorchCopyBlocksOp())
     ok, why = CupyCopyBackend.available(torch.device("cuda"))
@@ -76,7 +78,18 @@ def test_host_pool_is_pinned_and_mapped() -> None:
     assert ok, why  # UVA: the pinned pool is addressable from the device at the same pointer
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cupy", "vllm"])
+def test_torch_moves_slots_through_the_pools_device_mapping() -> None:
+    # One index kernel per piece through the mapped pool, not one DMA call per slot: that is
+    # what makes small chunks fast. A pool the device cannot address falls back to DMA.
+    kv = _cuda_views("LBHNC")
+    pinned, plain = HostPool(4, kv.slot_payload_bytes(C)), HostPool(4, kv.slot_payload_bytes(C), pin=False)
+    backend = TorchCopyBackend()
+    assert backend.registered(kv, pinned).mapped is not None
+    assert backend.registered(kv, plain).mapped is None
+    assert TorchCopyBackend(mapped=False).registered(kv, pinned).mapped is None
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy", "vllm"])
 @pytest.mark.parametrize("kind", ["LBHNC", "BLHNC", "per-layer"])
 def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> None:
     rng = random.Random(11)

@@ -1,8 +1,11 @@
 """Torch copies: batched index ops that work wherever torch does (the CUDA default).
 
 CPU: numpy/torch gathers and scatters per chunk. CUDA: a gather kernel into a bounded device
-staging buffer laid out like the slots, then one async DMA per slot to or from pinned memory,
-piece by piece when the batch is larger than the buffer.
+staging buffer laid out like the slots, then the slots move to or from pinned memory, piece by
+piece when the batch is larger than the buffer: by one index kernel through the pool's device
+mapping (the pool is registered mapped), else one async DMA per slot. On an H100 a DMA call
+per slot cost 8 us of host time each (64 KiB chunks moved at 0.12 of a contiguous copy); the
+mapped index kernel moves them at 0.92 (``benchmarks/copy_breakdown.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,39 @@ def _consecutive(ids: Sequence[int]) -> bool:
     return ids[-1] - first == len(ids) - 1 and all(b == first + j for j, b in enumerate(ids))
 
 
+class _CudaArray:
+    """Just enough of ``__cuda_array_interface__`` for torch to alias device-visible memory."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+            "strides": None,
+        }
+
+
+def mapped_rows(host: HostPool, device: torch.device, dtype: torch.dtype, width: int,
+                payload_elems: int) -> torch.Tensor | None:
+    """The pool as a CUDA tensor of (slots, payload) through its device mapping, or None.
+
+    The pool is registered ``cudaHostRegisterMapped``; with unified addressing its device
+    address is its host address. That is checked, not assumed: the first bytes read through
+    the mapping must equal the host's. The view aliases the pool and must not outlive it (its
+    :class:`RegistrationCache` entry goes with the pool).
+    """
+    buffer = host.buffer
+    if not host.pinned or not buffer.numel() or device.type != "cuda":
+        return None
+    try:
+        flat = torch.as_tensor(_CudaArray(buffer.data_ptr(), buffer.numel()), device=device)
+        probe = min(4096, buffer.numel())
+        if not torch.equal(flat[:probe].cpu(), buffer[:probe]):
+            return None
+    except (RuntimeError, TypeError, ValueError):  # no mapping: the DMA path serves
+        return None
+    rows = flat.as_strided((host.num_slots, payload_elems * width), (host.slot_bytes, 1))
+    return rows.view(dtype)
+
+
 class _RegisteredViews:
     """Views of one (device caches, host pool) combination, computed once.
 
@@ -46,7 +82,7 @@ class _RegisteredViews:
     involved: the same bytes as fewer, larger elements (8x fewer on int64 than on uint8).
     """
 
-    def __init__(self, dev: KVViews, host: HostPool) -> None:
+    def __init__(self, dev: KVViews, host: HostPool, mapped: bool = True) -> None:
         self.chunk_blocks = C = dev.chunk_blocks_for(host.payload_bytes)
         self.offsets = dev.layer_offsets(C)
         base_ptr = host.buffer.data_ptr() if host.buffer.numel() else 0
@@ -88,6 +124,9 @@ class _RegisteredViews:
             )
             self.take_rows = [bool(r.flags.c_contiguous) for r in self.np_rows]
         self.payload_elems = host.payload_bytes // w
+        # (slots, payload elems) on the device, aliasing the pinned pool; None: DMA per slot
+        self.mapped = (None if self.on_cpu or not mapped else
+                       mapped_rows(host, dev.device, self.dtype, w, self.payload_elems))
 
 
 class TorchCopyBackend(CopyBackend):
@@ -103,8 +142,10 @@ class TorchCopyBackend(CopyBackend):
 
     name = BackendName.TORCH
 
-    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        self._registered: RegistrationCache[_RegisteredViews] = RegistrationCache(_RegisteredViews)
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, *, mapped: bool = True) -> None:
+        # mapped=False: one DMA per slot even where the pool is mapped (the tests cover both)
+        self._registered: RegistrationCache[_RegisteredViews] = RegistrationCache(
+            lambda dev, host: _RegisteredViews(dev, host, mapped))
         # One staging buffer and index uploader per direction: d2h and h2d lanes run at once.
         self._staging = {d: StagingBuffer(staging_bytes) for d in ("d2h", "h2d")}
         self._uploads: dict[str, IndexUploader] = {}
@@ -184,39 +225,45 @@ class TorchCopyBackend(CopyBackend):
 
     def _index_table(
         self, direction: str, pairs: Sequence[Pair], per_piece: int, device: torch.device
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """(3, M) on ``device``: per moved block its pair's place in its piece, its slot
-        position and its device block; with each pair's first column. One upload per call."""
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """On ``device``: (3, M), per moved block its pair's place in its piece, its slot
+        position and its device block; and (P,), each pair's slot. With each pair's first
+        column. One upload per call."""
         counts = np.fromiter((len(ids) for _, _, ids in pairs), dtype=np.int64, count=len(pairs))
         starts = np.zeros(len(pairs) + 1, dtype=np.int64)
         np.cumsum(counts, out=starts[1:])
         total = int(starts[-1])
         firsts = np.fromiter((f for _, f, _ in pairs), dtype=np.int64, count=len(pairs))
-        table = np.empty((3, total), dtype=np.int64)
+        flat = np.empty(3 * total + len(pairs), dtype=np.int64)
+        table = flat[: 3 * total].reshape(3, total)
         table[0] = np.repeat(np.arange(len(pairs), dtype=np.int64) % per_piece, counts)
         table[1] = np.arange(total, dtype=np.int64) + np.repeat(firsts - starts[:-1], counts)
         table[2] = np.fromiter((b for _, _, ids in pairs for b in ids), dtype=np.int64, count=total)
+        flat[3 * total :] = np.fromiter((slot for slot, _, _ in pairs), dtype=np.int64,
+                                        count=len(pairs))
         uploader = self._uploads.get(direction)
         if uploader is None:
             uploader = self._uploads[direction] = IndexUploader(pin=device.type == "cuda")
-        out = torch.empty((3, total), dtype=torch.int64, device=device)
-        return uploader.upload(table, out), starts
+        out = uploader.upload(flat, torch.empty(flat.size, dtype=torch.int64, device=device))
+        return out[: 3 * total].view(3, total), out[3 * total :], starts
 
     def _pieces(
         self, direction: str, reg: _RegisteredViews, pairs: Sequence[Pair], device: torch.device
-    ) -> Iterator[tuple[Sequence[Pair], torch.Tensor, torch.Tensor]]:
-        """(pairs, staging (count, payload), indices (3, m)) per piece that fits the bound."""
+    ) -> Iterator[tuple[Sequence[Pair], torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(pairs, staging (count, payload), indices (3, m), slots (count,)) per piece that
+        fits the bound."""
         staging_buffer = self._staging[direction]
         slot_bytes = reg.payload_elems * reg.width
         per_piece = staging_buffer.pieces(slot_bytes)
-        table, starts = self._index_table(direction, pairs, per_piece, device)
+        table, slots, starts = self._index_table(direction, pairs, per_piece, device)
         try:
             for a in range(0, len(pairs), per_piece):
                 piece = pairs[a : a + per_piece]
                 count = len(piece)
                 staging = staging_buffer.take(count * slot_bytes, device)
                 staging = staging.view(reg.dtype).view(count, reg.payload_elems)
-                yield piece, staging, table[:, int(starts[a]) : int(starts[a + count])]
+                yield (piece, staging, table[:, int(starts[a]) : int(starts[a + count])],
+                       slots[a : a + count])
         finally:
             staging_buffer.release(device)
 
@@ -232,23 +279,37 @@ class TorchCopyBackend(CopyBackend):
     def _d2h_staged(self, reg: _RegisteredViews, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
         w = reg.width
-        for piece, staging, (kk, pos, blocks) in self._pieces("d2h", reg, pairs, device):
+        C = reg.chunk_blocks
+        if reg.mapped is not None:
+            # Whole chunks first, so that in every piece they are a prefix one index kernel
+            # writes; a partial chunk keeps the rest of its slot, so it goes by its ranges.
+            whole = [p for p in pairs if p[1] == 0 and len(p[2]) == C]
+            if len(whole) != len(pairs) and len({p[0] for p in pairs}) == len(pairs):
+                pairs = [*whole, *(p for p in pairs if not (p[1] == 0 and len(p[2]) == C))]
+        for piece, staging, (kk, pos, blocks), slots in self._pieces("d2h", reg, pairs, device):
             count = len(piece)
             if reg.stacked is not None:
                 L = dev.num_layers
                 layers = torch.arange(L, device=device).view(1, L)
                 gathered = reg.stacked[layers, blocks.view(-1, 1)]  # (M, L, block_elems)
-                st = staging.view(count, L, reg.chunk_blocks, -1).permute(0, 2, 1, 3)
+                st = staging.view(count, L, C, -1).permute(0, 2, 1, 3)
                 st.index_put_((kk, pos), gathered)
             else:
                 for rows, st in zip(reg.rows, self._layer_views(reg, dev, staging), strict=True):
                     st.index_put_((kk, pos), rows.index_select(0, blocks))
-            for k, (slot, first, ids) in enumerate(piece):
+            done = 0
+            if reg.mapped is not None:
+                while done < count and piece[done][1] == 0 and len(piece[done][2]) == C:
+                    done += 1
+                if done:
+                    reg.mapped.index_copy_(0, slots[:done], staging[:done])
+            for k in range(done, count):
+                slot, first, ids = piece[k]
                 n = len(ids)
                 if n == 0:
                     continue
                 plan_host = host.slot(slot).view(reg.dtype)
-                if first == 0 and n == reg.chunk_blocks:
+                if first == 0 and n == C:
                     plan_host.copy_(staging[k], non_blocking=True)
                     continue
                 # A partial chunk: only its positions, per layer, so the rest of the slot stays.
@@ -258,10 +319,13 @@ class TorchCopyBackend(CopyBackend):
 
     def _h2d_staged(self, reg: _RegisteredViews, dev: KVViews, host: HostPool, pairs: Sequence[Pair]) -> None:
         device = dev.device
-        for piece, staging, (kk, pos, blocks) in self._pieces("h2d", reg, pairs, device):
+        for piece, staging, (kk, pos, blocks), slots in self._pieces("h2d", reg, pairs, device):
             count = len(piece)
-            for k, (slot, _, _) in enumerate(piece):
-                staging[k].copy_(host.slot(slot).view(reg.dtype), non_blocking=True)
+            if reg.mapped is not None:
+                torch.index_select(reg.mapped, 0, slots, out=staging)
+            else:
+                for k, (slot, _, _) in enumerate(piece):
+                    staging[k].copy_(host.slot(slot).view(reg.dtype), non_blocking=True)
             if reg.stacked is not None:
                 L = dev.num_layers
                 layers = torch.arange(L, device=device).view(1, L)
