@@ -302,7 +302,9 @@ class TorchCopyBackend(CopyBackend):
                 while done < count and piece[done][1] == 0 and len(piece[done][2]) == C:
                     done += 1
                 if done:
-                    reg.mapped.index_copy_(0, slots[:done], staging[:done])
+                    # index_put_, not index_copy_: on the H100 index_copy_ held the GIL until
+                    # the lane's queued work ran (a busy d2h lane then stalled the h2d lane).
+                    reg.mapped.index_put_((slots[:done],), staging[:done])
             for k in range(done, count):
                 slot, first, ids = piece[k]
                 n = len(ids)
