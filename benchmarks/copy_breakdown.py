@@ -5,9 +5,9 @@ few (chunk, batch) shapes of the same LBHNC cache ``transfer_bench`` uses, it ti
 stream with CUDA events, interleaved round by round (medians):
 
 - ``contig``: one contiguous pinned copy of the batch's bytes (the ceiling);
-- ``torch``: the torch backend's whole call (slots through the pool's device mapping), and its
-  ``issue``: the host time until the call returns (Python and launch overhead, before the GPU
-  is waited for); ``torch/dma``: the same with one DMA call per slot instead;
+- ``torch``: the torch backend's whole call with ``mapped=True`` (slots through the pool's
+  device mapping), and its ``issue``: the host time until the call returns (Python and launch
+  overhead, before the GPU is waited for); ``torch/dma``: the default, one DMA call per slot;
 - ``gather``: the torch backend's device-side gather into a slot-shaped staging buffer alone;
 - ``dma/slot``: one async copy per slot, staging to pinned slots, alone;
 - ``uva put``: staging to the slots by one index kernel writing the pinned pool through its
@@ -60,8 +60,8 @@ def shape_methods(setup: Setup, batch: int, rng: random.Random) -> dict[str, Cal
     ids = rng.sample(range(setup.num_blocks), batch * C)
     slots = rng.sample(range(host.num_slots), batch)
     pairs = [(s, 0, tuple(ids[i * C : (i + 1) * C])) for i, s in enumerate(slots)]
-    torch_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload))
-    dma_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload), mapped=False)
+    torch_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload), mapped=True)
+    dma_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload))
     reg = torch_backend.registered(kv, host)
     L, w = kv.num_layers, reg.width
     staging = torch.empty(batch * payload, dtype=torch.uint8, device=device)

@@ -56,8 +56,8 @@ class _TorchCopyBlocksOp:
 def _backend(name: str):
     if name == "torch":
         return TorchCopyBackend()
-    if name == "torch-dma":
-        return TorchCopyBackend(mapped=False)
+    if name == "torch-mapped":
+        return TorchCopyBackend(mapped=True)
     if name == "vllm":
         return VllmCopyBackend(_TorchCopyBlocksOp())
     ok, why = CupyCopyBackend.available(torch.device("cuda"))
@@ -79,17 +79,17 @@ def test_host_pool_is_pinned_and_mapped() -> None:
 
 
 def test_torch_moves_slots_through_the_pools_device_mapping() -> None:
-    # One index kernel per piece through the mapped pool, not one DMA call per slot: that is
-    # what makes small chunks fast. A pool the device cannot address falls back to DMA.
+    # Opt-in: one index kernel per piece through the mapped pool, not one DMA call per slot.
+    # A pool the device cannot address falls back to DMA; the default stays DMA.
     kv = _cuda_views("LBHNC")
     pinned, plain = HostPool(4, kv.slot_payload_bytes(C)), HostPool(4, kv.slot_payload_bytes(C), pin=False)
-    backend = TorchCopyBackend()
+    backend = TorchCopyBackend(mapped=True)
     assert backend.registered(kv, pinned).mapped is not None
     assert backend.registered(kv, plain).mapped is None
-    assert TorchCopyBackend(mapped=False).registered(kv, pinned).mapped is None
+    assert TorchCopyBackend().registered(kv, pinned).mapped is None
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy", "vllm"])
+@pytest.mark.parametrize("backend_name", ["torch", "torch-mapped", "cupy", "vllm"])
 @pytest.mark.parametrize("kind", ["LBHNC", "BLHNC", "per-layer"])
 def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> None:
     rng = random.Random(11)

@@ -1,11 +1,15 @@
 """Torch copies: batched index ops that work wherever torch does (the CUDA default).
 
 CPU: numpy/torch gathers and scatters per chunk. CUDA: a gather kernel into a bounded device
-staging buffer laid out like the slots, then the slots move to or from pinned memory, piece by
-piece when the batch is larger than the buffer: by one index kernel through the pool's device
-mapping (the pool is registered mapped), else one async DMA per slot. On an H100 a DMA call
-per slot cost 8 us of host time each (64 KiB chunks moved at 0.12 of a contiguous copy); the
-mapped index kernel moves them at 0.92 (``benchmarks/copy_breakdown.py``).
+staging buffer laid out like the slots, then one async DMA per slot to or from pinned memory,
+piece by piece when the batch is larger than the buffer.
+
+``mapped=True`` (opt-in, not yet the default) moves whole slots by one index kernel through the
+pool's device mapping instead. On an H100 a DMA call per slot cost ~8 us of host time (64 KiB
+chunks at 0.09-0.24 of a contiguous copy, ``benchmarks/results/gpu/``); the mapped kernel
+alone moved them at 0.87-0.95 and the whole mapped call reached 0.42 at 512 chunks. It is not
+the default because on that H100 a load through it waited for a busy store lane's queued work
+(``test_a_busy_d2h_lane_does_not_hold_back_h2d`` failed), which the DMA path never does.
 """
 
 from __future__ import annotations
@@ -142,8 +146,8 @@ class TorchCopyBackend(CopyBackend):
 
     name = BackendName.TORCH
 
-    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, *, mapped: bool = True) -> None:
-        # mapped=False: one DMA per slot even where the pool is mapped (the tests cover both)
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, *, mapped: bool = False) -> None:
+        # mapped=True: whole slots through the pool's device mapping (see the module docstring)
         self._registered: RegistrationCache[_RegisteredViews] = RegistrationCache(
             lambda dev, host: _RegisteredViews(dev, host, mapped))
         # One staging buffer and index uploader per direction: d2h and h2d lanes run at once.
