@@ -6,8 +6,8 @@ piece by piece when the batch is larger than the buffer.
 
 ``mapped=True`` (opt-in, not yet the default) moves whole slots by one index kernel through the
 pool's device mapping instead. On an H100 a DMA call per slot cost ~8 us of host time (64 KiB
-chunks at 0.09-0.24 of a contiguous copy, ``benchmarks/results/gpu/``); the mapped kernel
-alone moved them at 0.87-0.95 and the whole mapped call reached 0.42 at 512 chunks. It is not
+x 512 chunks at 0.12 of a contiguous copy, ``benchmarks/results/gpu/``); the mapped kernel
+alone moved them at 0.89 and the whole mapped call reached 0.42. It is not
 the default because on that H100 a load through it waited for a busy store lane's queued work
 (``test_a_busy_d2h_lane_does_not_hold_back_h2d`` failed), which the DMA path never does.
 """
