@@ -193,14 +193,17 @@ def test_engine_store_then_load_on_cuda(backend_name: str) -> None:
         engine.shutdown()
 
 
-def test_a_busy_d2h_lane_does_not_hold_back_h2d(cuda_warm: float) -> None:
+@pytest.mark.parametrize("backend_name", ["torch", "torch-mapped", "cupy"])
+def test_a_busy_d2h_lane_does_not_hold_back_h2d(cuda_warm: float, backend_name: str) -> None:
     # Order, not speed: the d2h lane's stream is held by a kernel that spins for seconds, and an
     # h2d copy on its own lane must finish while that work is still queued (one shared stream
     # or a device-wide sync would make it wait). How far the two directions overlap on the GPU
     # timeline is test_gpu_integration's check; their bandwidth is the transfer benchmark's.
+    # torch-mapped failed this on the H100 (2026-11-26); it is why that path is opt-in, and
+    # why cupy, whose kernel also reads the mapped pool, is not the default either.
     kv = _cuda_views("LBHNC", num_blocks=64)
     host = HostPool(4, kv.slot_payload_bytes(C))
-    backend = TorchCopyBackend()
+    backend = _backend(backend_name)
     d2h, h2d = CopyLane("d2h", kv.device, None), CopyLane("h2d", kv.device, None)
     up_blocks = (40, 41, 42, 43)
     up_ids = torch.tensor(up_blocks).to(kv.device)  # no pageable upload while the lane is held
