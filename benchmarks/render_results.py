@@ -284,6 +284,8 @@ FILES: tuple[tuple[str, str, str, Extractor], ...] = (
     ("remote_throughput.json", "remote_throughput", "Remote tier (Redis) throughput", remote_rows),
     ("e2e_ttft.json", "e2e_ttft", "TTFT of long prompts on real vLLM", e2e_ttft_rows),
     ("serve_bench.json", "serve_bench", "Multi-turn chat served by vLLM's OpenAI server", serve_rows),
+    ("e2e_ttft_8b-kv.json", "e2e_ttft", "TTFT of long prompts, 8B-class KV bytes per token", e2e_ttft_rows),
+    ("serve_bench_8b-kv.json", "serve_bench", "Multi-turn chat, 8B-class KV bytes per token", serve_rows),
     ("multi_replica.json", "multi_replica", "Two replicas sharing a Redis tier", multi_replica_rows),
     ("soak.json", "soak", "Soak (quick)", soak_rows),
     ("soak-full.json", "soak", "Soak (full: one hour)", soak_rows),

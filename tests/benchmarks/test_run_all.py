@@ -249,3 +249,16 @@ def test_e2e_worse_of_verdicts_hybrid_host_is_a_target_unjudged_is_info():
     assert verdicts["hybrid disk hit <= 1.3 x (hybrid floor + 15 ms) (reference)"] == render_results.REF_MISS
     measured = next(r["measured"] for r in rows if r["what"] == "host hit <= 1.3 x floor")
     assert measured == "1.20x (worse of cross/same engine); cross-engine 1.10, same-engine 1.20"
+
+
+def test_every_benchmark_run_all_runs_is_a_script_with_its_own_output_names() -> None:
+    # The 8B-class runs reuse e2e_ttft and serve_bench under another name: each entry must name
+    # a real script, and no two entries may write the same file (one would overwrite the other).
+    root = Path(run_all.__file__).resolve().parent
+    for bench in run_all.BENCHES:
+        assert (root / f"{bench.script}.py").is_file(), bench.name
+    for full in (False, True):
+        files = [f for b in run_all.BENCHES for f in b.files(full)]
+        assert len(files) == len(set(files)), sorted(f for f in files if files.count(f) > 1)
+    shaped = {b.name: b.args(False) for b in run_all.BENCHES if b.module}
+    assert shaped and all("--model-shape" in args for args in shaped.values()), shaped
