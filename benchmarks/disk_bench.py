@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 from tieredkv.config import parse_size
-from tieredkv.disk.fileio import FileIO, SlabExecutor
 from tieredkv.disk.format import align_up
+from tieredkv.disk.private_files import FileIO
 from tieredkv.disk.slab import SlabFile, probe_direct
+from tieredkv.transfer.disk_jobs import SlabExecutor
 from tieredkv.transfer.host_pool import HostPool
 
 TARGET = 0.8

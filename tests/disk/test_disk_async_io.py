@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.fileio import SlabExecutor
 from tieredkv.disk.format import slab_path
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO
+from tieredkv.transfer.disk_jobs import SlabExecutor
 
 PAYLOAD = 64 * 1024
 

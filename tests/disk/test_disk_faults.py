@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import HEADER_BYTES, payload_offset, slab_path, slot_stride
+from tieredkv.disk.private_files import FileIO
 from tieredkv.disk.slab import SlabFile
 from tieredkv.protocol import FailureCause
 from tieredkv.testing.faulty_fileio import FaultyFileIO

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.private_files import FileIO
 from tieredkv.testing import faulty_fileio
 from tieredkv.testing.faulty_fileio import FaultyFileIO
 

@@ -26,10 +26,10 @@ from transfer_helpers import (
 )
 
 from tests.helpers import HANG_S, finishes
-from tieredkv.disk.fileio import STOP
 from tieredkv.protocol import Job, LoadChunk, Move
 from tieredkv.transfer import lanes
 from tieredkv.transfer.engine import EngineDeadError, TransferEngine
+from tieredkv.transfer.lanes import STOP
 
 pytestmark = pytest.mark.timeout(120)  # on a regression these tests fail, they never hang
 
@@ -225,7 +225,7 @@ def test_a_copy_lane_thread_crash_fails_every_pending_job(kv, host, slab, make_e
 def test_a_slab_io_thread_crash_fails_every_pending_job(kv, host, slab, make_engine, monkeypatch, caplog) -> None:
     caplog.set_level(logging.ERROR, logger=ENGINE_LOGGER)
     crash = threading.Event()
-    monkeypatch.setattr("tieredkv.disk.fileio.serve_calls", _crashing_serve_calls("tieredkv-io", crash))
+    monkeypatch.setattr("tieredkv.transfer.disk_jobs.serve_calls", _crashing_serve_calls("tieredkv-io", crash))
     engine = make_engine(load_timeout_s=LOAD_TIMEOUT_S)  # a lost read must not wait for it
     _store_ok(engine, kv, {0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, first_id=1)
     engine.submit([Job.spill(3, make_key(1), 1, 4)])

@@ -1,6 +1,7 @@
 """The NVMe tier: self-verifying slab slots, their I/O, and the index that survives restarts.
 
-Worker side: :class:`SlabFile` (one per rank) driven by :class:`SlabExecutor`. Scheduler
+Worker side: :class:`SlabFile` (one per rank), driven by the worker's slab I/O pool
+(:class:`tieredkv.transfer.disk_jobs.SlabExecutor`). Scheduler
 side: :class:`DiskCatalog` (lock, manifest, journal, verified recovery). File names and slot
 geometry: :mod:`tieredkv.disk.format`. Every failure is a :class:`SlabError` with a
 :class:`tieredkv.protocol.FailureCause`.
@@ -8,8 +9,8 @@ geometry: :mod:`tieredkv.disk.format`. Every failure is a :class:`SlabError` wit
 
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.fileio import FileIO, SlabExecutor
 from tieredkv.disk.format import HEADER_BYTES, SlotHeader, aliases_kept, slab_path, slot_stride
+from tieredkv.disk.private_files import FileIO
 from tieredkv.disk.slab import SlabFile
 
 __all__ = [
@@ -17,7 +18,6 @@ __all__ = [
     "DiskCatalog",
     "FileIO",
     "SlabError",
-    "SlabExecutor",
     "SlabFile",
     "SlotHeader",
     "aliases_kept",

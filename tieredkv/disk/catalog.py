@@ -57,7 +57,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tieredkv.disk.errors import SlabError
-from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import (
     FORMAT_VERSION,
     journal_path,
@@ -70,6 +69,7 @@ from tieredkv.disk.journal import Journal, JournalReplay
 from tieredkv.disk.journal_file import JournalFiles, fsync_dir
 from tieredkv.disk.private_files import (
     DiskLock,
+    FileIO,
     UntrustedPathError,
     create_private_exclusive,
     ensure_private_dir,

@@ -1,4 +1,5 @@
-"""Who may touch a disk tier's directory: only this user's private files, and one engine.
+"""A disk tier's files at the operating system: who may touch them (only this user's private
+files, and one engine), and the raw I/O on their descriptors.
 
 Opening files under ``disk_path`` so that nothing planted there can redirect a write. The disk
 tier writes into a directory that someone else might have been able to touch before the engine
@@ -21,6 +22,12 @@ only our own regular file), after ``disk_path`` itself was checked.
 
 Earlier builds locked with ``flock``, which does not see this lock nor it them: stop an old
 engine before starting a new one on the same directory.
+
+:class:`FileIO` is the one layer through which slab-file I/O reaches the operating system: its
+:meth:`FileIO.open` is :func:`open_private`, and keeping every syscall of the slab path there
+means a test can swap in :class:`tieredkv.testing.faulty_fileio.FaultyFileIO` and produce
+ENOSPC, EIO, short reads and writes, bit flips, latency and hangs exactly where it wants them,
+against real files, without patching ``os``.
 """
 
 from __future__ import annotations
@@ -295,3 +302,98 @@ class DiskLock:
             return pid if pid is not None else -1
         finally:
             os.close(fd)
+
+
+# -- raw I/O on the tier's descriptors ------------------------------------------------------
+
+
+def _total(bufs: list[memoryview]) -> int:
+    return sum(len(b) for b in bufs)
+
+
+def _advance(bufs: list[memoryview], done: int) -> list[memoryview]:
+    """The part of ``bufs`` that remains after the first ``done`` bytes."""
+    rest: list[memoryview] = []
+    for buf in bufs:
+        if done >= len(buf):
+            done -= len(buf)
+            continue
+        rest.append(buf[done:] if done else buf)
+        done = 0
+    return rest
+
+
+def _until_done(syscall, fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Repeat a positional vector syscall until ``bufs`` are done or it moves 0 bytes."""
+    want = _total(bufs)
+    done = 0
+    while done < want:
+        moved = syscall(fd, bufs if done == 0 else _advance(bufs, done), offset + done)
+        if moved == 0:
+            break
+        done += moved
+    return done
+
+
+class FileIO:
+    """Positional file I/O on raw descriptors (no Python-level buffering, O_DIRECT-friendly)."""
+
+    def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
+        """``os.open`` without following a symlink, returning only our own regular file.
+
+        A link at ``path`` raises :class:`UntrustedPathError` (a
+        ValueError, so it is not mistaken for an I/O failure); nothing is created, truncated or
+        opened through it. ``O_NONBLOCK`` makes a FIFO planted there fail the check instead of
+        blocking the open; on a regular file it changes nothing.
+        """
+        return open_private(path, flags | os.O_NONBLOCK, mode)
+
+    def pread_into(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        """Fill ``bufs`` from ``offset``; returns bytes read (less than asked only at EOF).
+
+        A regular file returns a partial read only at end of file or on a signal; looping until
+        a read returns 0 separates the two, so a short count always means "the bytes are not
+        there".
+        """
+        return _until_done(os.preadv, fd, bufs, offset)
+
+    def pwrite(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        """Write all of ``bufs`` at ``offset``, looping on partial writes; returns bytes written.
+
+        Returns less than asked only when the kernel accepted nothing more (a write returned 0);
+        errors such as ENOSPC or EIO are raised as OSError.
+        """
+        return _until_done(os.pwritev, fd, bufs, offset)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fallocate(self, fd: int, length: int) -> None:
+        """Reserve ``length`` bytes so later slot writes cannot fail for lack of space."""
+        try:
+            os.posix_fallocate(fd, 0, length)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            # The filesystem cannot reserve blocks: a sparse file of the right size still works.
+            if os.fstat(fd).st_size < length:
+                os.ftruncate(fd, length)
+
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def advise_random(self, fd: int) -> None:
+        """Slots are read whole and at random: readahead into a neighbour's payload is waste."""
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            pass
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        os.unlink(path)

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
-from tieredkv.disk.fileio import FileIO
 from tieredkv.disk.format import (
     HEADER_BYTES,
     PAGE_BYTES,
@@ -36,7 +35,7 @@ from tieredkv.disk.format import (
     slot_stride,
     unpack_header,
 )
-from tieredkv.disk.private_files import ensure_private_dir
+from tieredkv.disk.private_files import FileIO, ensure_private_dir
 from tieredkv.keys import FINGERPRINT_BYTES, KEY_BYTES
 from tieredkv.protocol import FailureCause
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tieredkv.disk.fileio import FileIO
+from tieredkv.disk.private_files import FileIO
 from tieredkv.protocol import FailureCause
 from tieredkv.transfer.backends.base import CopyBackend, Pair
 from tieredkv.transfer.host_pool import HostPool

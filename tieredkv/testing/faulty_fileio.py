@@ -1,6 +1,6 @@
 """A :class:`FileIO` with programmable faults: the disk tier's syscalls, made to fail on cue.
 
-Tests and soak runs swap it in for :class:`tieredkv.disk.fileio.FileIO` to produce EIO,
+Tests and soak runs swap it in for :class:`tieredkv.disk.private_files.FileIO` to produce EIO,
 ENOSPC, short reads, bit flips, slow and hung calls, exactly where they choose.
 """
 
@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tieredkv.disk.fileio import FileIO, _total
+from tieredkv.disk.private_files import FileIO, _total
 
 _OPS = ("open", "read", "write", "fsync", "fallocate")
 

@@ -31,13 +31,35 @@ from typing import Any, TypeVar
 
 import torch
 
-from tieredkv.disk.fileio import STOP, serve_calls  # the slab I/O pool's daemon-thread loop
 from tieredkv.protocol import FailureCause
 from tieredkv.transfer.backends.base import Pair
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+STOP = object()
+"""Put on a :func:`serve_calls` queue to end one thread (after the calls queued before it)."""
+
+
+def serve_calls(calls: queue.SimpleQueue[Any]) -> None:
+    """Run ``(future, fn, args)`` items until :data:`STOP`; every outcome lands in its future.
+    The loop of every daemon thread that serves calls: the copy lanes and the slab I/O pool
+    (:class:`~tieredkv.transfer.disk_jobs.SlabExecutor`)."""
+    while True:
+        item = calls.get()
+        if item is STOP:
+            return
+        future, fn, args = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the waiter, never lost in the thread
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
 
 
