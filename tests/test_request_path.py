@@ -275,7 +275,7 @@ def test_architecture_states_the_count_of_its_list() -> None:
     assert f"**{len(listed)} modules**" in section, f"the list has {len(listed)} modules"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 35 modules today "
+@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 34 modules today "
                    "(the goal is at most 30); once it holds, XPASS fails: remove this mark")
 def test_the_path_passes_through_at_most_30_modules() -> None:
     listed = documented_path()

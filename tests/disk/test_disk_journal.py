@@ -18,10 +18,10 @@ from tieredkv.disk.journal import Journal
 from tieredkv.disk.journal_file import (
     FILE_HEADER_BYTES,
     RECORD_BYTES,
-    JournalFiles,
     Op,
     encode_record,
 )
+from tieredkv.disk.private_files import JournalFiles
 from tieredkv.protocol import FailureCause
 
 

@@ -21,7 +21,8 @@ from tests.helpers import wide_key as k
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import JOURNAL_NAME, journal_path
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES, JournalFiles
+from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES
+from tieredkv.disk.private_files import JournalFiles
 from tieredkv.protocol import FailureCause
 
 ONE_ATTEMPT_PER_FLUSH = 3600.0

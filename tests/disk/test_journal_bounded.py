@@ -29,13 +29,12 @@ from tests.disk.test_disk_journal_faults import (
 from tests.helpers import HANG_S
 from tests.helpers import wide_key as k
 from tieredkv.disk import journal as journal_mod
-from tieredkv.disk import journal_backlog
+from tieredkv.disk import journal_file
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import journal_path
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_backlog import RetryBackoff
-from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES
+from tieredkv.disk.journal_file import FILE_HEADER_BYTES, RECORD_BYTES, RetryBackoff
 from tieredkv.disk.slab import SlabFile
 from tieredkv.metrics.exporter import build_exporter_metrics
 from tieredkv.protocol import FailureCause
@@ -349,7 +348,7 @@ def _disk_fills_up_after(
 def test_after_the_disk_frees_up_a_restart_finds_every_live_entry(
     tmp_path: Path, fp: bytes, key, payload, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    monkeypatch.setattr(journal_file, "BACKLOG_MAX_RECORDS", 8)
     disk = tmp_path / "tier"
     with _disk_fills_up_after(disk, fp, key, payload, durable=6) as (catalog, tier, files):
         first_dropped = None
@@ -388,7 +387,7 @@ def test_an_engine_that_dies_while_records_are_dropped_never_serves_a_reused_slo
     # The journal on disk is the one from before the disk filled up; since then slots 0-3
     # were evicted and reused by new keys whose records were dropped. A restart must find the
     # entries made durable before (4-7), and for 0-3 a miss, never the new keys' bytes.
-    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    monkeypatch.setattr(journal_file, "BACKLOG_MAX_RECORDS", 8)
     disk = tmp_path / "tier"
     with _disk_fills_up_after(disk, fp, key, payload, durable=8) as (catalog, tier, _):
         durable = dict(tier.entries)  # reported durable
@@ -419,7 +418,7 @@ def test_real_enospc_on_a_full_tmpfs_is_survived_by_a_rebuild(
 ) -> None:
     # The slab file is preallocated, so spills go on succeeding on a full filesystem while
     # every journal append fails with a real ENOSPC.
-    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    monkeypatch.setattr(journal_file, "BACKLOG_MAX_RECORDS", 8)
     disk = small_tmpfs / "tier"
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 1) as catalog:
         tier = SpillingTier(catalog, fp, 1, payload)

@@ -28,12 +28,12 @@ from tests.disk.test_disk_journal_faults import (
 from tests.disk.test_journal_bounded import FOREVER, PAYLOAD, SLOTS, SpillingTier
 from tests.helpers import HANG_S
 from tests.helpers import wide_key as k
-from tieredkv.disk import journal_backlog
+from tieredkv.disk import journal_file
 from tieredkv.disk.catalog import DiskCatalog
 from tieredkv.disk.errors import SlabError
 from tieredkv.disk.format import journal_path, manifest_path
 from tieredkv.disk.journal import Journal
-from tieredkv.disk.journal_backlog import Cleared
+from tieredkv.disk.journal_file import Cleared
 from tieredkv.scheduler.lower_tier import DiskTier
 
 CASES = ["disk has room", "disk full", "backlog overflowed", "the cut fails too"]
@@ -51,7 +51,7 @@ def recoverable(disk: Path) -> dict[bytes, int]:
 def test_a_reset_leaves_nothing_from_before_it_recoverable(
     tmp_path: Path, fp: bytes, key, payload, monkeypatch: pytest.MonkeyPatch, case: str,
 ) -> None:
-    monkeypatch.setattr(journal_backlog, "BACKLOG_MAX_RECORDS", 8)
+    monkeypatch.setattr(journal_file, "BACKLOG_MAX_RECORDS", 8)
     disk = tmp_path / "tier"
     files = FaultyJournalFiles()
     with DiskCatalog.open(disk, fp, PAYLOAD, SLOTS, 1, journal_files=files) as catalog:

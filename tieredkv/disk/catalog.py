@@ -66,13 +66,14 @@ from tieredkv.disk.format import (
     slot_stride,
 )
 from tieredkv.disk.journal import Journal, JournalReplay
-from tieredkv.disk.journal_file import JournalFiles, fsync_dir
 from tieredkv.disk.private_files import (
     DiskLock,
     FileIO,
+    JournalFiles,
     UntrustedPathError,
     create_private_exclusive,
     ensure_private_dir,
+    fsync_dir,
     open_private,
     restrict_dir,
 )
@@ -457,7 +458,7 @@ class DiskCatalog:
     def take_counter_deltas(self) -> dict[str, int]:
         """The journal's counters since the last call, for the scheduler's stats snapshot:
         ``journal_records_dropped``, records dropped while the disk was full (see
-        :mod:`tieredkv.disk.journal_backlog`)."""
+        :mod:`tieredkv.disk.journal_file`)."""
         dropped = self._journal.records_dropped
         delta, self._reported_dropped = dropped - self._reported_dropped, dropped
         return {"journal_records_dropped": delta} if delta else {}

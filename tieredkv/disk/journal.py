@@ -10,7 +10,7 @@ that arrives after :meth:`Journal.close` (vLLM shutting down) is logged and drop
 raised into the caller.
 
 While writes fail (a full disk) the queue is bounded and retries back off
-(:mod:`tieredkv.disk.journal_backlog`): past ``max_backlog`` records the journal stops
+(:mod:`tieredkv.disk.journal_file`'s backlog): past ``max_backlog`` records the journal stops
 queueing, counts what it drops (``records_dropped``), logs once, and its next write rebuilds
 the file from the live index it keeps, which says everything the dropped records would have.
 
@@ -55,18 +55,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tieredkv.disk import journal_backlog
+from tieredkv.disk import journal_file
 from tieredkv.disk.errors import SlabError, slab_error_from_oserror
-from tieredkv.disk.journal_backlog import Backlog, Cleared, Compaction, RetryBackoff
 from tieredkv.disk.journal_file import (
+    Backlog,
+    Cleared,
+    Compaction,
     JournalFile,
-    JournalFiles,
     JournalReplay,
     Op,
+    RetryBackoff,
     apply_record,
     replay_journal,
 )
-from tieredkv.disk.private_files import ensure_private_dir
+from tieredkv.disk.private_files import JournalFiles, ensure_private_dir
 from tieredkv.keys import KEY_BYTES
 from tieredkv.protocol import FailureCause
 
@@ -101,7 +103,7 @@ class Journal:
         ``files``: the system calls to use (tests pass one that injects faults).
         ``max_backlog``: records queued at most while writes fail (default
         ``BACKLOG_MAX_RECORDS``, read at each call); ``backoff``: the waits
-        between failed attempts (see :mod:`tieredkv.disk.journal_backlog`).
+        between failed attempts (see :mod:`tieredkv.disk.journal_file`).
         ``new_loop``: makes the flusher's event loop, whose clock times its waits (tests pass
         one on a clock they move, to check the backoff without measuring time).
         Raises :class:`~tieredkv.disk.private_files.UntrustedPathError` when the journal's
@@ -113,7 +115,7 @@ class Journal:
         ensure_private_dir(self.path.parent)
         self.opened_replay = replay if replay is not None else Journal.replay(self.path)
         self._cond = threading.Condition()
-        self._backlog = Backlog(max_backlog or journal_backlog.BACKLOG_MAX_RECORDS)
+        self._backlog = Backlog(max_backlog or journal_file.BACKLOG_MAX_RECORDS)
         self._backoff = backoff if backoff is not None else RetryBackoff()
         self._queued = 0  # items ever recorded (dropped ones too)
         self._durable = 0  # items ever made durable (or superseded by a compaction)

@@ -1,21 +1,39 @@
-"""The journal's records and their file: the format, its replay, and the one descriptor the
-journal appends to.
+"""The journal's records, from queued to durable: the bounded backlog they wait in, their
+format and replay, and the one descriptor the journal appends to.
 
 File format (little-endian): a 16-byte file header (magic ``TKVJRNL1``, version, reserved),
 then fixed 56-byte records ``op:u8, pad:3, key:32s, slot:u64, sequence:u64, crc32:u32``, the
 crc covering the 52 bytes before it. Replay stops at the first record that is torn, fails its
 crc or does not continue the sequence: everything after it is ignored (counted and logged).
-:class:`JournalFiles` is every system call the journal makes, so tests can fail any one.
+:class:`~tieredkv.disk.private_files.JournalFiles` is every system call the journal makes, so
+tests can fail any one.
 
 :class:`JournalFile` is the file itself: one unbuffered ``O_APPEND`` descriptor and what is
 known durable in it. Every step there is blocking and runs on the journal flusher's executor,
 one call per batch or rewrite; why each step is the way it is (cut back after a failed append,
 reopen and directory fsync after a rename, no link followed) is in
 :mod:`tieredkv.disk.journal`'s docstring.
+
+:class:`Backlog` holds what waits for the flusher, bounded, and :class:`RetryBackoff` spaces
+its attempts, so a full or failing disk costs neither unbounded memory nor a busy core. While
+writes fail, records keep arriving (slab files are preallocated, so spills go on succeeding on
+a full disk). The backlog holds at most ``limit`` records. The record that would go past it
+starts an *overflow*: the whole backlog is dropped and every later record is dropped on
+arrival, each one counted. Nothing is lost for good: the journal keeps the live index (every
+record applied, dropped or not), and its next write is a rebuild of the file from that index
+(a compaction). Until the rebuild is durable no flush reports those records durable, and after
+it the file says exactly what the dropped records would have said. Between failed attempts the
+flusher waits :meth:`RetryBackoff.delay` (doubling from ``first_s`` to ``max_s``) on its
+wake-up event, so a failing disk costs one attempt per delay; a caller waiting on the journal
+(``flush``, ``compact``, ``close``) wakes it at once. A reset (:class:`Cleared`) makes
+everything queued before it moot: :meth:`Backlog.clear` drops it (answering compactions, ending
+an overflow) and puts the clear first, where it is never dropped, so a full disk cannot keep it
+from being written before anything else.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import logging
 import os
@@ -24,8 +42,9 @@ import zlib
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
-from tieredkv.disk.private_files import create_private_exclusive, open_private
+from tieredkv.disk.private_files import JournalFiles
 from tieredkv.keys import KEY_BYTES
 
 logger = logging.getLogger("tieredkv.disk.journal")  # one logger name for the journal's lines
@@ -37,7 +56,6 @@ _BODY = struct.Struct(f"<B3x{KEY_BYTES}sQQ")
 _CRC = struct.Struct("<I")
 FILE_HEADER_BYTES = _FILE_HEADER.size
 RECORD_BYTES = _BODY.size + _CRC.size
-NO_KEY = bytes(KEY_BYTES)
 
 
 class Op(IntEnum):
@@ -53,66 +71,6 @@ def file_header() -> bytes:
 def encode_record(op: Op, key: bytes, slot: int, sequence: int) -> bytes:
     body = _BODY.pack(op, key, slot, sequence)
     return body + _CRC.pack(zlib.crc32(body))
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class JournalFiles:
-    """Every system call the journal makes on its files, one method per step.
-
-    Opens go through :mod:`tieredkv.disk.private_files`; ``O_NONBLOCK`` makes a FIFO planted
-    at the path fail at once instead of blocking the open (it means nothing for a regular
-    file). Tests subclass this to fail one step (write, fsync, rename, directory fsync,
-    reopen) with a real errno against real files.
-    """
-
-    def open_log(self, path: Path) -> int:
-        """The journal itself, for appending (created 0600 if missing)."""
-        return open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
-
-    def open_read(self, path: Path) -> int:
-        return open_private(path, os.O_RDONLY | os.O_NONBLOCK)
-
-    def create_temp(self, path: Path) -> int:
-        """A fresh compaction file; whatever had the name (a planted link) is replaced."""
-        return create_private_exclusive(path, os.O_WRONLY | os.O_NONBLOCK)
-
-    def write(self, fd: int, data: bytes) -> None:
-        """Write all of ``data`` (a short write is continued; its error, if any, is raised)."""
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            if written <= 0:
-                raise OSError(errno.EIO, "write accepted no bytes")
-            view = view[written:]
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
-    def size(self, fd: int) -> int:
-        return os.fstat(fd).st_size
-
-    def truncate(self, fd: int, size: int) -> None:
-        os.ftruncate(fd, size)
-
-    def replace(self, src: Path, dst: Path) -> None:
-        os.replace(src, dst)  # renames a link at dst itself, never its target
-
-    def fsync_dir(self, directory: Path) -> None:
-        fsync_dir(directory)
-
-    def unlink(self, path: Path) -> None:
-        os.unlink(path)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
 
 
 @dataclass
@@ -351,3 +309,189 @@ class JournalFile:
             self._files.unlink(tmp)
         except OSError:
             pass  # a leftover temporary file is replaced by the next compaction
+
+
+# -- the backlog (see the module docstring) -----------------------------------------------
+
+# About 5 MiB of queued records (~170 B each in memory), several seconds of the busiest
+# spilling; past it a rebuild (one record per live entry) is the cheaper way back.
+BACKLOG_MAX_RECORDS = 1 << 15
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 5.0
+
+
+@dataclass
+class Compaction:
+    """A rewrite of the journal as exactly ``entries``; ``done`` answers the caller."""
+
+    entries: dict[bytes, int]
+    done: cf.Future[None]
+
+
+@dataclass
+class Cleared:
+    """A reset of the journal to no entries; ``dones`` answer the callers waiting for it and
+    ``covered`` counts the items recorded up to it (all made moot by it)."""
+
+    dones: list[cf.Future[None]]
+    covered: int
+
+
+class RetryBackoff:
+    """Exponential backoff between failed attempts: ``first_s``, doubling, capped at ``max_s``."""
+
+    def __init__(self, first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S) -> None:
+        if not 0 < first_s <= max_s:
+            raise ValueError(f"need 0 < first_s <= max_s, got {first_s} and {max_s}")
+        self.first_s = first_s
+        self.max_s = max_s
+        self.failures = 0  # failed attempts since the last success
+
+    @property
+    def delay(self) -> float:
+        """Seconds to wait before the next attempt (0 while nothing is failing)."""
+        if not self.failures:
+            return 0.0
+        return min(self.max_s, self.first_s * 2.0 ** min(self.failures - 1, 64))
+
+    def failed(self) -> float:
+        """Count a failed attempt; the delay before the next one."""
+        self.failures += 1
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+
+class Backlog:
+    """The items waiting for the flusher, at most ``limit`` records (see the module docstring).
+
+    Not thread-safe: the journal calls it under its own lock. ``records`` counts the records
+    queued or being written, neither durable nor dropped yet. Compactions are never dropped
+    (each holds at most the live index, and at most one is queued per
+    ``COMPACT_MIN_RECORDS`` records): during an overflow the rebuild answers them.
+    """
+
+    def __init__(self, limit: int = BACKLOG_MAX_RECORDS) -> None:
+        if limit < 1:
+            raise ValueError(f"the journal backlog limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.items: list[Any] = []
+        self.records = 0
+        self.overflowing = False  # records are dropped; the next write is a rebuild
+        self.episode = False  # an overflow began and no rebuild has succeeded since
+        self.dropped = 0  # records ever dropped
+        self.episode_dropped = 0  # records dropped in this episode, not yet in a snapshot
+        self._covering = 0  # records dropped that the rebuild being written covers
+        self.waiters: list[cf.Future[None]] = []  # compactions the next rebuild answers
+
+    def add(self, item: Any) -> bool:
+        """Queue ``item``, or drop it while overflowing; True when this call began an episode."""
+        if isinstance(item, Compaction):
+            if self.overflowing:
+                self.waiters.append(item.done)
+            else:
+                self.items.append(item)
+            return False
+        if not self.overflowing and self.records < self.limit:
+            self.items.append(item)
+            self.records += 1
+            return False
+        started = not self.episode
+        self.overflow()
+        self.dropped += 1
+        self.episode_dropped += 1
+        return started
+
+    def take(self) -> list[Any]:
+        """Everything queued, for the flusher to write (still counted until written)."""
+        items, self.items = self.items, []
+        return items
+
+    def written(self, records: int) -> None:
+        self.records -= records
+
+    def clear(self, item: Cleared) -> None:
+        """A reset: what is queued is moot (its records are not counted as dropped), the
+        overflow ends (the live index is empty) and ``item`` goes first, absorbing a clear
+        still pending."""
+        answered, self.waiters = self.waiters, []
+        for old in self.items:
+            if isinstance(old, Compaction):
+                answered.append(old.done)
+            elif isinstance(old, Cleared):
+                item.dones[:0] = old.dones
+            else:
+                self.records -= 1
+        self.items = [item]
+        self.overflowing = self.episode = False
+        self.episode_dropped = self._covering = 0
+        for done in answered:  # superseded: the state they described no longer exists
+            done.set_result(None)
+
+    def take_clear(self) -> Cleared | None:
+        """The pending reset, if one is first in line (it is written before anything else)."""
+        if self.items and isinstance(self.items[0], Cleared):
+            return self.items.pop(0)
+        return None
+
+    def requeue(self, rest: list[Any]) -> None:
+        """Put back what a failed write did not write (dropped instead while overflowing);
+        what came before a reset, queued or in ``rest``, is moot and goes, uncounted."""
+        pending = bool(self.items) and isinstance(self.items[0], Cleared)
+        cut = len(rest) if pending else max(
+            (n for n, item in enumerate(rest) if isinstance(item, Cleared)), default=0
+        )
+        moot, rest = rest[:cut], rest[cut:]
+        for item in moot:
+            if isinstance(item, Compaction):
+                item.done.set_result(None)
+            elif isinstance(item, Cleared):  # the reset after it answers its callers
+                (rest[0] if rest else self.items[0]).dones[:0] = item.dones
+            else:
+                self.records -= 1
+        if self.overflowing:
+            self._drop(rest)
+        else:
+            self.items[:0] = rest
+
+    def overflow(self) -> None:
+        """Drop everything queued (but a pending reset) and every record from now on, until
+        the next rebuild."""
+        self.overflowing = True
+        self.episode = True
+        items, self.items = self.items, []
+        self._drop(items)
+
+    def rebuilding(self) -> list[cf.Future[None]]:
+        """The rebuild took its snapshot: records from now on are queued again (dropped
+        anew if it fails). Returns the compactions it answers."""
+        self.overflowing = False
+        self._covering, self.episode_dropped = self.episode_dropped, 0
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
+    def rebuild_failed(self) -> None:
+        """Back to dropping: what was queued since the snapshot, too; the next rebuild
+        covers all of it."""
+        self.episode_dropped += self._covering
+        self._covering = 0
+        self.overflow()
+
+    def rebuilt(self) -> int:
+        """A rebuild is durable: the episode ends (unless records were dropped while it was
+        written; the next rebuild covers those). Returns the records this one covered."""
+        covered, self._covering = self._covering, 0
+        self.episode = self.overflowing
+        return covered
+
+    def _drop(self, items: list[Any]) -> None:
+        for item in items:
+            if isinstance(item, Cleared):
+                self.items.insert(0, item)  # never dropped: it goes before the rebuild
+            elif isinstance(item, Compaction):
+                self.waiters.append(item.done)
+            else:
+                self.records -= 1
+                self.dropped += 1
+                self.episode_dropped += 1

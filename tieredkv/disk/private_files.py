@@ -27,7 +27,8 @@ engine before starting a new one on the same directory.
 :meth:`FileIO.open` is :func:`open_private`, and keeping every syscall of the slab path there
 means a test can swap in :class:`tieredkv.testing.faulty_fileio.FaultyFileIO` and produce
 ENOSPC, EIO, short reads and writes, bit flips, latency and hangs exactly where it wants them,
-against real files, without patching ``os``.
+against real files, without patching ``os``. :class:`JournalFiles` is the same seam for the
+journal's file (its opens and whole-buffer writes on top of :class:`FileIO`'s calls).
 """
 
 from __future__ import annotations
@@ -397,3 +398,50 @@ class FileIO:
 
     def unlink(self, path: str | os.PathLike[str]) -> None:
         os.unlink(path)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class JournalFiles(FileIO):
+    """Every system call the journal makes on its files, one method per step: its opens, its
+    whole-buffer write, its rename here; fsync, size, truncate, unlink and close are
+    :class:`FileIO`'s, the same calls the slab makes.
+
+    Opens go through :func:`open_private`; ``O_NONBLOCK`` makes a FIFO planted at the path fail
+    at once instead of blocking the open (it means nothing for a regular file). Tests subclass
+    this to fail one step (write, fsync, rename, directory fsync, reopen) with a real errno
+    against real files.
+    """
+
+    def open_log(self, path: Path) -> int:
+        """The journal itself, for appending (created 0600 if missing)."""
+        return open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
+
+    def open_read(self, path: Path) -> int:
+        return open_private(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def create_temp(self, path: Path) -> int:
+        """A fresh compaction file; whatever had the name (a planted link) is replaced."""
+        return create_private_exclusive(path, os.O_WRONLY | os.O_NONBLOCK)
+
+    def write(self, fd: int, data: bytes) -> None:
+        """Write all of ``data`` (a short write is continued; its error, if any, is raised)."""
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            if written <= 0:
+                raise OSError(errno.EIO, "write accepted no bytes")
+            view = view[written:]
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)  # renames a link at dst itself, never its target
+
+    def fsync_dir(self, directory: Path) -> None:
+        fsync_dir(directory)
