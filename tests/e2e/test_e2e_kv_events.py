@@ -273,8 +273,8 @@ def test_a_router_fed_by_the_events_beats_round_robin(tiny_model, tmp_path: Path
 def test_a_hybrid_model_announces_what_each_group_serves(subscriber, tmp_path: Path):
     """Gemma-2-like tiny model (a 64-token sliding window between full-attention layers: two
     KV-cache groups): the full-attention group's blocks are announced with vLLM's hashes and its
-    group index; the sliding group's only where a hit at a chunk boundary needs them (the last
-    two blocks of each 4-block chunk)."""
+    group index; the sliding group's only where a hit needs them: the last two blocks of each
+    4-block chunk, and of the prompt's 2-block tail (a hit may end where the prompt ended)."""
     from tests.e2e.conftest import CHUNK_BLOCKS
     from tieredkv.tools.tiny_model import make_tiny_llama
 
@@ -292,9 +292,11 @@ def test_a_hybrid_model_announces_what_each_group_serves(subscriber, tmp_path: P
     full = [h for e in cpu if e.group_idx == full_idx for h in e.block_hashes]
     sliding = [h for e in cpu if e.group_idx == sliding_idx for h in e.block_hashes]
     chunks = (1500 - 1) // (BLOCK_SIZE * CHUNK_BLOCKS)
-    assert len(full) == chunks * CHUNK_BLOCKS
+    whole = chunks * CHUNK_BLOCKS
+    assert len(full) == whole + 2  # the whole chunks and the tail (1500 tokens: 46 blocks)
     gpu_full = block_tokens([e for e in of(events, "BlockStored", "GPU") if e.group_idx == full_idx])
     full_tokens = block_tokens([e for e in cpu if e.group_idx == full_idx])
     assert set(full) <= set(gpu_full) and all(full_tokens[h] == gpu_full[h] for h in full)
-    assert sliding == [h for j, h in enumerate(full) if j % CHUNK_BLOCKS >= CHUNK_BLOCKS - 2]
+    assert sliding == [h for j, h in enumerate(full)
+                       if j % CHUNK_BLOCKS >= CHUNK_BLOCKS - 2 or j >= whole]
     assert all(e.kv_cache_spec_sliding_window == 64 for e in cpu if e.group_idx == sliding_idx)

@@ -354,3 +354,26 @@ def test_hybrid_groups_announce_what_each_serves_with_vllms_group_index():
     events.entry_gone("host", b"k" * 32)
     gone = events.take()
     assert [(e.group_idx, e.block_hashes) for e in gone] == [(0, ext(req, [6, 7])), (1, ext(req, range(4, 8)))]
+
+
+def test_a_hybrid_prompts_tail_announces_the_window_before_its_end():
+    """A prompt's tail of a hybrid model (#25) holds the sliding group's window before the
+    tail's end, not before the chunk's: those are the blocks it announces (a one-block tail
+    with a two-block window: its one block)."""
+    from tests.vllm.test_groups import _config, _spec
+    from tieredkv.vllm.groups import group_geometry
+
+    config = _config(_spec("sliding", window=64, block_size=BLOCK), _spec("full", block_size=BLOCK))
+    groups = event_groups(config, group_geometry(config, chunk_blocks=4).slot_rows)
+    events = KVEvents(block_size=BLOCK, chunk_blocks=4, hash_block_size=BLOCK, groups=groups)
+    req = request("a", list(range(8 * BLOCK + 1)))
+    events.record(b"t" * 32, req, 6)  # the tail of chunk 1: blocks 4..6
+    events.entry_ready("host", b"t" * 32)
+    sliding, full = events.take()
+    assert (sliding.group_idx, sliding.block_hashes) == (0, ext(req, [5, 6]))
+    assert (full.group_idx, full.block_hashes) == (1, ext(req, range(4, 7)))
+    events.record(b"o" * 32, req, 4)  # a one-block tail: block 4
+    events.entry_ready("host", b"o" * 32)
+    events.entry_gone("host", b"t" * 32)
+    assert [(e.group_idx, e.block_hashes) for e in events.take()] == [
+        (0, ext(req, [4])), (0, ext(req, [5, 6])), (1, ext(req, [5, 6]))]

@@ -46,6 +46,7 @@ class PendingHit:
     num_tokens: int = 0
     epoch: int = 0
     partial: bool = False  # the last key holds only part of its chunk's blocks for this hit
+    partial_blocks: int = 0  # hybrid: a partial hit's last entry holds exactly these blocks
 
 
 @dataclass

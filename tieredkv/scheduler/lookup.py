@@ -10,6 +10,8 @@
   (:class:`~tieredkv.scheduler.lower_tier.Fill`).
 * A hit ends at the last block held, not at a chunk boundary: an entry holds the first ``n``
   blocks of one chunk and is found by the key of any block it holds (see ``TierIndex``).
+  Hybrid models: a hit ends on a chunk boundary or exactly at a prompt's tail's end (an
+  entry's sliding-window rows are the window before its end, :class:`SlotRows`).
 * The promised chunks stay pinned until vLLM allocates device blocks (:meth:`Lookup.on_alloc`
   turns them into a load job) or the hit is let go; every chunk a load reads stays pinned
   until every rank reported the load, and a chunk whose load failed is dropped.
@@ -28,15 +30,13 @@ from typing import Any
 from tieredkv.metrics.specs import Count
 from tieredkv.protocol import NO_BLOCK, FailureCause, Job, JobResult, LoadChunk, Move, Tier
 from tieredkv.scheduler.ledger import JobRecord, PendingHit, PlannerParts, RequestState
-from tieredkv.scheduler.lower_tier import Fill
+from tieredkv.scheduler.lower_tier import LOWER, PENDING, Fill
 from tieredkv.scheduler.placement import Placer
 from tieredkv.scheduler.remote_tier import INNER_TAIL, tail_keys
 
 logger = logging.getLogger(__name__)
 
 MAX_PROMOTE_ROUNDS = 3
-# Where a block of a hit comes from (see Lookup._block_source).
-HOST, PENDING, LOWER = Tier.HOST, "pending", "lower"
 # The hit source reported (always 0 tokens) without a lower tier: the sources stay the same.
 NO_LOWER_TIER = Tier.DISK
 
@@ -61,8 +61,8 @@ class Lookup:
         self._placer = placer
         self.remote = parts.remote
         self.slot_rows = parts.slot_rows  # None: one full-attention group
-        # A hit never covers the last token; hybrid models' hits end on a chunk boundary (the
-        # windows a sliding group stores are those that end there).
+        # A hit never covers the last token; hybrid models' hits end on a chunk boundary or
+        # exactly at a stored prompt's end (the windows a sliding group stores end there).
         self.unit = self.chunk_tokens if parts.slot_rows is not None else parts.block_size
         self._fill = fill
         self._cost = parts.cost  # None: every lower-tier hit is taken
@@ -107,6 +107,7 @@ class Lookup:
             return 0
         unit = self.unit
         limit = (num_tokens - 1) // unit * unit
+        block_limit = (num_tokens - 1) // self.block_size * self.block_size  # a tail's limit
         first = num_computed_tokens // self.chunk_tokens
         host_ready = self.host.is_ready
         lower_ready = self.lower.is_ready if self.lower is not None else None
@@ -199,9 +200,10 @@ class Lookup:
         # prompt sharing these blocks).
         partial_key: bytes | None = None
         partial_blocks = 0
-        if (not remote_chunks and i * self.chunk_tokens < limit
+        if (not remote_chunks and i * self.chunk_tokens < block_limit
                 and getattr(request_keys, "block_granular", False)):
-            found = self._partial_source(request_keys, i, num_computed_tokens, limit)
+            found = (self._fill.partial_source if self.slot_rows is None else self._fill.tail_entry)(
+                request_keys, i, num_computed_tokens, block_limit)
             if found is not None:
                 partial_key, kind, partial_blocks = found
                 run.append(partial_key)
@@ -256,7 +258,7 @@ class Lookup:
             end_block = (first + len(ready) - 1) * self.chunk_blocks + partial_blocks
         else:
             end_block = (first + len(ready)) * self.chunk_blocks
-        end = min(end_block * self.block_size, limit)
+        end = min(end_block * self.block_size, block_limit if partial else limit)
         hit = max(0, end - num_computed_tokens)
         if hit == 0:
             return 0
@@ -266,6 +268,7 @@ class Lookup:
             num_computed_tokens, end, first, ready,
             sources={key: filled[key] for key in ready if key in filled} if filled else {},
             num_tokens=num_tokens, epoch=self._epoch.value, partial=partial,
+            partial_blocks=partial_blocks if partial else 0,
         )
         return hit
 
@@ -298,7 +301,7 @@ class Lookup:
 
     def _tail_keys(self, keys: Any, chunk: int, limit: int, computed: int) -> tuple[bytes, ...]:
         """Where the remote tier may hold a tail of ``chunk`` (:func:`tail_keys`); none for a
-        hybrid model (its hits end on chunk boundaries)."""
+        hybrid model (Redis holds no hybrid tail: its value would be a whole slot's rows)."""
         if self.slot_rows is not None:
             return ()
         return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size)
@@ -314,73 +317,6 @@ class Lookup:
             return True
         lower = self.lower
         return lower is not None and lower.holds(key)
-
-    def _partial_source(
-        self, keys, chunk: int, num_computed_tokens: int, limit: int
-    ) -> tuple[bytes, str, int] | None:
-        """The entry holding the most leading blocks of ``chunk`` of this request (fewer than
-        a whole chunk), as ``(entry key, HOST | PENDING | LOWER, blocks)``, or None.
-
-        An entry holding block ``b`` holds every block of its chunk before ``b`` (chained
-        hashes), so "some entry holds block b" is true for the first blocks of a chunk and
-        false after. The first block this request could use answers a miss (one key, a dict
-        probe per tier); the last one a repeated prompt (its own tail); a binary search
-        between them anything else.
-        """
-        C, bs = self.chunk_blocks, self.block_size
-        base = chunk * C
-        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
-        lo = num_computed_tokens // bs - base + 1
-        if lo < 1:
-            lo = 1
-        if lo > hi:
-            return None
-        block_key = keys.block_key
-        first_key = block_key(base + lo - 1)
-        host, lower = self.host, self.lower
-        if not host.holds(first_key) and (lower is None or not lower.holds(first_key)):
-            return None
-        source = self._block_source
-        if hi > lo:
-            key = block_key(base + hi - 1)
-            holder = host.ready_holder(key)
-            if holder is not None:
-                return holder, HOST, hi
-            found = source(key, host_checked=True)
-            if found is not None:
-                return found[0], found[1], hi
-        best = source(first_key)
-        if best is None:
-            return None
-        good, bad = lo, hi
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            found = source(block_key(base + mid - 1))
-            if found is None:
-                bad = mid
-            else:
-                good, best = mid, found
-        return best[0], best[1], good
-
-    def _block_source(self, key: bytes, host_checked: bool = False) -> tuple[bytes, str] | None:
-        """Where the block named ``key`` can come from: a READY host entry holding it (unless
-        the caller just looked), one being promoted, or a READY lower-tier entry to promote."""
-        host = self.host
-        if not host_checked:
-            holder = host.ready_holder(key)
-            if holder is not None:
-                return holder, HOST
-        in_flight = self._in_flight
-        if in_flight:
-            for holder in host.holders(key):
-                if holder in in_flight:
-                    return holder, PENDING
-        lower = self.lower
-        if lower is not None and lower.holds(key):
-            for holder in lower.holders(key):
-                if lower.is_ready(holder) and holder not in host and not host.is_doomed(holder):
-                    return holder, LOWER
-        return None
 
     # ------------------------------------------------------------------ hits -> loads
 
@@ -422,9 +358,12 @@ class Lookup:
             keep.append(key)
             placement = self.host.get(key)
             assert placement is not None
-            chunks.append(self._load_chunk(key, placement.slot, state, chunk, lo, hi))
+            # Hybrid: a partial hit's last entry is a tail of exactly partial_blocks blocks.
+            n = hit.partial_blocks if hit.partial and key == hit.keys[-1] else 0
+            chunks.append(self._load_chunk(key, placement.slot, state, chunk, lo, hi, n))
             spans.append(hi - lo)
-            holes = self.slot_rows.unserved(state.tables, chunk, lo, hi) if self.slot_rows else []
+            holes = (self.slot_rows.unserved(state.tables, chunk, lo, hi, n or None)
+                     if self.slot_rows else [])
             if holes and unserved_chunk is None:
                 unserved_chunk = chunk
             unserved.extend(holes)
@@ -475,14 +414,16 @@ class Lookup:
             self._placer.note_seen(key)
 
     def _load_chunk(
-        self, key: bytes, slot: int, state: RequestState, chunk: int, lo: int, hi: int
+        self, key: bytes, slot: int, state: RequestState, chunk: int, lo: int, hi: int,
+        blocks: int = 0,
     ) -> LoadChunk:
-        """Blocks ``[lo, hi)`` of ``chunk`` from host slot ``slot`` (hybrid: every group's)."""
+        """Blocks ``[lo, hi)`` of ``chunk`` from host slot ``slot`` (hybrid: every group's, of
+        an entry of ``blocks`` blocks; 0: whole)."""
         slot_rows = self.slot_rows
         if slot_rows is None:
             C = self.chunk_blocks
             return LoadChunk(key, slot, lo - chunk * C, tuple(state.block_ids[lo:hi]))
-        return LoadChunk(key, slot, 0, slot_rows.load_rows(state.tables, chunk, lo, hi))
+        return LoadChunk(key, slot, 0, slot_rows.load_rows(state.tables, chunk, lo, hi, blocks or None))
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         state = self._requests.get(req_id)

@@ -48,6 +48,9 @@ from tieredkv.scheduler.tier_index import TierIndex
 
 logger = logging.getLogger(__name__)
 
+# Where a block of a hit comes from (see Fill.block_source).
+HOST, PENDING, LOWER = Tier.HOST, "pending", "lower"
+
 
 class LowerTier(ABC):
     """A tier below host that host slots are filled from: the fill path's per-tier hooks."""
@@ -243,6 +246,7 @@ class Fill:
         self.remote = parts.remote
         self.counters = parts.counters
         self.chunk_blocks = parts.config.chunk_blocks
+        self.block_size = parts.block_size
         self.load_timeout_s = parts.config.load_timeout_s
         self._ledger = parts.ledger
         self._placer = placer
@@ -321,6 +325,106 @@ class Fill:
             state.promote_rounds += 1
             state.promote_deadline = time.monotonic() + self.load_timeout_s
         return run
+
+    # ------------------------------------------------------------------ sources of a partial chunk
+
+    def partial_source(
+        self, keys, chunk: int, num_computed_tokens: int, limit: int
+    ) -> tuple[bytes, str, int] | None:
+        """The entry holding the most leading blocks of ``chunk`` of this request (fewer than
+        a whole chunk), as ``(entry key, HOST | PENDING | LOWER, blocks)``, or None.
+
+        An entry holding block ``b`` holds every block of its chunk before ``b`` (chained
+        hashes), so "some entry holds block b" is true for the first blocks of a chunk and
+        false after. The first block this request could use answers a miss (one key, a dict
+        probe per tier); the last one a repeated prompt (its own tail); a binary search
+        between them anything else.
+        """
+        C, bs = self.chunk_blocks, self.block_size
+        base = chunk * C
+        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
+        lo = num_computed_tokens // bs - base + 1
+        if lo < 1:
+            lo = 1
+        if lo > hi:
+            return None
+        block_key = keys.block_key
+        first_key = block_key(base + lo - 1)
+        host, lower = self.host, self.lower
+        if not host.holds(first_key) and (lower is None or not lower.holds(first_key)):
+            return None
+        source = self.block_source
+        if hi > lo:
+            key = block_key(base + hi - 1)
+            holder = host.ready_holder(key)
+            if holder is not None:
+                return holder, HOST, hi
+            found = source(key, host_checked=True)
+            if found is not None:
+                return found[0], found[1], hi
+        best = source(first_key)
+        if best is None:
+            return None
+        good, bad = lo, hi
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            found = source(block_key(base + mid - 1))
+            if found is None:
+                bad = mid
+            else:
+                good, best = mid, found
+        return best[0], best[1], good
+
+    def tail_entry(
+        self, keys, chunk: int, num_computed_tokens: int, limit: int
+    ) -> tuple[bytes, str, int] | None:
+        """Hybrid models: the longest prompt's tail stored in ``chunk`` of this request that
+        ends by ``limit`` and past ``num_computed_tokens``, as ``(key, HOST | PENDING | LOWER,
+        blocks)``, or None. Only an entry's own end serves a hit (its sliding rows end there),
+        so each end is probed (no entry holds the first usable block: one probe, a miss)."""
+        C, bs = self.chunk_blocks, self.block_size
+        base = chunk * C
+        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
+        lo = max(1, num_computed_tokens // bs - base + 1)
+        if lo > hi:
+            return None
+        host, lower = self.host, self.lower
+        first_key = keys.block_key(base + lo - 1)
+        if not host.holds(first_key) and (lower is None or not lower.holds(first_key)):
+            return None
+        for n in range(hi, lo - 1, -1):
+            key = keys.block_key(base + n - 1)
+            for tier, kind in ((host, HOST), (lower, LOWER)):
+                placement = tier.get(key) if tier is not None else None
+                if placement is None or placement.blocks != n:
+                    continue  # not a tail of exactly n blocks (or its length was lost)
+                if tier is host and host.is_ready(key):
+                    return key, HOST, n
+                if tier is host and key in self.in_flight:
+                    return key, PENDING, n
+                if kind == LOWER and tier.is_ready(key) and key not in host and not host.is_doomed(key):
+                    return key, LOWER, n
+        return None
+
+    def block_source(self, key: bytes, host_checked: bool = False) -> tuple[bytes, str] | None:
+        """Where the block named ``key`` can come from: a READY host entry holding it (unless
+        the caller just looked), one being promoted, or a READY lower-tier entry to promote."""
+        host = self.host
+        if not host_checked:
+            holder = host.ready_holder(key)
+            if holder is not None:
+                return holder, HOST
+        in_flight = self.in_flight
+        if in_flight:
+            for holder in host.holders(key):
+                if holder in in_flight:
+                    return holder, PENDING
+        lower = self.lower
+        if lower is not None and lower.holds(key):
+            for holder in lower.holders(key):
+                if lower.is_ready(holder) and holder not in host and not host.is_doomed(holder):
+                    return holder, LOWER
+        return None
 
     def complete(self, job: JobRecord, outcome: JobResult) -> None:
         """Every rank reported a fill: the chunk is READY in host, or dropped and counted."""

@@ -106,7 +106,9 @@ class Placer:
             held = min(storable_tokens // self.block_size, len(state.block_ids),
                        keys.num_blocks)  # type: ignore[attr-defined]
             count = held - n_chunks * C
-            if 0 < count < C:
+            # Hybrid: only in the step that computes the tail's end (its window is still there).
+            if 0 < count < C and (self.slot_rows is None or (
+                    computed_tokens is not None and computed_tokens < held * self.block_size)):
                 self._store_tail(state, keys, n_chunks, count)
 
     def finish_tail(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
@@ -121,21 +123,35 @@ class Placer:
         self.plan_stores(req_id, keys, storable_tokens, tail=True)
 
     def _store_tail(self, state: RequestState, keys, chunk: int, count: int) -> None:
-        """Store the first ``count`` blocks of ``chunk`` unless an entry already holds them."""
+        """Store the first ``count`` blocks of ``chunk`` unless an entry already holds them
+        (hybrid: unless this very tail is held; a longer entry lacks its window)."""
         base = chunk * self.chunk_blocks
         key = keys.block_key(base + count - 1)
+        aliases = keys.block_keys(base, base + count - 1)
         for tier in (self.host, self.lower):
             if tier is None:
                 continue
-            if tier.holds(key) or tier.is_doomed(key):
+            if self.held(tier, key) or tier.is_doomed(key):
                 # Held already (this prompt's tail stored before, or a longer entry).
-                for holder in tier.holders(key):
+                for holder in (tier.holders(key) if self.slot_rows is None else (key,)):
                     tier.touch(holder)
                 self.note_seen(key)
                 return
-        self._store(state, key, keys.block_keys(base, base + count - 1),
-                    state.block_ids[base : base + count])
+        if self.slot_rows is None:
+            self._store(state, key, aliases, state.block_ids[base : base + count])
+        elif self.lower is None or self.lower.kept_aliases(aliases) == aliases:
+            # (A disk copy whose header cannot list the tail's blocks would lose its length.)
+            rows = self.slot_rows.store_rows(state.tables, chunk, count)
+            self._store(state, key, aliases, rows, self.slot_rows.sliding_blocks(rows))
+        else:
+            return
         self.counters[Count.STORED_PARTIAL_CHUNKS] += 1
+
+    def held(self, tier: TierIndex, key: bytes) -> bool:
+        """Whether ``tier`` holds what an entry keyed ``key`` serves: the block ``key`` names
+        (one group); a hybrid model's entry itself (a longer entry of its chunk lacks the
+        sliding window before ``key``'s block)."""
+        return key in tier if self.slot_rows is not None else tier.holds(key)
 
     def _store(self, state: RequestState, key: bytes, aliases: tuple[bytes, ...],
                blocks: Sequence[int], sliding: tuple[int, ...] = ()) -> None:
@@ -275,7 +291,7 @@ class Placer:
             return
         # Not when there already (or a longer entry there holds its blocks).
         for key, placement in self._take_queued(
-                self._spill_queue, lambda k: lower.holds(k) or lower.is_doomed(k)):
+                self._spill_queue, lambda k: self.held(lower, k) or lower.is_doomed(k)):
             allocation = lower.allocate(key, placement.aliases)
             if allocation is None:
                 self.counters[Count.SPILL_SKIPPED_DISK_FULL] += 1  # the tier spilled into
@@ -314,7 +330,7 @@ class Placer:
             return
         if lower.mark_ready(key):
             self.counters[Count.SPILLED_CHUNKS] += 1
-            if lower.covering(key):
+            if self.slot_rows is None and lower.covering(key):
                 # A longer entry got there first: this one is redundant there.
                 lower.remove(key, recorded=False)
                 self.counters[Count.SUPERSEDED, lower.name] += 1
@@ -339,7 +355,10 @@ class Placer:
         otherwise the shorter entries whose blocks it holds are dropped (a prompt's tail that
         grew: the next turn of a chat stored the whole chunk or a longer tail). A dropped
         entry still being read keeps its slot until the read ends (doomed). True: kept.
+        Hybrid models keep every entry: a longer one lacks a shorter one's sliding window.
         """
+        if self.slot_rows is not None:
+            return True
         if tier.covering(key):
             self._drop_superseded(tier, key)
             return False

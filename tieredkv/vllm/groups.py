@@ -1,7 +1,7 @@
 """vLLM's KV-cache groups -> a :class:`~tieredkv.kv_groups.SlotRows`, or a refusal that says why.
 
 tieredkv serves full-attention groups (every block) and sliding-window groups (the blocks a
-hit ending at a chunk boundary needs). It stores a block's KV under a key of the block's
+hit ending at an entry's end needs: a chunk boundary, or where a stored prompt ended). It stores a block's KV under a key of the block's
 prefix (vLLM's chained block hashes, which also cover LoRA, multimodal inputs, prompt
 embeddings and ``cache_salt``), so it serves only KV that is a function of that prefix.
 Anything else is refused at start-up, with the layers and what to do, rather than served

@@ -79,12 +79,17 @@ def _int_hash(block_hash: bytes) -> int:
 @dataclass(frozen=True)
 class EventGroup:
     """A KV-cache group announced: its index, the spec fields vLLM's store events carry, and
-    the first block of a chunk it serves (a sliding window: only the blocks a hit needs)."""
+    for a sliding window the blocks before an entry's end that it serves (0: every block)."""
 
     idx: int = 0
     kind: str | None = None
     sliding_window: int | None = None
-    first_block: int = 0
+    window_blocks: int = 0
+
+    def first_block(self, blocks: int) -> int:
+        """The first of an entry's ``blocks`` blocks this group serves (a whole chunk, or a
+        prompt's tail: a sliding window keeps only the blocks before the entry's end)."""
+        return max(0, blocks - self.window_blocks) if self.window_blocks else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +216,7 @@ class KVEvents:
         medium, locality, ownership = MEDIA[tier]
         for group in self.groups:
             gone = []
-            for h in record.hashes[group.first_block:]:
+            for h in record.hashes[group.first_block(len(record.hashes)):]:
                 held[group.idx, h] -= 1
                 if held[group.idx, h] <= 0:
                     del held[group.idx, h]
@@ -254,7 +259,7 @@ class KVEvents:
         for group in self.groups:
             run_start: int | None = None
             n = len(record.hashes)
-            for i in range(group.first_block, n + 1):
+            for i in range(group.first_block(n), n + 1):
                 new = False
                 if i < n:
                     slot = (group.idx, record.hashes[i])
@@ -405,7 +410,6 @@ def event_groups(kv_cache_config: Any, slot_rows: Any) -> tuple[EventGroup, ...]
     out = []
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     for idx, (group, spec) in enumerate(zip(slot_rows.groups, specs, strict=True)):
-        first = max(0, slot_rows.chunk_blocks - group.window_blocks) if group.window_blocks else 0
         out.append(EventGroup(idx, get_kv_cache_spec_kind(spec).value,
-                              get_kv_cache_spec_sliding_window(spec), first))
+                              get_kv_cache_spec_sliding_window(spec), group.window_blocks))
     return tuple(out)

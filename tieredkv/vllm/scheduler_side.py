@@ -39,11 +39,13 @@ class SchedulerHalf:
                 f"{hash_block}-token hash blocks; change chunk_blocks"
             )
         self._hashes_per_chunk = geometry.block_size * config.chunk_blocks // hash_block
-        # Hybrid models (several KV-cache groups, or a sliding window): whole chunks only.
+        # Hybrid models (several KV-cache groups, or a sliding window): hits end on chunk
+        # boundaries or where a stored prompt ended (its tail keeps the windows before it).
         self._hybrid = geometry.slot_rows.hybrid
         if self._hybrid:
-            logger.info("tieredkv: KV-cache groups %s: hits end on %d-token chunk boundaries",
-                        geometry.slot_rows.describe(), geometry.block_size * config.chunk_blocks)
+            logger.info("tieredkv: KV-cache groups %s: hits end on %d-token chunk boundaries "
+                        "or at a stored prompt's end", geometry.slot_rows.describe(),
+                        geometry.block_size * config.chunk_blocks)
         # Hits end at the last vLLM block held when a block is a whole number of hash blocks
         # (always so in vLLM 0.32: the hash block size divides every group's block size).
         if geometry.block_size % hash_block == 0:
@@ -247,7 +249,7 @@ class SchedulerHalf:
             extra = self._adapters.digest(lora) if lora is not None else b""
             keys = self._keys[request.request_id] = LazyChunkKeys(
                 self.geometry.fingerprint, request.block_hashes, self._hashes_per_chunk, extra,
-                hashes_per_block=0 if self._hybrid else self._hashes_per_block,
+                hashes_per_block=self._hashes_per_block,
             )
         elif keys.refresh():
             logger.debug("tieredkv: request %s: block hashes replaced, keys re-derived", request.request_id)

@@ -1,0 +1,236 @@
+"""Hybrid models' hits end where a stored prompt ended (#25.1), not only on chunk boundaries.
+
+A prompt's tail (its full blocks past the last whole chunk, ``n`` of them) is stored with the
+full-attention rows ``0 .. n-1`` and each sliding group's rows ``[max(0, n - W), n)``, the
+window vLLM's prefix cache needs before a hit ending there; the whole chunk before it holds its
+own last ``W``. A hit may end exactly at such an entry's end, and nowhere else inside a chunk
+(an entry's sliding rows end at its end only). Real planner, host and disk indexes; the
+device tables are the ones vLLM 0.32 hands out (a sliding group gets real blocks only for the
+window before a hit's end).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tieredkv.config import TieredKVConfig
+from tieredkv.keys import LazyChunkKeys
+from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
+from tieredkv.protocol import NO_BLOCK, JobResult, Move
+from tieredkv.scheduler.planner import Planner
+from tieredkv.testing.hashing import sha256_block_hashes
+
+BLOCK, C = 16, 4
+CHUNK_TOKENS = BLOCK * C
+FP = b"t" * 32
+X = NO_BLOCK
+
+
+def rows(window: int) -> SlotRows:
+    return SlotRows((KVGroup(SLIDING, window), KVGroup(FULL)), chunk_blocks=C)
+
+
+def keys(tokens: list[int]) -> LazyChunkKeys:
+    # As the scheduler half makes them for every model: whole chunks, and any block.
+    return LazyChunkKeys(FP, sha256_block_hashes(tokens, BLOCK), C, hashes_per_block=1)
+
+
+def prompt(blocks: int, extra: int, seed: int = 0) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * BLOCK + extra)]
+
+
+def make(window: int = 2, host_slots: int = 16, disk_slots: int = 0) -> Planner:
+    config = TieredKVConfig.from_dict({"chunk_blocks": C})
+    return Planner(config, block_size=BLOCK, num_host_slots=host_slots,
+                   num_disk_slots=disk_slots, world_size=1, slot_rows=rows(window))
+
+
+def done(planner: Planner, *moves: Move) -> list:
+    plan = planner.take_plan()
+    jobs = [job for move in moves for job in plan.of(move)]
+    planner.apply([JobResult.done(job.job_id) for job in jobs])
+    return jobs
+
+
+def compute(planner: Planner, req: str, tokens: list[int], computed: int = 0) -> list:
+    """One prefill step computing ``tokens[computed:]``: its stores (the prompt's tail too),
+    all completed; vLLM gave both groups real blocks (sliding: 100.., full: 200..)."""
+    n = -(-len(tokens) // BLOCK)
+    planner.set_block_ids(req, [list(range(100, 100 + n)), list(range(200, 200 + n))], replace=True)
+    planner.plan_stores(req, keys(tokens), len(tokens), tail=True, computed_tokens=computed)
+    return done(planner, Move.STORE)
+
+
+def vllm_tables(hit_blocks: int, total_blocks: int, window: int) -> list[list[int]]:
+    """What vLLM allocates for a hit of ``hit_blocks``: the sliding group real blocks only for
+    the ``window`` blocks before the hit's end (and the new tokens), the full group all."""
+    sliding = [0 if i < hit_blocks - window else 500 + i for i in range(total_blocks)]
+    return [sliding, [600 + i for i in range(total_blocks)]]
+
+
+def load_after_hit(planner: Planner, req: str, tokens: list[int], hit: int, window: int):
+    total = -(-len(tokens) // BLOCK)
+    planner.on_alloc(req, vllm_tables(hit // BLOCK, total, window), hit)
+    (load,) = planner.take_plan().of(Move.LOAD)
+    return load
+
+
+# --- SlotRows: what an entry of n blocks stores, loads, and cannot serve ---------------------
+
+
+def test_a_tail_stores_its_full_rows_and_the_window_before_its_end():
+    tables = [[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]]
+    layout = rows(2)
+    assert layout.store_rows(tables, 1, 3) == (X, 15, 16, X, 24, 25, 26, X)
+    assert layout.store_rows(tables, 1) == (X, X, 16, 17, 24, 25, 26, 27)  # whole: n = C
+    assert layout.stored_rows(3) == 5 and layout.stored_rows() == 6 and layout.rows == 8
+
+
+def test_a_window_larger_than_the_tail_keeps_every_row_of_the_tail():
+    tables = [[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]]
+    layout = rows(3)
+    assert layout.store_rows(tables, 1, 2) == (14, 15, X, X, 24, 25, X, X)
+    assert layout.store_rows(tables, 1, 1) == (14, X, X, X, 24, X, X, X)  # a one-block tail
+    assert layout.stored_rows(2) == 4 and layout.stored_rows(1) == 2
+
+
+def test_a_tail_loads_only_its_rows_and_names_a_block_it_lacks_unserved():
+    layout = rows(2)
+    # A hit ending at the tail's end (block 7): vLLM's sliding blocks 5 and 6.
+    tables = [[0, 0, 0, 0, 0, 55, 56, 57], [60, 61, 62, 63, 64, 65, 66, 67]]
+    assert layout.load_rows(tables, 1, 4, 7, 3) == (X, 55, 56, X, 64, 65, 66, X)
+    assert layout.unserved(tables, 1, 4, 7, 3) == []
+    # A sliding block at row 0 of the tail: the store never kept it.
+    wider = [[0, 0, 0, 0, 54, 55, 56, 57], tables[1]]
+    assert layout.load_rows(wider, 1, 4, 7, 3)[0] == X
+    assert layout.unserved(wider, 1, 4, 7, 3) == [54]
+    # Read as a whole chunk (rows 2 and 3 kept), the same range would miss block 55.
+    assert layout.unserved(tables, 1, 4, 7) == [55]
+
+
+@pytest.mark.parametrize("n", [0, C + 1])
+def test_an_entry_holds_one_to_chunk_blocks(n):
+    with pytest.raises(ValueError, match="1..4 blocks"):
+        rows(2).store_rows([[1] * 8, [2] * 8], 1, n)
+
+
+# --- the planner: stores and hits ------------------------------------------------------------
+
+
+def test_a_chats_next_turn_hits_where_the_previous_turn_ended():
+    planner = make(window=2)
+    turn1 = prompt(C + 3, 5)  # a whole chunk, a 3-block tail, 5 tokens
+    stores = compute(planner, "t1", turn1)
+    assert [s.block_ids for s in stores] == [
+        (X, X, 102, 103, 200, 201, 202, 203),  # chunk 0: the sliding group's last 2 rows
+        (X, 105, 106, X, 204, 205, 206, X),  # the tail: the window before its end
+    ]
+    assert planner.counters["stored_partial_chunks"] == 1
+    turn2 = turn1 + [90_000 + i for i in range(70)]
+    hit = (C + 3) * BLOCK
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == hit  # vLLM's hit too
+    load = load_after_hit(planner, "t2", turn2, hit, window=2)
+    assert not load.src.unserved
+    assert [c.block_ids for c in load.src.chunks] == [
+        (X, X, X, X, 600, 601, 602, 603), (X, 505, 506, X, 604, 605, 606, X)]
+    assert planner.counters["partial_hits"] == 1
+    assert planner.counters.snapshot()["hit_tokens"] == {"host": hit}
+
+
+def test_a_window_larger_than_the_tail_is_served_with_the_chunk_before_it():
+    planner = make(window=3)
+    turn1 = prompt(C + 2, 3)
+    stores = compute(planner, "t1", turn1)
+    assert [s.block_ids for s in stores] == [
+        (X, 101, 102, 103, 200, 201, 202, 203), (104, 105, X, X, 204, 205, X, X)]
+    turn2 = turn1 + [90_000 + i for i in range(40)]
+    hit = (C + 2) * BLOCK
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == hit
+    load = load_after_hit(planner, "t2", turn2, hit, window=3)
+    assert not load.src.unserved  # blocks 3 (chunk 0's last row), 4 and 5 (the tail)
+    assert [c.block_ids[:C] for c in load.src.chunks] == [(X, X, X, 503), (504, 505, X, X)]
+
+
+def test_a_one_block_tail_is_a_hit_end():
+    planner = make(window=2)
+    turn1 = prompt(C + 1, 7)
+    stores = compute(planner, "t1", turn1)
+    assert stores[-1].block_ids == (104, X, X, X, 204, X, X, X)
+    turn2 = turn1 + [90_000 + i for i in range(20)]
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (C + 1) * BLOCK
+    assert not load_after_hit(planner, "t2", turn2, (C + 1) * BLOCK, window=2).src.unserved
+
+
+def test_a_hit_never_ends_mid_chunk_where_no_prompt_ended():
+    planner = make(window=2)
+    turn1 = prompt(C + 3, 5)
+    compute(planner, "t1", turn1)
+    # Shares turn1's chunk and two blocks of its tail, then differs: the tail holds those
+    # blocks' full-attention rows but not the window before block 6. One chunk, not 6 blocks.
+    other = turn1[: (C + 2) * BLOCK] + [80_000 + i for i in range(50)]
+    assert planner.lookup("o", keys(other), 0, len(other)) == CHUNK_TOKENS
+    # A longer prompt's whole chunk 1 lies under the same blocks: still no hit inside it.
+    longer = make(window=2)
+    compute(longer, "l", prompt(2 * C + 1, 3))
+    assert longer.lookup("o", keys(prompt(C + 2, 9)), 0, (C + 2) * BLOCK + 9) == CHUNK_TOKENS
+
+
+def test_a_tail_past_the_hit_limit_is_not_cut_short():
+    """A prompt ending on a block boundary, repeated: vLLM computes its last token, so a hit
+    may cover one block less than the tail holds; the tail has no window ending there."""
+    planner = make(window=2)
+    tokens = prompt(C + 2, 0)
+    compute(planner, "a", tokens)
+    assert planner.counters["stored_partial_chunks"] == 1
+    assert planner.lookup("b", keys(tokens), 0, len(tokens)) == CHUNK_TOKENS
+
+
+def test_a_tail_is_stored_only_in_the_step_that_computes_its_end():
+    """vLLM frees a sliding window's older blocks without telling a connector: a tail whose
+    end an earlier step computed may have lost the window before it."""
+    tokens = prompt(C + 3, 5)
+    late = make(window=2)
+    n = -(-len(tokens) // BLOCK)
+    late.set_block_ids("a", [list(range(100, 100 + n)), list(range(200, 200 + n))], replace=True)
+    late.plan_stores("a", keys(tokens), (C + 3) * BLOCK + 2, computed_tokens=0)
+    assert len(done(late, Move.STORE)) == 1  # chunk 0; the prompt is not done yet
+    late.plan_stores("a", keys(tokens), len(tokens), tail=True, computed_tokens=(C + 3) * BLOCK + 2)
+    assert done(late, Move.STORE) == [] and late.counters["stored_partial_chunks"] == 0
+    in_time = make(window=2)
+    compute(in_time, "a", tokens, computed=(C + 3) * BLOCK - 1)
+    assert in_time.counters["stored_partial_chunks"] == 1
+
+
+def test_a_longer_entry_neither_blocks_nor_supersedes_a_tail():
+    """A whole chunk holds a tail's blocks but not the window before the tail's end: the tail
+    is stored beside it, kept, and still ends a hit."""
+    planner = make(window=2)
+    long = prompt(2 * C + 1, 3)
+    compute(planner, "long", long)
+    short = long[: (C + 3) * BLOCK + 5]
+    stores = compute(planner, "short", short)
+    assert [s.block_ids for s in stores] == [(X, 105, 106, X, 204, 205, 206, X)]
+    assert planner.host.ready_count == 4  # 2 chunks and 1-block tail of long, short's tail
+    turn2 = short + [90_000 + i for i in range(40)]
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (C + 3) * BLOCK
+    # And the longer prompt still hits its own chunks and tail.
+    again = long + [70_000 + i for i in range(30)]
+    assert planner.lookup("t3", keys(again), 0, len(again)) == (2 * C + 1) * BLOCK
+
+
+def test_a_tail_on_disk_is_promoted_and_ends_the_hit():
+    planner = make(window=2, host_slots=2, disk_slots=8)
+    turn1 = prompt(C + 3, 5)
+    compute(planner, "t1", turn1)
+    assert len(done(planner, Move.SPILL)) == 2  # the chunk and the tail
+    compute(planner, "x", prompt(2 * C, 1, seed=7))  # evicts both from host
+    done(planner, Move.SPILL)
+    turn2 = turn1 + [90_000 + i for i in range(40)]
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) is None  # promoting
+    assert len(done(planner, Move.PROMOTE)) == 2
+    hit = (C + 3) * BLOCK
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == hit
+    load = load_after_hit(planner, "t2", turn2, hit, window=2)
+    assert not load.src.unserved
+    assert load.src.chunks[-1].block_ids == (X, 505, 506, X, 604, 605, 606, X)
+    assert planner.counters.snapshot()["hit_tokens"] == {"disk": hit}
