@@ -16,7 +16,7 @@ import pytest
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import NO_BLOCK, JobResult, Move
+from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult, Move
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 
@@ -234,3 +234,21 @@ def test_a_tail_on_disk_is_promoted_and_ends_the_hit():
     assert not load.src.unserved
     assert load.src.chunks[-1].block_ids == (X, 505, 506, X, 604, 605, 606, X)
     assert planner.counters.snapshot()["hit_tokens"] == {"disk": hit}
+
+
+def test_a_tail_whose_load_would_leave_a_block_unwritten_is_not_hit_again():
+    """vLLM handing out more of a window than the tail keeps fails the load (#23.2); the
+    request's next hit ends before that chunk, so not at the same tail either."""
+    planner = make(window=2)
+    turn1 = prompt(C + 3, 5)
+    compute(planner, "t1", turn1)
+    turn2 = turn1 + [90_000 + i for i in range(70)]
+    hit = (C + 3) * BLOCK
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == hit
+    tables = vllm_tables(C + 3, -(-len(turn2) // BLOCK), window=3)  # block 4: not kept
+    planner.on_alloc("t2", tables, hit)
+    (load,) = planner.take_plan().of(Move.LOAD)
+    assert load.src.unserved and planner.counters["load_rows_unserved"] == 1
+    planner.apply([JobResult.fail(load.job_id, FailureCause.MISSING, load.block_ids)])
+    assert planner.host.ready_count == 2  # the entries are sound: both stay
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == CHUNK_TOKENS

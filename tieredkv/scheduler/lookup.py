@@ -201,6 +201,7 @@ class Lookup:
         partial_key: bytes | None = None
         partial_blocks = 0
         if (not remote_chunks and i * self.chunk_tokens < block_limit
+                and (state.hit_chunk_limit is None or i < state.hit_chunk_limit)
                 and getattr(request_keys, "block_granular", False)):
             found = (self._fill.partial_source if self.slot_rows is None else self._fill.tail_entry)(
                 request_keys, i, num_computed_tokens, block_limit)
