@@ -124,3 +124,87 @@ async def test_a_stale_cluster_slot_map_still_reads_and_probes_the_right_keys(
     assert got.values == [*(Head(value, len(value)) for _, _, value in items), None]
     probed = await store.batch_exists([*names, absent])
     assert probed.ok and probed.values == [True] * len(names) + [False]
+
+
+def _answering(replies: bytes, piece: int) -> Callable[..., Awaitable[None]]:
+    """A server that answers a batch of GETRANGEs with ``replies`` (all the batch's replies,
+    written as they are) in pieces of ``piece`` bytes, each sent on its own."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                name = (await _command(reader))[0].upper()
+                if name != b"GETRANGE":
+                    writer.write(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+                    await writer.drain()
+                    continue
+                for at in range(0, len(replies), piece):
+                    writer.write(replies[at:at + piece])
+                    await writer.drain()
+                    await asyncio.sleep(0.0005)  # the client takes each piece on its own
+                replies_sent.append(len(replies))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    replies_sent: list[int] = []
+    return handle
+
+
+async def _answer_server(replies: bytes, piece: int) -> tuple[str, asyncio.Server]:
+    server = await asyncio.start_server(_answering(replies, piece), "127.0.0.1", 0)
+    return f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0", server
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4093, 1 << 20], ids=["bytewise", "7", "4093", "whole"])
+async def test_replies_arriving_in_odd_pieces_read_the_same_values(
+    piece: int, open_store: OpenStore,
+) -> None:
+    """Whole values, a shorter one, an absent key, an error and a longer one's head, in one
+    answer cut anywhere: each item gets exactly its reply, and the connection stays usable."""
+    size = 20_000 if piece > 1 else 300
+    whole = [bytes([i]) * size for i in range(3)]
+    longer = b"L" * (size + 1)  # GETRANGE 0 size answers size + 1 bytes of a longer value
+    replies = (_bulk(whole[0]) + b"$-1\r\n" + b"$0\r\n\r\n" + _bulk(b"short")
+               + b"-ERR not this one\r\n" + _bulk(whole[1]) + _bulk(longer) + _bulk(whole[2]))
+    url, server = await _answer_server(replies, piece)
+    try:
+        store = await open_store(url, timeout_s=60.0)
+        keys = [b"k%d" % i for i in range(8)]
+        for _ in range(2):  # the second batch on the same connection reads as cleanly
+            got = await asyncio.wait_for(store.batch_get_bounded(keys, size), 30.0)
+            assert got.failed == 1 and got.cause is FailureCause.IO_ERROR  # the error reply
+            assert got.values == [Head(whole[0], size), None, None, Head(b"short", 5), None,
+                                  Head(whole[1], size), Head(longer[:size], size + 1),
+                                  Head(whole[2], size)]
+        assert store.stats().went_down == 0
+    finally:
+        server.close()
+
+
+async def test_bytes_after_the_last_reply_are_never_the_next_reads_replies(
+    fake: Callable[..., Awaitable[str]], open_store: OpenStore,
+) -> None:
+    """A server that answers more than it was asked is out of step: the bytes it sent after
+    a read's last reply are not taken as the next read's replies (that would hand one key
+    another's value); the next read starts on a clean connection."""
+    store = await open_store(await fake(b"$3\r\nabc\r\n$3\r\nxyz\r\n"), timeout_s=60.0)
+    for _ in range(3):
+        got = await asyncio.wait_for(store.batch_get_bounded([b"k1"], 3), 30.0)
+        assert got.ok and got.values == [Head(b"abc", 3)]
+        await asyncio.sleep(0.05)  # the extra reply arrives before the next read
+
+
+async def test_a_reply_line_that_never_ends_fails_the_read_without_waiting(
+    fake: Callable[..., Awaitable[str]], open_store: OpenStore,
+) -> None:
+    """A line with no end (no length to check yet) is taken up to 64 KiB, then refused: it
+    is neither read on without bound nor waited on until the deadline."""
+    store = await open_store(await fake(b"$" + b"9" * (1 << 20)), timeout_s=60.0)
+    got = await asyncio.wait_for(store.batch_get_bounded([b"k1"], 64 << 20), 30.0)
+    assert got.values == [None] and got.cause is FailureCause.IO_ERROR

@@ -1,15 +1,21 @@
 """Bounded reads and existence probes with a reply reader of their own: ``GETRANGE key 0
 max_len`` (or ``EXISTS key``) per key, one pipeline per node, the replies read straight off
-the connection's stream.
+the connection.
 
-Why not redis-py's pipeline: its parser hands each reply through hiredis (the socket's bytes
-fed into hiredis's buffer, then copied into a new ``bytes``), two copies of every value before
-the one into its host slot; for chunk values that costs more than the network. Here each
-reply's header line is read, its length checked against the bound *before* anything is read
-or allocated (a server that announces more than ``max_len + 1`` bytes is refused and the
-connection dropped), and the value is taken from the stream in one piece. For probes, a
-Cluster pipeline in redis-py resolves each command's routing policy with an await of its own;
-a probe names hundreds of keys, so grouping them by slot here is most of its cost saved.
+Why not redis-py's pipeline: its parser hands each reply through asyncio's stream buffer and
+hiredis (the socket's bytes copied into the stream's buffer, out of it, into hiredis's
+buffer, then into a new ``bytes``), copies of every value before the one into its host slot;
+for chunk values that costs more than the network. Here, for the duration of a read, the
+connection's transport delivers into :class:`_BulkReplies` instead of its stream: each reply
+is received into a buffer sized for the longest reply the bound allows, its header line's
+length checked against the bound *before* anything more is received (a server that
+announces more than ``max_len + 1`` bytes is refused and the connection dropped), and the
+value is the part of that buffer the socket wrote it into: no copy at all. A whole value's
+reply is asked of the socket exactly; only a shorter one (an absent key, an error) can pull
+in the start of the next reply, which is moved to the front of the next buffer. For probes
+(small replies) the stream is read as it is; a Cluster pipeline in redis-py resolves each
+command's routing policy with an await of its own; a probe names hundreds of keys, so
+grouping them by slot here is most of its cost saved.
 
 One node: one connection from the client's pool. A Cluster: the keys grouped by the node that
 owns their slot (redis-py's slot map), one connection per node, the nodes read in parallel;
@@ -24,17 +30,20 @@ item (a ``ResponseError`` in its place, as redis-py's ``raise_on_error=False`` g
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from redis import exceptions as rex
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, SSLConnection
 
 from tieredkv.remote.client import RemoteClient
 
-Reply = bytes | BaseException
+Reply = bytes | memoryview | BaseException
 _REDIRECTS = (rex.MovedError, rex.AskError, rex.TryAgainError)
+LINE_LIMIT = 1 << 16  # the longest reply line (an error's text) taken, as asyncio's streams do
+_SNIFF = 32  # a bulk header line ($ + 20 digits + CRLF) fits in this many bytes
 
 
 class BoundExceeded(rex.InvalidResponse):
@@ -134,8 +143,10 @@ async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrang
     try:
         if conn.is_connected and not _parser_idle(conn):
             await conn.disconnect()  # bytes of an earlier reply are pending: start clean
-        await conn.send_packed_command(conn.pack_commands([op.command(key) for key in keys]),
-                                       check_health=False)
+        packed = conn.pack_commands([op.command(key) for key in keys])
+        if isinstance(op, _Getrange) and not isinstance(conn, SSLConnection):
+            return await _read_into_buffers(conn, packed, len(keys), op.max_len)
+        await conn.send_packed_command(packed, check_health=False)
         stream: asyncio.StreamReader | None = getattr(conn, "_reader", None)
         if stream is None:
             raise rex.ConnectionError("the connection closed before its replies were read")
@@ -146,6 +157,176 @@ async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrang
     except BaseException:
         await _drop(conn)
         raise
+
+
+async def _read_into_buffers(conn: AbstractConnection, packed: list[bytes], count: int,
+                             max_len: int) -> list[Reply]:
+    """Send a batch of GETRANGEs on ``conn`` and receive its replies through
+    :class:`_BulkReplies`; the connection's own protocol is back in place afterwards."""
+    if not conn.is_connected:
+        await conn.connect()
+    stream: asyncio.StreamReader | None = getattr(conn, "_reader", None)
+    writer: asyncio.StreamWriter | None = getattr(conn, "_writer", None)
+    if stream is None or writer is None:
+        raise rex.ConnectionError("the connection closed before its replies were read")
+    transport = writer.transport
+    own = transport.get_protocol()
+    replies = _BulkReplies(own, count, max_len, conn._parser.parse_error)  # type: ignore[union-attr]
+    transport.set_protocol(replies)
+    try:
+        if not transport.is_reading():
+            transport.resume_reading()  # its stream had paused it; the stream is empty now
+        await conn.send_packed_command(packed, check_health=False)
+        return await replies.done
+    finally:
+        transport.set_protocol(own)
+
+
+class _BulkReplies(asyncio.BufferedProtocol):
+    """A batch of GETRANGE replies, each received straight into the buffer that holds it.
+
+    Stands in for the connection's stream protocol while one batch is read: the transport
+    asks :meth:`get_buffer` where to put the socket's next bytes and hands them over with
+    :meth:`buffer_updated`, so a value is written by the socket into its own buffer and
+    handed out as a view of it. Each buffer has room for the longest reply the bound allows
+    (the header line for ``max_len + 1`` bytes, those bytes, CRLF), never more: before a
+    reply's header line is parsed the socket is asked for at most a whole value's reply
+    (``$max_len``, the value, CRLF), after it for exactly the rest of that reply. A header
+    announcing more than ``max_len + 1`` bytes fails the batch before any of it is received.
+    Connection events (loss, EOF, write flow control) go on to the stream's protocol too.
+    """
+
+    def __init__(self, own: asyncio.BaseProtocol, count: int, max_len: int,
+                 parse_error: Callable[[str], BaseException]) -> None:
+        self._own = own
+        self._left = count
+        self._max_len = max_len
+        self._parse_error = parse_error
+        self._whole = len(b"$%d\r\n" % max_len) + max_len + 2  # a value's reply, exactly
+        self._size = len(b"$%d\r\n" % (max_len + 1)) + max_len + 3  # the longest one allowed
+        self._view = _buffer(self._size)
+        self._filled = 0  # bytes of the current reply (and any after it) in the buffer
+        self._body = 0  # where the current reply's value starts; 0 until its header is parsed
+        self._end = 0  # where the current reply ends (after its CRLF), once its header is parsed
+        self._spare = bytearray(4096)  # takes bytes after the last reply (to forward them)
+        self.replies: list[Reply] = []
+        self.done: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
+        if count == 0:
+            self.done.set_result([])
+
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        if self.done.done():
+            return self._spare
+        if self._end:
+            return self._view[self._filled:self._end]
+        if self._filled == len(self._view):  # a line longer than a whole reply: a long error
+            self._view = _buffer(len(self._view) * 2, self._view)
+        stop = self._whole if self._filled < self._whole else len(self._view)
+        return self._view[self._filled:stop]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.done.done():  # after the batch or its failure: the stream's, unasked for
+            if hasattr(self._own, "data_received"):
+                self._own.data_received(bytes(self._spare[:nbytes]))
+            return
+        self._filled += nbytes
+        try:
+            self._parse()
+        except Exception as exc:  # noqa: BLE001 - the reader's failure, raised by its awaiter
+            self.done.set_exception(exc)
+
+    def eof_received(self) -> bool | None:
+        self._fail(rex.ConnectionError("the server closed the connection mid-reply"))
+        return getattr(self._own, "eof_received", lambda: None)()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(rex.ConnectionError("the connection was lost mid-reply"))
+        self._own.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._own.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._own.resume_writing()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+    def _parse(self) -> None:
+        """Take every reply the buffer holds in full."""
+        while self._left:
+            if not self._end:
+                if not self._header():
+                    return
+                if not self._end:  # a reply without a value (an error, nil) was taken
+                    continue
+            if self._filled < self._end:
+                return
+            view, end, body = self._view, self._end, self._body
+            if view[end - 2:end] != b"\r\n":
+                raise rex.InvalidResponse("a bulk reply did not end where its length said")
+            if end - 2 > body:  # the value: the buffer it was received into is its own now
+                self._take(view[body:end - 2], end, None)
+            else:
+                self._take(b"", end, view)
+        if self._filled:
+            raise rex.InvalidResponse("bytes past the last reply")
+        self.done.set_result(self.replies)
+
+    def _header(self) -> bool:
+        """Parse the current reply's header line; False when it has not all arrived."""
+        view, filled = self._view, self._filled
+        line = bytes(view[:min(filled, _SNIFF)])
+        eol = line.find(b"\r\n")
+        if eol < 0 and filled > _SNIFF:
+            line = bytes(view[:min(filled, LINE_LIMIT + 2)])
+            eol = line.find(b"\r\n")
+        if eol < 0:
+            if filled > LINE_LIMIT:
+                raise rex.InvalidResponse("a reply line longer than 64 KiB")
+            return False
+        kind, text = line[:1], line[1:eol]
+        if kind == b"-":
+            self._take(self._parse_error(text.decode("utf-8", "replace")), eol + 2, view)
+            return True
+        if kind != b"$":
+            raise rex.InvalidResponse(f"unexpected reply type {kind!r} to GETRANGE")
+        try:
+            size = int(text)
+        except ValueError:
+            raise rex.InvalidResponse("a bulk reply's length is not a number") from None
+        if size < 0:  # nil: not a GETRANGE answer, but an absent value all the same
+            self._take(b"", eol + 2, view)
+            return True
+        if size > self._max_len + 1:
+            raise BoundExceeded(f"a {size}-byte reply to a read bounded to {self._max_len + 1} bytes")
+        self._body, self._end = eol + 2, eol + 4 + size
+        return True
+
+    def _take(self, reply: Reply, used: int, following: memoryview | None) -> None:
+        """One reply done: the ``used`` bytes it took are consumed, what came after them moves
+        to the front of ``following``, the next reply's buffer (None: a new one)."""
+        self.replies.append(reply)
+        self._left -= 1
+        rest = self._filled - used
+        if not self._left:  # the last reply: anything after it is the server's error
+            self._filled = rest
+            return
+        if following is None:
+            following = _buffer(max(self._size, rest))
+        if rest:
+            following[:rest] = self._view[used:self._filled]
+        self._view, self._filled, self._body, self._end = following, rest, 0, 0
+
+
+def _buffer(size: int, keep: memoryview | None = None) -> memoryview:
+    """``size`` writable bytes, not zeroed first (the socket writes them), with ``keep``'s
+    bytes at the front."""
+    view = memoryview(np.empty(size, dtype=np.uint8))
+    if keep is not None:
+        view[:len(keep)] = keep
+    return view
 
 
 async def _reply(conn: AbstractConnection, stream: asyncio.StreamReader, max_len: int) -> Reply:
@@ -171,7 +352,10 @@ async def _reply(conn: AbstractConnection, stream: asyncio.StreamReader, max_len
 
 
 def _parser_idle(conn: AbstractConnection) -> bool:
-    """No bytes of an earlier reply buffered in redis-py's parser (hiredis or Python)."""
+    """No bytes of an earlier reply buffered in redis-py's parser (hiredis or Python) or in
+    the connection's stream (bytes a server sent after the last reply it owed)."""
+    if getattr(getattr(conn, "_reader", None), "_buffer", b""):
+        return False
     parser = getattr(conn, "_parser", None)
     reader = getattr(parser, "_reader", None)
     if reader is not None and hasattr(reader, "has_data") and reader.has_data():
