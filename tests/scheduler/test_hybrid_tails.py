@@ -252,3 +252,43 @@ def test_a_tail_whose_load_would_leave_a_block_unwritten_is_not_hit_again():
     planner.apply([JobResult.fail(load.job_id, FailureCause.MISSING, load.block_ids)])
     assert planner.host.ready_count == 2  # the entries are sound: both stay
     assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == CHUNK_TOKENS
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_cost_model_weighs_a_tail_that_ends_past_the_chunk_aligned_limit():
+    """A hybrid tail in the prompt's last chunk ends past the last chunk boundary before the
+    prompt's end: recomputing what the hit covers costs its tokens up to the tail's end, not to
+    that boundary. Reads predicted at 2.64 ms (2.2 ms and the 20 % margin) for the 176 tokens a
+    2.75 ms recompute would take: taken (weighed against 128 tokens, 2 ms, it was declined)."""
+    clock = Clock()
+    config = TieredKVConfig.from_dict({"chunk_blocks": C})
+    planner = Planner(config, block_size=BLOCK, num_host_slots=3, num_disk_slots=8,
+                      world_size=1, slot_rows=rows(2), clock=clock)
+    turn1 = prompt(2 * C + 3, 5)
+    compute(planner, "t1", turn1)
+    assert len(done(planner, Move.SPILL)) == 3
+    compute(planner, "x", prompt(3 * C, 1, seed=7))  # evicts them from host
+    done(planner, Move.SPILL)
+    cost = planner.cost
+    for round_ in range(3):  # disk: 3 rounds of 3 chunks, 2.2 ms each
+        jobs = [10 * round_ + j for j in range(3)]
+        cost.fills_started("disk", jobs)
+        clock.now += 0.0022
+        for job in jobs:
+            cost.fill_done(job)
+    for _ in range(3):  # prefill at 64,000 tokens/s
+        cost.step_scheduled(640)
+        clock.now += 0.01
+        cost.step_done()
+    turn2 = turn1 + [90_000 + i for i in range(8)]  # its last chunk boundary: 128
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) is None  # promoting
+    assert len(done(planner, Move.PROMOTE)) == 3
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (2 * C + 3) * BLOCK
+    assert planner.counters["hits_declined_slower", "disk"] == 0

@@ -224,7 +224,7 @@ class Lookup:
         if self._cost is not None and (lower_chunks or remote_chunks):
             run, lower_chunks, remote_chunks, partial_key = self._affordable(
                 state, run, lower_chunks, remote_chunks, partial_key, first,
-                num_computed_tokens, limit, request_keys)
+                num_computed_tokens, block_limit, request_keys)  # a hybrid tail may pass limit
         timed_out = False
         if state.promote_deadline or lower_chunks or pending or remote_chunks:
             now = time.monotonic()
