@@ -292,3 +292,14 @@ def test_the_cost_model_weighs_a_tail_that_ends_past_the_chunk_aligned_limit():
     assert len(done(planner, Move.PROMOTE)) == 3
     assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (2 * C + 3) * BLOCK
     assert planner.counters["hits_declined_slower", "disk"] == 0
+
+
+def test_lookup_tokens_count_what_a_hybrid_hit_could_cover():
+    """The tokens a lookup could hit (the hit ratio's denominator) reach the last full block
+    before the prompt's last token, as a tail hit may: never fewer than the hit itself."""
+    planner = make(window=2)
+    turn1 = prompt(C + 3, 5)
+    compute(planner, "t1", turn1)
+    turn2 = turn1 + [90_000 + i for i in range(8)]  # its last chunk boundary: 64
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (C + 3) * BLOCK
+    assert planner.counters["lookup_tokens"] == (C + 3) * BLOCK

@@ -244,7 +244,7 @@ class Lookup:
             # Counted once per request, when it gets its answer (not each "ask me later").
             state.looked_up = True
             self.counters[Count.LOOKUPS] += 1
-            self.counters[Count.LOOKUP_TOKENS] += max(0, limit - num_computed_tokens)
+            self.counters[Count.LOOKUP_TOKENS] += max(0, block_limit - num_computed_tokens)
         if lower_chunks or pending or remote_chunks:
             # Only the leading READY host chunks can be promised.
             ready: list[bytes] = []
