@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 
+from tieredkv.transfer.backends.base import select_backend  # noqa: E402
 from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend  # noqa: E402
 from tieredkv.transfer.backends.native_backend import NativeCopyBackend  # noqa: E402
-from tieredkv.transfer.backends.select import select_backend  # noqa: E402
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend  # noqa: E402
 from tieredkv.transfer.host_pool import HostPool  # noqa: E402
 from tieredkv.transfer.kv_views import KVViews  # noqa: E402

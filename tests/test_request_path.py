@@ -34,7 +34,7 @@ from tieredkv.keys import LazyChunkKeys, Namespace
 from tieredkv.kv_groups import FULL, KVGroup, SlotRows
 from tieredkv.protocol import Job, JobResult, Move, StepPlan, merge_results
 from tieredkv.scheduler.planner import Planner
-from tieredkv.transfer.backends.select import select_backend
+from tieredkv.transfer.backends.base import select_backend
 from tieredkv.transfer.engine import TransferEngine
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.transfer.kv_views import KVViews
@@ -275,7 +275,7 @@ def test_architecture_states_the_count_of_its_list() -> None:
     assert f"**{len(listed)} modules**" in section, f"the list has {len(listed)} modules"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 34 modules today "
+@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 32 modules today "
                    "(the goal is at most 30); once it holds, XPASS fails: remove this mark")
 def test_the_path_passes_through_at_most_30_modules() -> None:
     listed = documented_path()

@@ -310,7 +310,7 @@ class TieredKVConfig:
     load_timeout_s: float = 30.0
     # [1, 65536]
     spill_queue_depth: int = 64
-    # Decline a disk or remote hit predicted slower than recomputing it (scheduler/cost_model.py).
+    # Decline a disk or remote hit predicted slower than recomputing it (scheduler/policies.py).
     cost_model: bool = True
     # [0, 10]: a read must be predicted this much faster than recomputing (0.2: 20 %).
     cost_model_margin: float = 0.2

@@ -160,7 +160,7 @@ def test_slow_disk_spec_throttles_reads_and_reads_round_0_from_disk(tmp_path):
     assert json.loads(spec["env"]["TIEREDKV_FAULTS"]) == {
         "disk_read_delay_s": workload.SLOW_DISK_READ_DELAY_S}
     # At least MIN_SAMPLES cold prefills (the cost model's rate) before the disk hits.
-    from tieredkv.scheduler.cost_model import MIN_SAMPLES
+    from tieredkv.scheduler.policies import MIN_SAMPLES
 
     cold = [p["prompt"] for p in spec["setup"] if p.get("label", "").startswith("cold")]
     assert len(cold) >= MIN_SAMPLES and all(len(spec["prompts"][c]) >= workload.CHUNK_TOKENS for c in cold)

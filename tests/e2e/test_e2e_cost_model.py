@@ -26,7 +26,7 @@ from tests.e2e.conftest import (
     run_engine,
     tieredkv_config,
 )
-from tieredkv.scheduler.cost_model import EXPLORE_INTERVAL_S
+from tieredkv.scheduler.policies import EXPLORE_INTERVAL_S
 from tieredkv.tools.ports import free_port
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ import pytest
 
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import Tier
-from tieredkv.scheduler.cost_model import (
+from tieredkv.scheduler.policies import (
     EXPLORE_INTERVAL_S,
     MIN_SAMPLES,
     CostModel,

@@ -10,8 +10,8 @@ from test_remote_tier import Store
 from tieredkv.config import TieredKVConfig
 from tieredkv.metrics.specs import Count
 from tieredkv.protocol import JobResult, Move, Tier
-from tieredkv.scheduler.cost_model import EXPLORE_INTERVAL_S, MIN_SAMPLES
 from tieredkv.scheduler.planner import Planner
+from tieredkv.scheduler.policies import EXPLORE_INTERVAL_S, MIN_SAMPLES
 from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier
 
 DECLINED_DISK = (Count.HITS_DECLINED_SLOWER, Tier.DISK)

@@ -9,12 +9,11 @@ import pytest
 import torch
 from transfer_helpers import assert_slot_holds, expected_slot, layout_caches, slot_block
 
+from tieredkv.transfer.backends import base as backend_select
 from tieredkv.transfer.backends import native_backend
-from tieredkv.transfer.backends import select as backend_select
-from tieredkv.transfer.backends.base import check_pairs
+from tieredkv.transfer.backends.base import check_pairs, select_backend
 from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend, segment_table
 from tieredkv.transfer.backends.native_backend import NativeCopyBackend
-from tieredkv.transfer.backends.select import select_backend
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.backends.vllm_backend import VllmCopyBackend
 from tieredkv.transfer.host_pool import HostPool

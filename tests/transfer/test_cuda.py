@@ -14,8 +14,8 @@ from cuda_ordering import IssueProbe, assert_still_queued, busy, rehearse
 from transfer_helpers import layout_caches, make_key, results_by_id, slot_block
 
 from tieredkv.protocol import Job, LoadChunk
+from tieredkv.transfer.backends.base import select_backend
 from tieredkv.transfer.backends.cupy_backend import CupyCopyBackend
-from tieredkv.transfer.backends.select import select_backend
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.backends.vllm_backend import VllmCopyBackend
 from tieredkv.transfer.engine import TransferEngine

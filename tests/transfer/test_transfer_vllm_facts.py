@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tieredkv.transfer.backends.select import select_backend
+from tieredkv.transfer.backends.base import select_backend
 from tieredkv.transfer.backends.torch_backend import TorchCopyBackend
 from tieredkv.transfer.backends.vllm_backend import VllmCopyBackend
 from tieredkv.transfer.host_pool import HostPool

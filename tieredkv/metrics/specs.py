@@ -48,7 +48,7 @@ QUEUES = ("spill_queue", "d2h_queue", "h2d_queue", "jobs_in_flight", "host_slots
           "remote_write_queue")
 CHUNK_OPS = ("stored", "spilled", "promoted", "superseded", "remote_written", "remote_read")
 SKIP_REASONS = ("store_host_full", "spill_disk_full", "promote_no_host_slot")
-# Why a lower tier's hit was not taken (scheduler/cost_model.py).
+# Why a lower tier's hit was not taken (scheduler/policies.py).
 DECLINE_REASONS = ("slower_than_recompute", "probe_wait_over_saving")
 # The remote tier's failures add one cause: the store is known to be down, so no call was made.
 REMOTE_CAUSES = (*FAILURE_CAUSES, FailureCause.UNAVAILABLE.value)

@@ -26,8 +26,8 @@ from tieredkv.protocol import JobResult, Move, StepPlan
 from tieredkv.scheduler.tier_index import TierIndex
 
 if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) imports this
-    from tieredkv.scheduler.cost_model import CostModel
     from tieredkv.scheduler.lower_tier import DiskTier
+    from tieredkv.scheduler.policies import CostModel
     from tieredkv.scheduler.remote_tier import RemoteTier
 
 logger = logging.getLogger(__name__)

@@ -43,11 +43,11 @@ from tieredkv.config import TieredKVConfig
 from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Count, CountKey, Counts
 from tieredkv.protocol import JobResult, Move, StepPlan, Tier
-from tieredkv.scheduler.cost_model import CostModel
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import DiskTier, Fill
 from tieredkv.scheduler.placement import Placer
+from tieredkv.scheduler.policies import CostModel
 from tieredkv.scheduler.remote_tier import RemoteTier
 from tieredkv.scheduler.tier_index import TierIndex
 
@@ -112,7 +112,7 @@ class Planner:
             self.lower = disk
         self.remote = remote
         self.slot_rows = slot_rows if slot_rows is not None and slot_rows.hybrid else None
-        # The cost model (scheduler/cost_model.py) declines a lower tier's hit predicted slower
+        # The cost model (scheduler/policies.py) declines a lower tier's hit predicted slower
         # than recomputing it. ``chunk_bytes``: one chunk, all ranks (0: unknown; bandwidth in
         # chunks/s); ``clock``: its clock (tests pass a fake one).
         self.cost = CostModel(

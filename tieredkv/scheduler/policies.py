@@ -1,4 +1,8 @@
-"""Eviction policies: which resident key a full tier gives up next.
+"""The scheduler's two policies: which resident key a full tier gives up next (eviction), and
+whether a lower tier's hit is worth reading at all (the cost model). Both decide from what the
+tier index and the planner tell them and never touch bytes.
+
+Eviction. Eviction policies: which resident key a full tier gives up next.
 
 A policy only orders opaque keys; it never allocates, frees or touches bytes. The tier index
 tells it what became resident, what was hit and what left, and asks it for a victim among
@@ -7,14 +11,56 @@ the keys it may evict (pinned keys are skipped, not removed). Every operation is
 O(1 + number of pinned keys it has to step over).
 
 Policies are not thread-safe: the scheduler half owns them and runs on one thread.
+
+The cost model: load a lower-tier hit only when it beats recomputing it.
+
+A disk or a Redis that reads slower than the engine prefills makes a "hit" slower than a
+miss. So the planner keeps running estimates, all from what it already sees, and asks before
+each fill (:meth:`CostModel.affordable`):
+
+* **Read time per tier** (disk, remote), from completed fill rounds: the chunks one lookup
+  sent to a tier at once, from issue to the report of the last of them (what the request
+  waited: the step that ships the jobs, the workers' read and verify, the report back). A
+  round of ``n`` chunks took ``T`` seconds; over the last :data:`WINDOW` rounds the model is
+  ``T = latency + n * chunk_bytes / bandwidth``, fitted by Theil-Sen (the median of pairwise
+  slopes, then the median intercept): medians, so one stalled or lucky round moves nothing.
+  Rounds of one size only: the slope is the median ``T / n`` and the latency 0.
+* **The engine's prefill rate** (tokens/s), from vLLM's steps: a step's scheduled tokens over
+  the time from :meth:`step_scheduled` (``build_connector_meta``) to :meth:`step_done`
+  (``update_connector_output``), i.e. the forward pass that computed them. Only steps of at
+  least a chunk's tokens count (decode steps measure latency, not prefill throughput); the
+  median of the last :data:`RATE_WINDOW`. Biases err towards loading: a step's time also holds
+  its loads and decode tokens, so the rate is if anything low and recomputing looks slower.
+
+The decision: the chunks of a tier in a lookup's run are filled only when their predicted read
+time, times ``1 + margin``, is at most the time to recompute the tokens from the first of
+them to the run's end; otherwise the run (the hit) ends before them and the request computes
+them, counted in ``hits_declined{tier, reason="slower_than_recompute"}`` once per request and
+tier. A request's decline sticks (asked again, it gets the same answer). Until a tier and
+the rate both have :data:`MIN_SAMPLES` samples, every fill is allowed (optimistic). While a
+tier is declined, one chunk is still read every :data:`EXPLORE_INTERVAL_S` (exploration), so
+that a tier that recovers is measured, and used, again: a round much faster than predicted
+starts its estimate over (optimistic again until it has the samples).
+
+The remote probe: a request waits for its probe (:meth:`may_wait_for_probe`) no longer than
+what the remote hit could save (recomputing the rest of the prompt minus reading it), never
+longer than ``remote_timeout_s`` (the probe's own deadline); past that, the request
+computes the rest (``hits_declined{tier="remote", reason="probe_wait_over_saving"}``). A
+remote tier known slower than recomputing saves nothing, so its probe is not waited for at
+all, except when the tier is due to be explored (then the wait is bounded by the recompute
+time alone, and the lookup explores one chunk).
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from statistics import median
 
+from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import PolicyName
 
 
@@ -215,3 +261,229 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     raise ValueError(
         f"tieredkv: unknown eviction policy {name!r}; expected one of {', '.join(PolicyName)}"
     )
+
+
+# ---------------------------------------------------------------------------- cost model
+
+
+WINDOW = 8  # fill rounds per tier the fit looks at: a recovered tier counts after ~5 rounds
+RATE_WINDOW = 16  # prefill steps the rate's median looks at
+STEPS_IN_FLIGHT = 4  # steps scheduled ahead of their output (async scheduling runs 1 ahead)
+MIN_SAMPLES = 3  # below this, no estimate: every fill is allowed
+EXPLORE_INTERVAL_S = 5.0  # while a tier is declined, one chunk read this often
+DEFAULT_MARGIN = 0.2
+RECOVERED = 0.5  # a round this much faster than predicted: the tier changed, start over
+
+
+@dataclass(slots=True)
+class _Round:
+    tier: str
+    started: float
+    chunks: int
+    remaining: int
+    background: bool = False  # no request waits for it: timed by the workers' own clocks
+    worker_s: float = 0.0  # the slowest job's time on the workers
+
+
+class ReadEstimate:
+    """One tier's read time: ``latency_s + chunks * seconds_per_chunk`` from recent rounds."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def add(self, chunks: int, seconds: float) -> None:
+        """One round; one under :data:`RECOVERED` of the prediction starts the window over (a
+        tier that recovered, found by exploration, is trusted again at once, not after the
+        slow rounds age out of the window)."""
+        if chunks <= 0 or seconds < 0:
+            return
+        if len(self._samples) >= MIN_SAMPLES and seconds < RECOVERED * self.predict(chunks):
+            self._samples.clear()
+        self._samples.append((chunks, seconds))
+        self._fit = None
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def fit(self) -> tuple[float, float]:
+        """``(latency_s, seconds_per_chunk)``, Theil-Sen over the window (both >= 0)."""
+        if self._fit is None:
+            samples = list(self._samples)
+            slopes = [(t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(samples)
+                      for n2, t2 in samples[i + 1:] if n2 != n1]
+            if slopes:
+                slope = max(0.0, median(slopes))
+                latency = max(0.0, median(t - slope * n for n, t in samples))
+            else:
+                slope, latency = median(t / n for n, t in samples), 0.0
+            self._fit = (latency, slope)
+        return self._fit
+
+    def predict(self, chunks: int) -> float:
+        latency, per_chunk = self.fit()
+        return latency + chunks * per_chunk
+
+
+class CostModel:
+    """Read estimates per tier, the prefill rate, and the decline decision (one thread)."""
+
+    def __init__(
+        self, counters: Counts, *, chunk_tokens: int, chunk_bytes: int = 0,
+        margin: float = DEFAULT_MARGIN, enabled: bool = True, probe_timeout_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled = enabled
+        self.chunk_tokens = chunk_tokens
+        self.chunk_bytes = chunk_bytes  # all ranks; 0: unknown (bandwidth in chunks/s)
+        self.margin = margin
+        self.probe_timeout_s = probe_timeout_s
+        self._counters = counters
+        self._clock = clock
+        self._reads: dict[str, ReadEstimate] = {}
+        self._rounds: dict[int, _Round] = {}
+        self._rates: deque[float] = deque(maxlen=RATE_WINDOW)
+        # Steps scheduled, not yet reported: (time, tokens), oldest first. vLLM's async
+        # scheduling schedules step k+1 before step k's output comes back, and outputs come
+        # back in order, so each output is the oldest step's (pairing it with the latest
+        # one would divide step k+1's tokens by step k's time).
+        self._steps: deque[tuple[float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
+        self._explored: dict[str, float] = {}
+        self._exploring: set[str] = set()  # declined tiers due for a background read
+        self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
+        self._probe_waits: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ observations
+
+    def fills_started(self, tier: str, job_ids: Sequence[int], background: bool = False) -> None:
+        """One lookup sent these fill jobs to ``tier`` together: one round. A ``background``
+        round (an exploration no request waits for) runs beside other requests' compute
+        steps, so it is timed by the workers (job submit to result), not by the steps."""
+        if job_ids:
+            round_ = _Round(tier, self._clock(), len(job_ids), len(job_ids), background)
+            for job_id in job_ids:
+                self._rounds[job_id] = round_
+
+    def fill_done(self, job_id: int, worker_s: float = 0.0) -> None:
+        """Every rank reported the fill job (ok or not: a failure took its time too);
+        ``worker_s``: its time on the slowest rank (0: not known)."""
+        round_ = self._rounds.pop(job_id, None)
+        if round_ is None:
+            return
+        round_.remaining -= 1
+        round_.worker_s = max(round_.worker_s, worker_s)
+        if round_.remaining == 0:
+            elapsed = self._clock() - round_.started
+            if round_.background and round_.worker_s > 0:
+                elapsed = round_.worker_s
+            self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
+
+    def step_scheduled(self, tokens: int) -> None:
+        """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``)."""
+        self._steps.append((self._clock(), tokens))
+
+    def step_done(self) -> None:
+        """The oldest scheduled step's output came back (``update_connector_output``): a
+        prefill-rate sample if it computed at least a chunk's tokens."""
+        if not self._steps:
+            return
+        started, tokens = self._steps.popleft()
+        elapsed = self._clock() - started
+        if tokens >= self.chunk_tokens and elapsed > 0:
+            self._rates.append(tokens / elapsed)
+
+    # ------------------------------------------------------------------ estimates
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return median(self._rates) if len(self._rates) >= MIN_SAMPLES else None
+
+    def read_seconds(self, tier: str, chunks: int) -> float | None:
+        """Predicted time to fill ``chunks`` from ``tier``; None: too few samples yet."""
+        reads = self._reads.get(tier)
+        return reads.predict(chunks) if reads is not None and len(reads) >= MIN_SAMPLES else None
+
+    def bandwidth(self, tier: str) -> float | None:
+        """Bytes/s (chunks/s without a chunk size) of ``tier``'s reads, or None."""
+        reads = self._reads.get(tier)
+        if reads is None or len(reads) < MIN_SAMPLES:
+            return None
+        per_chunk = reads.fit()[1]
+        return (self.chunk_bytes or 1) / per_chunk if per_chunk > 0 else float("inf")
+
+    def recompute_seconds(self, tokens: int) -> float | None:
+        rate = self.prefill_tokens_per_s
+        return tokens / rate if rate else None
+
+    # ------------------------------------------------------------------ decisions
+
+    def affordable(
+        self, req_id: str, run: Sequence[bytes], by_tier: Sequence[tuple[str, Collection[bytes]]],
+        first_chunk: int, start_token: int, limit: int,
+    ) -> int:
+        """How many of ``run``'s keys (chunk ``first_chunk`` on) to keep: cut before a tier's
+        chunks (``by_tier``, the last tier in the run first) whose read is predicted slower
+        than recomputing from there to the run's end (``limit`` at most)."""
+        keep = len(run)
+        if not self.enabled:
+            return keep
+        C = self.chunk_tokens
+        for tier, keys in by_tier:
+            positions = [p for p in range(keep) if run[p] in keys]
+            if not positions:
+                continue
+            tokens = (min((first_chunk + keep) * C, limit)
+                      - max((first_chunk + positions[0]) * C, start_token))
+            allowed = self._allowed(req_id, tier, len(positions), tokens)
+            if allowed < len(positions):
+                keep = positions[allowed]
+        return keep
+
+    def _allowed(self, req_id: str, tier: str, chunks: int, tokens: int) -> int:
+        """Chunks of ``tier`` this request may fill: all or none. A decline while the tier is
+        due to be explored queues it for :meth:`take_explorations`."""
+        declined = self._declined.get(req_id)
+        if declined is not None and tier in declined:
+            return 0
+        read = self.read_seconds(tier, chunks)
+        recompute = self.recompute_seconds(tokens)
+        if read is None or recompute is None or read * (1 + self.margin) <= recompute:
+            return chunks
+        self._declined.setdefault(req_id, set()).add(tier)
+        self._counters[Count.HITS_DECLINED_SLOWER, tier] += 1
+        now = self._clock()
+        if now - self._explored.get(tier, float("-inf")) >= EXPLORE_INTERVAL_S:
+            self._explored[tier] = now
+            self._exploring.add(tier)
+        return 0
+
+    def take_explorations(self) -> set[str]:
+        """Tiers due for an exploration read since the last call: the lookup reads one chunk
+        of each in the background (no request waits for it), which measures the tier again."""
+        tiers, self._exploring = self._exploring, set()
+        return tiers
+
+    def may_wait_for_probe(self, req_id: str, tier: str, tokens: int, chunks: int) -> bool:
+        """Whether the request may wait (on) for its remote probe: False once it has waited
+        longer than the ``chunks`` (``tokens``) the remote tier could hold would save."""
+        now = self._clock()
+        since = self._probe_waits.setdefault(req_id, now)
+        if not self.enabled:
+            return True
+        recompute = self.recompute_seconds(tokens)
+        if recompute is None:
+            return True  # no estimate: the probe's own deadline (remote_timeout_s) applies
+        saving = recompute - (self.read_seconds(tier, chunks) or 0.0)
+        if saving <= 0 and now - self._explored.get(tier, float("-inf")) >= EXPLORE_INTERVAL_S:
+            saving = recompute  # known slower, but due to be explored: let the probe answer
+        if self.probe_timeout_s:
+            saving = min(saving, self.probe_timeout_s)
+        if now - since <= saving:
+            return True
+        self._counters[Count.HITS_DECLINED_PROBE_WAIT, tier] += 1
+        return False
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its sticky declines and probe wait."""
+        self._probe_waits.pop(req_id, None)
+        self._declined.pop(req_id, None)

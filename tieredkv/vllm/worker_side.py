@@ -93,7 +93,7 @@ class WorkerHalf:
         self._vllm_copy_op = copy_operation
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from tieredkv.transfer.backends.select import select_backend
+        from tieredkv.transfer.backends.base import select_backend
         from tieredkv.transfer.engine import TransferEngine
         from tieredkv.transfer.kv_views import KVViews
 

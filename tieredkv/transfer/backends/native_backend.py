@@ -2,7 +2,7 @@
 
 Why: one C call per batch, streaming stores, no GIL held while it copies. The extension is
 optional at install time; :func:`_import_rowcopy` says why it is missing, and ``auto`` then
-falls back to the torch/numpy path (see :mod:`tieredkv.transfer.backends.select`).
+falls back to the torch/numpy path (see :func:`tieredkv.transfer.backends.base.select_backend`).
 """
 
 from __future__ import annotations
