@@ -124,3 +124,23 @@ async def test_the_engines_calls_work_under_the_readmes_acl(
     assert got.values == [Head(value, len(value)) for _, _, value in items]
     assert await store.server_info() is not None
     assert (await store.batch_delete(names)).values == [True] * 8
+
+
+async def test_a_value_held_is_never_overwritten_by_later_reads(
+    servers: RedisServer | RedisClusterProcs, open_store: OpenStore, prefix: str,
+) -> None:
+    """Read buffers are reused (bounded_read.ReadBuffers), but only once every view of the
+    value they hold is gone: values a caller still holds, or only a slice of, stay intact
+    while other reads land, and each value is still exactly what was stored."""
+    store = await open_store(servers.url)
+    first, second = chunk_items(prefix, 4, size=SIZE), chunk_items(prefix, 4, size=SIZE, start=4)
+    assert (await store.batch_set([(name, value) for _, name, value in first + second])).ok
+    want = len(first[0][2])
+    held = (await store.batch_get_bounded([name for _, name, _ in first], want)).values
+    sliced = [memoryview(head.data)[100:] for head in held]  # only a view of each kept
+    del held
+    for _ in range(3):  # reads that would reuse the first values' buffers were they free
+        again = await store.batch_get_bounded([name for _, name, _ in second], want)
+        assert again.ok and [h.data for h in again.values] == [v for _, _, v in second]
+        del again
+    assert [bytes(view) for view in sliced] == [value[100:] for _, _, value in first]

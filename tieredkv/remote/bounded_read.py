@@ -30,6 +30,9 @@ item (a ``ResponseError`` in its place, as redis-py's ``raise_on_error=False`` g
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +47,10 @@ Reply = bytes | memoryview | BaseException
 _REDIRECTS = (rex.MovedError, rex.AskError, rex.TryAgainError)
 LINE_LIMIT = 1 << 16  # the longest reply line (an error's text) taken, as asyncio's streams do
 _SNIFF = 32  # a bulk header line ($ + 20 digits + CRLF) fits in this many bytes
+# Receive buffers kept for reuse, at most. The pool never holds more than the reads once held
+# at the same time (the transfer layer's: 128 MiB of values out, plus the batch landing).
+IDLE_BUFFER_BYTES = 256 << 20
+BUFFER_IDLE_S = 10.0  # no read for this long: the kept buffers are freed
 
 
 class BoundExceeded(rex.InvalidResponse):
@@ -51,10 +58,64 @@ class BoundExceeded(rex.InvalidResponse):
     trusted further (it is dropped)."""
 
 
-async def read_bounded(client: RemoteClient, keys: Sequence[bytes], max_len: int) -> list[Reply]:
+class ReadBuffers:
+    """Receive buffers for bounded reads, each reused once every view of its value is gone.
+
+    A value is a view of the buffer the socket wrote it into, and its reader holds it until
+    the value has landed; a fresh buffer per value would cost page faults (and, for numpy's
+    large arrays, huge-page faults with compaction) on every read. A buffer is lent as a numpy
+    view of a kept array: when the last memoryview derived from that view is released, the
+    view dies and the array comes back here (up to ``idle_bytes`` kept; the rest are freed;
+    all of them once reads stop for a while, :meth:`release_if_idle`).
+    """
+
+    def __init__(self, idle_bytes: int = IDLE_BUFFER_BYTES) -> None:
+        self._idle_limit = idle_bytes
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+        self._last_take = time.monotonic()
+        self._lock = threading.RLock()  # given back on whichever thread drops the last view
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def take(self, size: int) -> memoryview:
+        """``size`` writable bytes (not zeroed: the socket writes them)."""
+        with self._lock:
+            self._last_take = time.monotonic()
+            free = self._idle.get(size)
+            kept = free.pop() if free else None
+            if kept is not None:
+                self._idle_bytes -= size
+        if kept is None:
+            kept = np.empty(size, dtype=np.uint8)
+        lent = kept[:]
+        weakref.finalize(lent, self._give_back, kept).atexit = False
+        return memoryview(lent)
+
+    def release_if_idle(self, idle_s: float) -> int:
+        """Free the kept buffers if none was taken for ``idle_s`` seconds (a tier that stopped
+        reading gives its memory back); the bytes freed."""
+        with self._lock:
+            if time.monotonic() - self._last_take < idle_s:
+                return 0
+            freed, self._idle, self._idle_bytes = self._idle_bytes, {}, 0
+        return freed
+
+    def _give_back(self, kept: np.ndarray) -> None:
+        with self._lock:
+            if self._idle_bytes + kept.nbytes <= self._idle_limit:
+                self._idle.setdefault(kept.nbytes, []).append(kept)
+                self._idle_bytes += kept.nbytes
+
+
+async def read_bounded(client: RemoteClient, keys: Sequence[bytes], max_len: int,
+                       buffers: ReadBuffers | None = None) -> list[Reply]:
     """``GETRANGE key 0 max_len`` for each key, in key order: the reply (``b""`` for an absent
-    key) or the item's error reply. Raises on a connection or protocol failure."""
-    return await _run(client, keys, _Getrange(max_len))
+    key) or the item's error reply; values come in ``buffers`` (default: fresh ones). Raises
+    on a connection or protocol failure."""
+    return await _run(client, keys, _Getrange(max_len, buffers or ReadBuffers(0)))
 
 
 async def exists_each(client: RemoteClient, keys: Sequence[bytes]) -> list[int | BaseException]:
@@ -64,8 +125,9 @@ async def exists_each(client: RemoteClient, keys: Sequence[bytes]) -> list[int |
 
 
 class _Getrange:
-    def __init__(self, max_len: int) -> None:
+    def __init__(self, max_len: int, buffers: ReadBuffers) -> None:
         self.max_len = max_len
+        self.buffers = buffers
 
     def command(self, key: bytes) -> tuple[Any, ...]:
         return (b"GETRANGE", key, 0, self.max_len)
@@ -145,7 +207,7 @@ async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrang
             await conn.disconnect()  # bytes of an earlier reply are pending: start clean
         packed = conn.pack_commands([op.command(key) for key in keys])
         if isinstance(op, _Getrange) and not isinstance(conn, SSLConnection):
-            return await _read_into_buffers(conn, packed, len(keys), op.max_len)
+            return await _read_into_buffers(conn, packed, len(keys), op.max_len, op.buffers)
         await conn.send_packed_command(packed, check_health=False)
         stream: asyncio.StreamReader | None = getattr(conn, "_reader", None)
         if stream is None:
@@ -160,7 +222,7 @@ async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrang
 
 
 async def _read_into_buffers(conn: AbstractConnection, packed: list[bytes], count: int,
-                             max_len: int) -> list[Reply]:
+                             max_len: int, buffers: ReadBuffers) -> list[Reply]:
     """Send a batch of GETRANGEs on ``conn`` and receive its replies through
     :class:`_BulkReplies`; the connection's own protocol is back in place afterwards."""
     if not conn.is_connected:
@@ -171,7 +233,8 @@ async def _read_into_buffers(conn: AbstractConnection, packed: list[bytes], coun
         raise rex.ConnectionError("the connection closed before its replies were read")
     transport = writer.transport
     own = transport.get_protocol()
-    replies = _BulkReplies(own, count, max_len, conn._parser.parse_error)  # type: ignore[union-attr]
+    replies = _BulkReplies(own, count, max_len, buffers,
+                           conn._parser.parse_error)  # type: ignore[union-attr]
     transport.set_protocol(replies)
     try:
         if not transport.is_reading():
@@ -196,15 +259,16 @@ class _BulkReplies(asyncio.BufferedProtocol):
     Connection events (loss, EOF, write flow control) go on to the stream's protocol too.
     """
 
-    def __init__(self, own: asyncio.BaseProtocol, count: int, max_len: int,
+    def __init__(self, own: asyncio.BaseProtocol, count: int, max_len: int, buffers: ReadBuffers,
                  parse_error: Callable[[str], BaseException]) -> None:
         self._own = own
+        self._buffers = buffers
         self._left = count
         self._max_len = max_len
         self._parse_error = parse_error
         self._whole = len(b"$%d\r\n" % max_len) + max_len + 2  # a value's reply, exactly
         self._size = len(b"$%d\r\n" % (max_len + 1)) + max_len + 3  # the longest one allowed
-        self._view = _buffer(self._size)
+        self._view = buffers.take(self._size)
         self._filled = 0  # bytes of the current reply (and any after it) in the buffer
         self._body = 0  # where the current reply's value starts; 0 until its header is parsed
         self._end = 0  # where the current reply ends (after its CRLF), once its header is parsed
@@ -314,7 +378,7 @@ class _BulkReplies(asyncio.BufferedProtocol):
             self._filled = rest
             return
         if following is None:
-            following = _buffer(max(self._size, rest))
+            following = self._buffers.take(self._size) if rest <= self._size else _buffer(rest)
         if rest:
             following[:rest] = self._view[used:self._filled]
         self._view, self._filled, self._body, self._end = following, rest, 0, 0

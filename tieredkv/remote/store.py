@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 from redis.exceptions import ResponseError
 
 from tieredkv.protocol import FailureCause
-from tieredkv.remote.bounded_read import exists_each, read_bounded
+from tieredkv.remote.bounded_read import BUFFER_IDLE_S, ReadBuffers, exists_each, read_bounded
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
 from tieredkv.remote.results import BatchResult, RemoteStats
@@ -131,6 +131,7 @@ class RemoteStore:
         self._url = url
         self.timeout_s = opts.timeout_s
         self._queue = BoundedWriteQueue(opts.write_queue_items, opts.write_queue_bytes)
+        self._read_buffers = ReadBuffers()  # values land in reused buffers (bounded_read)
 
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -191,8 +192,15 @@ class RemoteStore:
         self._conn.start()
         for i in range(self._options.writers):
             self._tasks.append(asyncio.create_task(self._writer(), name=f"tieredkv-remote-write-{i}"))
+        self._tasks.append(asyncio.create_task(self._release_buffers(), name="tieredkv-remote-buffers"))
         if len(self._queue):
             self._wake_writers.set()
+
+    async def _release_buffers(self) -> None:
+        """The read buffers kept for reuse are freed once reads stop for a while."""
+        while True:
+            await asyncio.sleep(BUFFER_IDLE_S)
+            self._read_buffers.release_if_idle(BUFFER_IDLE_S)
 
     async def aclose(self, timeout_s: float = 2.0) -> None:
         """Stop tasks, drop queued writes (counted), close connections; ends within ~timeout_s."""
@@ -268,7 +276,7 @@ class RemoteStore:
             raise ValueError(f"max_len must be positive, got {max_len}")
         return await self._batch(
             "get", len(keys), None, _bounded_head(max_len), None, timeout_s,
-            run=lambda client: read_bounded(client, keys, max_len),
+            run=lambda client: read_bounded(client, keys, max_len, self._read_buffers),
         )
 
     async def batch_set(

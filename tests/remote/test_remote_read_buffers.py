@@ -1,0 +1,50 @@
+"""The bounded read's receive buffers (tieredkv.remote.bounded_read.ReadBuffers): reused only
+once nothing refers to the value they hold, kept up to a bound, freed when reads stop."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+
+from tieredkv.remote.bounded_read import ReadBuffers
+
+SIZE = 1 << 16
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def test_a_buffer_comes_back_only_when_its_last_view_is_gone() -> None:
+    pool = ReadBuffers()
+    lent = pool.take(SIZE)
+    where = _address(lent)
+    value = lent[10:20]  # what a read hands out: a slice of the buffer
+    narrower = memoryview(value).cast("B")[2:]  # what decode makes of it
+    del lent, value
+    gc.collect()
+    assert pool.idle_bytes == 0  # a view of it is alive: not reusable
+    other = pool.take(SIZE)
+    assert _address(other) != where
+    del narrower
+    assert pool.idle_bytes == SIZE
+    again = pool.take(SIZE)
+    assert _address(again) == where and pool.idle_bytes == 0
+    del other, again
+
+
+def test_buffers_past_the_idle_bound_are_freed_not_kept() -> None:
+    pool = ReadBuffers(idle_bytes=2 * SIZE)
+    lent = [pool.take(SIZE) for _ in range(5)]
+    del lent
+    assert pool.idle_bytes == 2 * SIZE
+
+
+def test_kept_buffers_are_freed_once_reads_stop() -> None:
+    pool = ReadBuffers()
+    pool.take(SIZE)  # dropped at once: kept for reuse
+    assert pool.idle_bytes == SIZE
+    assert pool.release_if_idle(60.0) == 0 and pool.idle_bytes == SIZE  # read a moment ago
+    time.sleep(0.02)
+    assert pool.release_if_idle(0.01) == SIZE and pool.idle_bytes == 0
