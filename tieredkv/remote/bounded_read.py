@@ -30,6 +30,7 @@ item (a ``ResponseError`` in its place, as redis-py's ``raise_on_error=False`` g
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 import time
 import weakref
@@ -49,8 +50,8 @@ LINE_LIMIT = 1 << 16  # the longest reply line (an error's text) taken, as async
 _SNIFF = 32  # a bulk header line ($ + 20 digits + CRLF) fits in this many bytes
 # Receive buffers kept for reuse, at most. The pool never holds more than the reads once held
 # at the same time (the transfer layer's: 128 MiB of values out, plus the batch landing).
-IDLE_BUFFER_BYTES = 256 << 20
-BUFFER_IDLE_S = 10.0  # no read for this long: the kept buffers are freed
+IDLE_BUFFER_BYTES = 512 << 20
+BUFFER_IDLE_S = 60.0  # no read for this long: the kept buffers are freed
 
 
 class BoundExceeded(rex.InvalidResponse):
@@ -62,11 +63,13 @@ class ReadBuffers:
     """Receive buffers for bounded reads, each reused once every view of its value is gone.
 
     A value is a view of the buffer the socket wrote it into, and its reader holds it until
-    the value has landed; a fresh buffer per value would cost page faults (and, for numpy's
-    large arrays, huge-page faults with compaction) on every read. A buffer is lent as a numpy
-    view of a kept array: when the last memoryview derived from that view is released, the
-    view dies and the array comes back here (up to ``idle_bytes`` kept; the rest are freed;
-    all of them once reads stop for a while, :meth:`release_if_idle`).
+    the value has landed; a fresh buffer per value would cost its page faults on every read.
+    A buffer is lent as a numpy view of a kept array: when the last memoryview derived from
+    that view is released, the view dies and the array comes back here (up to ``idle_bytes``
+    kept; the rest are freed; all of them once reads stop for a while,
+    :meth:`release_if_idle`). New buffers are anonymous mappings, not ``np.empty``: numpy
+    advises huge pages for large arrays, and a huge-page fault can stall in compaction (300 ms
+    for 128 MiB seen here); a mapping also goes back to the system the moment it is freed.
     """
 
     def __init__(self, idle_bytes: int = IDLE_BUFFER_BYTES) -> None:
@@ -89,7 +92,7 @@ class ReadBuffers:
             if kept is not None:
                 self._idle_bytes -= size
         if kept is None:
-            kept = np.empty(size, dtype=np.uint8)
+            kept = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
         lent = kept[:]
         weakref.finalize(lent, self._give_back, kept).atexit = False
         return memoryview(lent)
