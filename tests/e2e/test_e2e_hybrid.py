@@ -4,9 +4,10 @@ Two tiny random models: an alternating one like Gemma 2 (sliding-window layers w
 window, smaller than one 128-token chunk, between full-attention layers: two KV-cache groups)
 and an all-sliding one like Mistral (a 200-token window, longer than a chunk: one
 sliding-window group). Hybrid hits end on chunk boundaries or exactly where a stored prompt
-ended (its tail keeps the window before its end, #25): a repeated prompt of ``P`` tokens hits
-its full blocks, ``P // 32 * 32`` tokens, unless it ends on a block boundary (vLLM computes
-the last token, and no stored window ends one block earlier): then ``(P - 1) // 128 * 128``.
+ended (its tail keeps the window before its end, #25); a prompt ending on a block boundary
+also stores the entry one block shorter. So a repeated prompt of ``P`` tokens hits what
+vLLM's own prefix cache hits, ``(P - 1) // 32 * 32`` tokens (vLLM computes the last token),
+checked against the reference engine's own repeat of each prompt.
 
 Each reference engine has no connector and prefix caching on, resets vLLM's prefix cache
 between phases and hits nothing (checked): its outputs are the reference, and its KV capacity
@@ -59,10 +60,13 @@ HYB_PROMPTS: dict[str, list[int]] = {
        ("p1", "p2", "p3", "on_boundary", "boundary_minus_1", "boundary_plus_1")},
     "short_a": make_prompt(3001, 700, prefix=SHORT_PREFIX),
     "short_b": make_prompt(3002, 650, prefix=SHORT_PREFIX),
+    # 35 whole blocks: 8 chunks and a 3-block tail; a repeat hits 34 blocks (inside a chunk).
+    "block_aligned": make_prompt(3003, 35 * BLOCK_SIZE),
 }
-COLD = ["p1", "boundary_plus_1", "on_boundary", "short_a"]
+COLD = ["p1", "boundary_plus_1", "on_boundary", "block_aligned", "short_a"]
 # short_b shares SHORT_PREFIX with short_a: its hit is the one whole chunk, 128 tokens.
-WARM = ["p1", "boundary_plus_1", "on_boundary", "short_b"]
+WARM = ["p1", "boundary_plus_1", "on_boundary", "block_aligned", "short_b"]
+REPEATS = [name for name in WARM if name in COLD]  # repeated exactly
 PREEMPT_NAMES = ["p1", "p2", "p3", "on_boundary", "boundary_minus_1", "boundary_plus_1"]
 PREEMPT_TOKENS = 48
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -77,12 +81,36 @@ def gen(*names: str, max_tokens: int | None = None) -> dict:
 
 
 def hybrid_hit(name: str) -> int:
-    """A repeated prompt's hit: up to its tail's end (its last full block), unless vLLM's
-    computing the last token cuts into that block: then whole chunks only."""
+    """A repeated prompt's hit, vLLM's own: every full block before its last token."""
+    return (len(HYB_PROMPTS[name]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def entry_ends(name: str) -> tuple[int, list[int]]:
+    """The entries a prompt's cold run stores, by their end (in blocks) and in the order it
+    issues them: whole chunks, then (in its last step) the entry a repeat hits, where the
+    prompt ends on a block boundary, and its tail. With the number of whole chunks."""
     length = len(HYB_PROMPTS[name])
-    if length % BLOCK_SIZE:
-        return length // BLOCK_SIZE * BLOCK_SIZE
-    return (length - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+    full, blocks = length // BLOCK_SIZE, CHUNK_TOKENS // BLOCK_SIZE
+    ends = [(c + 1) * blocks for c in range(full // blocks)]
+    whole = len(ends)
+    repeat = (length - 1) // BLOCK_SIZE
+    if repeat < full and repeat % blocks:
+        ends.append(repeat)
+    if full % blocks:
+        ends.append(full)
+    return whole, ends
+
+
+def reachable(name: str, stored_ends: set[int]) -> int:
+    """The longest hit a repeat of ``name`` may take from the entries stored: an entry ending
+    by vLLM's limit whose chunks before it are all stored."""
+    blocks = CHUNK_TOKENS // BLOCK_SIZE
+    best = 0
+    for end in stored_ends:
+        if end * BLOCK_SIZE <= hybrid_hit(name) and all(
+                (c + 1) * blocks in stored_ends for c in range((end - 1) // blocks)):
+            best = max(best, end)
+    return best * BLOCK_SIZE
 
 
 def stores_of(output: dict) -> tuple[list[str], set[str], set[str]]:
@@ -132,16 +160,20 @@ def sliding_model(tmp_path_factory) -> str:
 def reference_run(model: str, preempt: bool) -> dict:
     """No connector, prefix caching on (the capacity baseline), nothing ever hit: outputs by
     name (``long``: the preemption prompts' longer outputs) and the engine info."""
-    phases = [gen(*COLD), RESET, gen("short_b")]
+    phases = [gen(*COLD), gen(*REPEATS), RESET, gen("short_b")]
     if preempt:
         phases += [RESET, gen(*PREEMPT_NAMES, max_tokens=PREEMPT_TOKENS)]
     result = run_engine({"model": model, "max_tokens": MAX_TOKENS, "prefix_caching": True,
                          "phases": phases})
     generated = [outputs_by_name(p) for p in result["phases"] if p["kind"] == "generate"]
-    for outputs in generated:
+    cold, repeats, *others = generated
+    for outputs in (cold, *others):
         assert all(out["num_cached_tokens"] == 0 for out in outputs.values()), outputs
-    return {"outputs": {**generated[0], **generated[1]},
-            "long": generated[2] if preempt else {}, "engine": result["engine"]}
+    # vLLM's own prefix-cache hit for each prompt repeated exactly: what tieredkv must match.
+    repeat_hits = {name: out["num_cached_tokens"] for name, out in repeats.items()}
+    assert repeat_hits == {name: hybrid_hit(name) for name in REPEATS}, repeat_hits
+    return {"outputs": {**cold, **others[0]}, "long": others[1] if preempt else {},
+            "engine": result["engine"], "repeat_hits": repeat_hits}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +208,7 @@ def check_host_hits(result: dict, reference: dict) -> None:
     assert_same_as_reference(cold, COLD, reference["outputs"])
     assert_same_as_reference(warm, WARM, reference["outputs"])
     expected = expected_warm_hits()
+    assert {n: expected[n] for n in REPEATS} == reference["repeat_hits"]  # vLLM's own
     assert_hits(phases, 2, expected, tiers={"host": sum(expected.values())})
 
 
@@ -200,7 +233,7 @@ def test_alternating_disk_hit_after_restart(alt_model, alt_tier, alt_reference):
     _, disk = alt_tier
     # A new engine on the same disk tier, with a host tier of 16 slots (each prompt's chunks
     # fit, not the history): every hit is promoted from the first engine's slab files.
-    names = ["p1", "boundary_plus_1"]
+    names = ["p1", "boundary_plus_1", "block_aligned"]
     result = run_engine(tkv_spec(alt_model, [gen(n) for n in names],
                                  host_bytes="8MiB", disk_path=str(disk), disk_bytes="256MiB"))
     for index, name in enumerate(names):
@@ -337,11 +370,11 @@ def test_preemption_keeps_outputs_identical(alt_model, alt_reference):
     # hits, never of correctness. (Counted at the reset, which drains the stores in flight.)
     # A prompt's tail is stored only by the step that computes its end (a chunked-prefill
     # split inside its last partial block leaves it unstored, a lost hit, never a wrong one).
+    # The entry a repeat hits (a prompt ending on a block boundary) is stored only when that
+    # step computed all of the prompt's last block (the window before it is still held).
     drained = phases[1]["counters"]
-    whole_chunks = sum(len(HYB_PROMPTS[name]) // CHUNK_TOKENS for name in names)
-    tails = sum(len(HYB_PROMPTS[name]) % CHUNK_TOKENS >= BLOCK_SIZE for name in names)
     stored = drained.get("stored_chunks", 0)
-    assert stored <= whole_chunks + tails, drained
+    assert stored <= sum(len(entry_ends(name)[1]) for name in names), drained
     # Each warm prompt's first schedule hits exactly the chunks its cold run stored, from its
     # first chunk up to the first one no store of it succeeded (all from tieredkv: the prompts
     # share nothing and vLLM's cache was reset), attributed per prompt from the stores its
@@ -354,16 +387,15 @@ def test_preemption_keeps_outputs_identical(alt_model, alt_reference):
     expected = {}
     for name in names:
         chunks, stored_keys, cancelled_keys = stores_of(cold_out[name])
-        whole = len(HYB_PROMPTS[name]) // CHUNK_TOKENS
-        assert len(chunks) in (whole, whole + 1), (name, chunks)  # whole chunks, a tail
+        whole, ends = entry_ends(name)
+        assert len(ends) <= whole + 1, name  # these prompts: a tail or a repeat's entry
+        assert len(chunks) in (whole, len(ends)), (name, chunks)  # whole chunks, the partial
         lost = [key for key in chunks if key not in stored_keys]
         assert all(key in cancelled_keys for key in lost), ("unstored without a cause", name,
                                                            cold_out[name]["tieredkv"]["stores"])
         lead = next((i for i, key in enumerate(chunks) if key not in stored_keys), len(chunks))
-        reach = min(lead, whole) * CHUNK_TOKENS
-        if lead > whole:  # its tail stored too
-            reach = len(HYB_PROMPTS[name]) // BLOCK_SIZE * BLOCK_SIZE
-        expected[name] = min(reach, hybrid_hit(name))
+        expected[name] = reachable(name, {end for key, end in zip(chunks, ends, strict=False)
+                                          if key in stored_keys})
         if not cancelled_keys:
             assert lead >= whole, name
     got = cached_tokens(warm)

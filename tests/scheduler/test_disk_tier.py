@@ -141,3 +141,19 @@ def test_gauges_say_capacity_and_use():
     disk.allocate(B, ())
     disk.mark_ready(A)
     assert disk.gauges() == {"disk_slots_capacity": 3, "disk_slots_used": 2, "disk_entries": 2}
+
+
+def test_a_hybrid_models_shorter_entry_beside_a_longer_one_survives_a_restart(tmp_path):
+    """Hybrid models keep a prompt's shorter entry beside a longer one of its chunk (it holds
+    the sliding window before its own end): recovery must not drop it as superseded."""
+    longer, shorter = KEYS.block_key(6), KEYS.block_key(5)  # 3 and 2 blocks of chunk 1
+    with opened(tmp_path) as (disk, _, slab):
+        spill(disk, slab, longer, KEYS.block_keys(4, 6))
+        spill(disk, slab, shorter, KEYS.block_keys(4, 5))
+    for supersedes, kept in ((False, {longer, shorter}), (True, {longer})):
+        with DiskCatalog.open(tmp_path, FP, PAYLOAD, SLOTS, 1) as catalog:
+            disk = DiskTier(SLOTS, policy="lru", admission=1, seen_limit=64, catalog=catalog,
+                            supersedes=supersedes)
+            assert {key for key in (longer, shorter) if key in disk} == kept
+            if not supersedes:
+                assert disk.get(shorter).blocks == 2 and disk.get(longer).blocks == 3

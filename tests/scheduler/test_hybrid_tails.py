@@ -4,7 +4,9 @@ A prompt's tail (its full blocks past the last whole chunk, ``n`` of them) is st
 full-attention rows ``0 .. n-1`` and each sliding group's rows ``[max(0, n - W), n)``, the
 window vLLM's prefix cache needs before a hit ending there; the whole chunk before it holds its
 own last ``W``. A hit may end exactly at such an entry's end, and nowhere else inside a chunk
-(an entry's sliding rows end at its end only). Real planner, host and disk indexes; the
+(an entry's sliding rows end at its end only). A prompt ending on a block boundary also
+stores the entry one block shorter, where vLLM's prefix cache ends a repeat of it (it computes
+the last token): a repeated prompt hits what vLLM's own prefix cache would. Real planner, host and disk indexes; the
 device tables are the ones vLLM 0.32 hands out (a sliding group gets real blocks only for the
 window before a hit's end).
 """
@@ -176,13 +178,119 @@ def test_a_hit_never_ends_mid_chunk_where_no_prompt_ended():
 
 
 def test_a_tail_past_the_hit_limit_is_not_cut_short():
-    """A prompt ending on a block boundary, repeated: vLLM computes its last token, so a hit
-    may cover one block less than the tail holds; the tail has no window ending there."""
+    """A tail ending past ``num_tokens - 1`` (a shorter prompt sharing it, ending inside its
+    last block) has no window ending where that prompt's hit may end: no hit inside it."""
     planner = make(window=2)
-    tokens = prompt(C + 2, 0)
+    tokens = prompt(C + 3, 5)
     compute(planner, "a", tokens)
-    assert planner.counters["stored_partial_chunks"] == 1
-    assert planner.lookup("b", keys(tokens), 0, len(tokens)) == CHUNK_TOKENS
+    shorter = tokens[: (C + 2) * BLOCK + 7]
+    assert planner.lookup("b", keys(shorter), 0, len(shorter)) == CHUNK_TOKENS
+
+
+def vllm_repeat_hit(tokens: list[int]) -> int:
+    """vLLM's prefix-cache hit for a prompt all of whose blocks it holds: it computes the
+    last token, so ``num_tokens - 1`` rounded down to a block."""
+    return (len(tokens) - 1) // BLOCK * BLOCK
+
+
+@pytest.mark.parametrize(("window", "blocks"), [(2, C + 2), (2, C + 1), (2, 2 * C), (1, 2 * C),
+                                                (6, C + 3), (6, 2 * C), (9, 3 * C)])
+def test_a_repeated_prompt_ending_on_a_block_boundary_hits_what_vllm_hits(window, blocks):
+    """A prompt of whole blocks, repeated exactly: the hit is ``num_tokens - 1`` rounded down
+    to a block, as vLLM's own prefix cache gives (it ended at a chunk boundary or one block
+    short of the stored tail before #25b). Windows smaller and larger than a chunk (6 and 9
+    blocks > 4), prompts ending inside a chunk and exactly on a chunk boundary."""
+    planner = make(window=window)
+    tokens = prompt(blocks, 0)
+    compute(planner, "a", tokens)
+    hit = vllm_repeat_hit(tokens)
+    assert hit == (blocks - 1) * BLOCK
+    assert planner.lookup("b", keys(tokens), 0, len(tokens)) == hit
+    load = load_after_hit(planner, "b", tokens, hit, window=window)
+    assert not load.src.unserved  # every block vLLM handed out is written
+    assert planner.counters["partial_hits"] == ((blocks - 1) % C != 0)
+    assert planner.counters.snapshot()["hit_tokens"] == {"host": hit}
+
+
+def test_the_entry_a_repeat_hits_holds_the_window_before_its_end():
+    planner = make(window=2)
+    stores = compute(planner, "a", prompt(2 * C, 0))  # ends exactly on a chunk boundary
+    assert [s.block_ids for s in stores] == [
+        (X, X, 102, 103, 200, 201, 202, 203),
+        (X, X, 106, 107, 204, 205, 206, 207),
+        (X, 105, 106, X, 204, 205, 206, X),  # blocks 4..6: the sliding rows before block 7
+    ]
+    tokens = prompt(C + 3, 0)  # ends inside a chunk: its tail and the entry one block shorter
+    other = make(window=2)
+    stores = compute(other, "a", tokens)
+    assert [s.block_ids for s in stores][1:] == [
+        (104, 105, X, X, 204, 205, X, X), (X, 105, 106, X, 204, 205, 206, X)]
+    assert other.counters["stored_partial_chunks"] == 2
+
+
+def test_a_repeat_end_is_stored_only_when_its_window_is_still_held():
+    """vLLM frees a sliding block once the next token to compute lies a window past it: a
+    step that starts inside the prompt's last block may have freed the first block of the
+    window before the block one short of the end, so that entry is not stored (a shorter
+    hit, never a wrong one); the prompt's own tail still is."""
+    tokens = prompt(C + 3, 0)
+    for split, stored, hit in (((C + 2) * BLOCK + 1, 1, CHUNK_TOKENS),  # one token into it
+                               ((C + 2) * BLOCK, 2, (C + 2) * BLOCK)):  # at its start
+        planner = make(window=2)
+        planner.set_block_ids("a", [list(range(100, 100 + C + 3)),
+                                    list(range(200, 200 + C + 3))], replace=True)
+        planner.plan_stores("a", keys(tokens), split, computed_tokens=0)  # a chunked prefill
+        assert len(done(planner, Move.STORE)) == 1  # chunk 0
+        compute(planner, "a", tokens, computed=split)  # the step that ends the prompt
+        assert planner.counters["stored_partial_chunks"] == stored  # the 3-block tail (+ 2)
+        assert planner.lookup("b", keys(tokens), 0, len(tokens)) == hit
+
+
+def test_a_full_host_tier_skips_the_tail_before_the_entry_a_repeat_hits():
+    """A host tier sized for the entries a hit reads (whole chunks and one partial entry): the
+    entry a repeat hits is stored first, so the one the step cannot place is the tail."""
+    planner = make(window=2, host_slots=2)
+    tokens = prompt(C + 3, 0)
+    compute(planner, "a", tokens)
+    assert planner.counters["store_skipped_host_full"] == 1
+    assert planner.lookup("b", keys(tokens), 0, len(tokens)) == vllm_repeat_hit(tokens)
+
+
+def test_a_repeat_end_on_disk_is_promoted_and_ends_the_hit():
+    planner = make(window=2, host_slots=3, disk_slots=8)
+    tokens = prompt(C + 3, 0)
+    compute(planner, "a", tokens)
+    assert len(done(planner, Move.SPILL)) == 3  # the chunk, the tail, the entry a repeat hits
+    compute(planner, "x", prompt(3 * C, 1, seed=7))  # evicts them from host
+    done(planner, Move.SPILL)
+    assert planner.lookup("b", keys(tokens), 0, len(tokens)) is None  # promoting
+    assert len(done(planner, Move.PROMOTE)) == 2  # the chunk and the 2-block entry
+    hit = vllm_repeat_hit(tokens)
+    assert planner.lookup("b", keys(tokens), 0, len(tokens)) == hit == (C + 2) * BLOCK
+    load = load_after_hit(planner, "b", tokens, hit, window=2)
+    assert not load.src.unserved
+    assert load.src.chunks[-1].block_ids == (504, 505, X, X, 604, 605, X, X)
+    assert planner.counters.snapshot()["hit_tokens"] == {"disk": hit}
+    # After a restart the disk tier keeps both entries of chunk 1 (test_disk_tier.py).
+    assert planner.lower.supersedes is False
+
+
+def test_a_hybrid_hit_is_never_longer_than_vllms():
+    """Every prompt length around chunk and block boundaries, after the same prompt and after
+    a longer one sharing it: the hit never passes ``num_tokens - 1`` rounded down to a block
+    (vLLM's most), and every load writes each block vLLM hands out."""
+    for window in (1, 2, 3, 6):
+        for length in range(BLOCK + 1, 3 * CHUNK_TOKENS + 2, 5):
+            for stored_length in (length, length + 17, 3 * CHUNK_TOKENS + 3):
+                planner = make(window=window)
+                stored = prompt(3 * C + 1, 3)[:stored_length]
+                compute(planner, "a", stored)
+                tokens = stored[:length]
+                hit = planner.lookup("b", keys(tokens), 0, len(tokens))
+                assert hit is not None and hit <= vllm_repeat_hit(tokens), (window, length)
+                if hit:
+                    load = load_after_hit(planner, "b", tokens, hit, window=window)
+                    assert not load.src.unserved, (window, length, stored_length)
 
 
 def test_a_tail_is_stored_only_in_the_step_that_computes_its_end():
@@ -303,3 +411,25 @@ def test_lookup_tokens_count_what_a_hybrid_hit_could_cover():
     turn2 = turn1 + [90_000 + i for i in range(8)]  # its last chunk boundary: 64
     assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (C + 3) * BLOCK
     assert planner.counters["lookup_tokens"] == (C + 3) * BLOCK
+
+
+def test_a_single_sliding_groups_table_grows_across_steps():
+    """An all-sliding model (one KV-cache group, Mistral-style): vLLM reports a running
+    request's new blocks only, to be appended. They replaced its table before, so a prompt
+    prefilled over two steps stored its later chunks from the wrong table positions (or not
+    at all, as the e2e test's fifth prompt in a batch)."""
+    config = TieredKVConfig.from_dict({"chunk_blocks": C})
+    planner = Planner(config, block_size=BLOCK, num_host_slots=16, num_disk_slots=0,
+                      world_size=1, slot_rows=SlotRows((KVGroup(SLIDING, 7),), chunk_blocks=C))
+    tokens = prompt(2 * C + 3, 0)
+    planner.set_block_ids("a", [list(range(100, 105))], replace=True)  # step 1: 5 blocks
+    planner.plan_stores("a", keys(tokens), 5 * BLOCK, computed_tokens=0)
+    assert [s.block_ids for s in done(planner, Move.STORE)] == [(100, 101, 102, 103)]
+    planner.set_block_ids("a", [list(range(105, 111))], replace=False)  # step 2: 6 more
+    planner.plan_stores("a", keys(tokens), len(tokens), tail=True, computed_tokens=5 * BLOCK)
+    assert [s.block_ids for s in done(planner, Move.STORE)] == [
+        (104, 105, 106, 107),  # chunk 1: positions 4..7
+        (108, 109, X, X),  # the entry a repeat hits (2 blocks of chunk 2)
+        (108, 109, 110, X),  # the tail
+    ]
+    assert planner.lookup("b", keys(tokens), 0, len(tokens)) == vllm_repeat_hit(tokens)

@@ -125,9 +125,12 @@ class DiskTier(TierIndex, LowerTier):
     fill_counter = Count.PROMOTED_CHUNKS
 
     def __init__(self, num_slots: int, *, policy: str, admission: int, seen_limit: int,
-                 catalog=None) -> None:
+                 catalog=None, supersedes: bool = True) -> None:
         super().__init__(self.name, num_slots, policy)
         self.catalog = catalog
+        # False for hybrid models: a shorter entry beside a longer one is kept (it holds the
+        # sliding window before its own end, which the longer one lacks).
+        self.supersedes = supersedes
         self._sightings = Sightings(admission, seen_limit)
         # What start-up found, for the planner's counters.
         self.recovery_counts = Counts()
@@ -140,7 +143,7 @@ class DiskTier(TierIndex, LowerTier):
             self.restore(key, slot, aliases.get(key, ()))
         # A crash between a longer entry's journal record and the removal of the shorter one
         # it supersedes leaves both: keep the longer.
-        for key in list(catalog.recovered):
+        for key in list(catalog.recovered) if self.supersedes else ():
             if key in self and self.covering(key):
                 self.remove(key)
                 self.recovery_counts[Count.SUPERSEDED, Tier.DISK] += 1

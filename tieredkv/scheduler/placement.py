@@ -2,8 +2,9 @@
 
 * Stores: every whole chunk a request computed that no tier holds yet becomes a host slot
   (WRITING) and a store job; with ``tail``, the full blocks past the last whole chunk too, as
-  an entry holding the first blocks of its chunk. A chunk some tier holds already is touched
-  (it is hot) and counted as a sighting instead.
+  an entry holding the first blocks of its chunk (hybrid models: a prompt ending on a block
+  boundary also one block shorter, where a repeat of it hits). A chunk some tier holds
+  already is touched (it is hot) and counted as a sighting instead.
 * Spills: a store that completes, or a chunk seen often enough, is queued for the lower tier
   if the tier admits it; :meth:`Placer.plan_spills` gives the queue lower-tier slots when the
   step's plan is taken.
@@ -106,10 +107,26 @@ class Placer:
             held = min(storable_tokens // self.block_size, len(state.block_ids),
                        keys.num_blocks)  # type: ignore[attr-defined]
             count = held - n_chunks * C
+            if self.slot_rows is not None and computed_tokens is not None:
+                # First: a full host tier then skips the tail, not the entry a repeat hits.
+                self._store_repeat_end(state, keys, storable_tokens, held, computed_tokens)
             # Hybrid: only in the step that computes the tail's end (its window is still there).
             if 0 < count < C and (self.slot_rows is None or (
                     computed_tokens is not None and computed_tokens < held * self.block_size)):
                 self._store_tail(state, keys, n_chunks, count)
+
+    def _store_repeat_end(self, state: RequestState, keys, storable_tokens: int, held: int,
+                          computed: int) -> None:
+        """Hybrid: a prompt ending on a block boundary also stores the entry ending one block
+        earlier, where a repeat of it hits (vLLM computes a prompt's last token, so its hit
+        stops at ``(num_tokens - 1) // block_size`` blocks; no other stored window ends
+        there). Only when this step computed all of the prompt's last block: vLLM frees a
+        block once the next token to compute lies a window past it, so none of the window
+        before that entry's end is freed yet and every row stored is held."""
+        bs, C = self.block_size, self.chunk_blocks
+        end = (storable_tokens - 1) // bs  # blocks a repeat of this prompt may hit
+        if end < held and end % C and computed <= end * bs:
+            self._store_tail(state, keys, end // C, end % C)
 
     def finish_tail(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
         """A request finished normally: store what its last steps computed (generated text

@@ -106,7 +106,7 @@ class Planner:
                 policy=config.eviction,
                 admission=config.disk_admission,
                 seen_limit=max(1024, 4 * (num_host_slots + num_disk_slots)),
-                catalog=catalog,
+                catalog=catalog, supersedes=slot_rows is None or not slot_rows.hybrid,
             )
             self.counters.update(disk.recovery_counts)
             self.lower = disk
@@ -159,10 +159,10 @@ class Planner:
                 state.block_ids.extend(block_ids)
             return
         self._fence_reused(block_ids)
-        if replace or not state.group_ids:
+        if replace or not state.block_ids:
             state.set_tables([list(ids) for ids in block_ids])
-        else:
-            for table, ids in zip(state.group_ids, block_ids, strict=True):
+        else:  # (one sliding group: its table is block_ids, appended to like any other)
+            for table, ids in zip(state.tables, block_ids, strict=True):
                 table.extend(ids)
 
     def _fence_reused(self, tables: Sequence[Sequence[int]]) -> None:
