@@ -35,10 +35,11 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    window ``HYBRID_WINDOW`` = 256 tokens, and full attention), which keeps vLLM's hybrid
    KV-cache manager on: ``hybrid_vllm_prefix`` (vLLM's prefix cache on that model: the
    hybrid floor), ``hybrid_tieredkv_host`` and ``hybrid_tieredkv_disk`` (as rows 4 and 5a:
-   the disk row's host tier holds one prompt's whole chunks, A and B alternate). Hybrid
-   hits end on chunk boundaries, so each tieredkv hit is checked against the chunk-aligned
-   length (:func:`hybrid_hit`) and the tier's hit counter; it recomputes the prompt's tail
-   blocks that the floor takes from its cache. The window is smaller than the chunk (512
+   the disk row's host tier holds the entries one prompt's hit reads, A and B alternate).
+   A hybrid hit is as long as the floor's (a stored prompt's tail keeps the window before
+   its end; a prompt ending on a block boundary, as A does in both profiles, also stores the entry one block shorter, where
+   its repeat hits), so each tieredkv hit is checked against it (:func:`hybrid_hit`) and
+   the tier's hit counter. The window is smaller than the chunk (512
    tokens) so that a sliding layer stores only its last ``ceil((W-1)/block)`` = 8 of a
    chunk's 16 blocks: with a window of a chunk or more, the sliding layers would copy as
    much as full attention and the row would show nothing hybrid-specific;

@@ -120,7 +120,7 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
                                    "the chunk-aligned remote hit")
         elif hybrid_tieredkv:
             problems = _check_hits(main, expected_hybrid or {}, tier,
-                                   "the chunk-aligned hybrid hit")
+                                   "the hybrid hit (vLLM's prefix-cache hit)")
         elif config == SLOW_DISK_CONFIG:
             problems = _check_declined(main)
         elif config == LMCACHE_CONFIG:

@@ -196,8 +196,8 @@ def table_markdown(payload: dict[str, Any]) -> str:
 
 
 def hybrid_markdown(payload: dict[str, Any]) -> str:
-    """The hybrid-model rows: their TTFTs against the hybrid floor, the chunk-aligned hits
-    checked, and rows 4/5a's targets applied to them (PASS/MISS)."""
+    """The hybrid-model rows: their TTFTs against the hybrid floor, their hits (as long as
+    the floor's) checked, and rows 4/5a's targets applied to them (PASS/MISS)."""
     rows = payload["rows"]
     hybrid = payload.get("hybrid") or {}
     if "hybrid_vllm_prefix" not in rows:
@@ -250,16 +250,17 @@ def hybrid_markdown(payload: dict[str, Any]) -> str:
         f"sliding-window attention (window {p['hybrid_window']} tokens, smaller than the "
         f"{CHUNK_TOKENS}-token chunk, so a sliding layer stores {hybrid.get('sliding_blocks', '?')} "
         f"of a chunk's {CHUNK_BLOCKS} blocks) and full attention; vLLM's hybrid KV-cache "
-        "manager stays on. The disk row's host tier holds one prompt's whole chunks "
-        f"({hybrid.get('disk_host_slots', '?')} slots) and A, B alternate. A tieredkv hit on a "
-        "hybrid model ends on a chunk boundary: "
+        "manager stays on. The disk row's host tier holds the entries one prompt's hit reads "
+        f"({hybrid.get('disk_host_slots', '?')} slots: whole chunks and the partial entry it "
+        "ends in) and A, B alternate. A tieredkv hit on a hybrid model is as long as vLLM's "
+        "own (a stored prompt's tail keeps the window before its end, and a prompt ending on "
+        "a block boundary also the entry one block shorter, where its repeat hits): "
         + "; ".join(f"{k} {expected[k]:,} tokens against the hybrid floor's {floor_hit[k]:,}"
                     for k in lengths)
-        + ", so each hybrid tieredkv hit also computes the tail blocks the floor takes from "
-        "its cache; the wall-clock ratios include that forward, the equal-compute column "
-        "(hybrid floor's median forward + the row's TTFT − compute) leaves it out. KV copied "
+        + "; the equal-compute column (hybrid floor's median forward + the row's TTFT − "
+        "compute) leaves any difference in forward time out. KV copied "
         f"per hit: {p['hybrid_kv_bytes'] / MiB:.1f} MiB (mean of the two prompts). Each hit is "
-        "checked (num_cached_tokens = the chunk-aligned hit, and the tier's hit counter).",
+        "checked (num_cached_tokens = the hybrid hit, and the tier's hit counter).",
         "",
         "\n".join(table),
         "",

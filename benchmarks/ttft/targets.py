@@ -158,8 +158,8 @@ def hybrid_verdicts(rows: dict[str, dict[str, Any]], read_s: float) -> list[dict
     """The hybrid rows against the hybrid floor: host hit <= 1.3 x hybrid floor (a target),
     disk hit <= 1.3 x (hybrid floor + hybrid KV / raw disk BW = ``read_s``) (a reference:
     ``reference`` True, not in the exit status); each on the worse-of figure. The hybrid hit
-    is chunk-aligned, so its TTFT includes a forward over the tail blocks the floor takes from
-    its cache; the equal-compute ratio beside it leaves that out."""
+    is as long as the floor's (#25), so both compute the same tokens; the equal-compute ratio
+    beside it leaves any difference in forward time out."""
     floor_row = rows.get("hybrid_vllm_prefix")
     if floor_row is None:
         return []

@@ -145,28 +145,34 @@ HYBRID_CONFIGS = ("hybrid_vllm_prefix", "hybrid_tieredkv_host", "hybrid_tieredkv
 
 
 def hybrid_hit(tokens: int) -> int:
-    """tieredkv's hit on a hybrid model: it ends on a chunk boundary (the sliding windows
-    stored are those ending there), and never exceeds vLLM's (:func:`prefix_hit`)."""
-    return min(tokens // CHUNK_TOKENS * CHUNK_TOKENS, prefix_hit(tokens))
+    """tieredkv's hit on a hybrid model for a prompt seen before: vLLM's own
+    (:func:`prefix_hit`). A prompt's tail keeps the sliding window before its end, and a
+    prompt ending on a block boundary (A) also the entry one block shorter, where a repeat of
+    it hits (issue #25)."""
+    return prefix_hit(tokens)
 
 
 def hybrid_host_slots(lengths: dict[str, int]) -> int:
-    """The hybrid disk row's host slots: one prompt's whole chunks (no tail is kept for a
-    hybrid hit), so the other prompt evicts all of them."""
-    return max(n // CHUNK_TOKENS for n in lengths.values())
+    """The hybrid disk row's host slots: the entries one prompt's hit reads (its whole chunks
+    and the partial entry it ends in), so the other prompt's hit evicts all of them. A's cold
+    run stores one more (its tail, past the hit): tieredkv stores the entry a repeat hits
+    first, so the one a full host tier skips is that tail."""
+    return max(-(-hybrid_hit(n) // CHUNK_TOKENS) for n in lengths.values())
 
 
 def hybrid_kv_bytes(hit_tokens: int, window: int = HYBRID_WINDOW,
                     layer_types: list[str] | None = None, model: Mapping[str, int] = MODEL) -> int:
-    """Bytes a hybrid hit of ``hit_tokens`` (whole chunks) copies: every block of the
-    full-attention layers, the last ``ceil((window-1)/block)`` blocks of each chunk of the
-    sliding layers."""
+    """Bytes a hybrid hit of ``hit_tokens`` copies: every block of the full-attention layers,
+    the last ``ceil((window-1)/block)`` blocks of each whole chunk of the sliding layers, and
+    as many (at most the entry's blocks) of the partial entry the hit ends in."""
     layer_types = hybrid_layer_types(model["num_layers"]) if layer_types is None else layer_types
     per_layer_token = kv_bytes_per_token(model, DTYPE_BYTES) // model["num_layers"]
     sliding_blocks = min(CHUNK_BLOCKS, -(-(window - 1) // BLOCK_SIZE))
     chunks = hit_tokens // CHUNK_TOKENS
+    partial = min(sliding_blocks, hit_tokens % CHUNK_TOKENS // BLOCK_SIZE)
     full = layer_types.count("full_attention") * hit_tokens
-    sliding = layer_types.count("sliding_attention") * chunks * sliding_blocks * BLOCK_SIZE
+    sliding = (layer_types.count("sliding_attention") * (chunks * sliding_blocks + partial)
+               * BLOCK_SIZE)
     return (full + sliding) * per_layer_token
 
 
@@ -249,6 +255,6 @@ LABELS = {
 
 HYBRID_LABELS = {
     "hybrid_vllm_prefix": "H1. hybrid model: vLLM prefix-cache hit — hybrid floor",
-    "hybrid_tieredkv_host": "H2. hybrid model: tieredkv host-tier hit (chunk-aligned)",
-    "hybrid_tieredkv_disk": "H3. hybrid model: tieredkv disk-tier hit (evicted from host, chunk-aligned)",
+    "hybrid_tieredkv_host": "H2. hybrid model: tieredkv host-tier hit",
+    "hybrid_tieredkv_disk": "H3. hybrid model: tieredkv disk-tier hit (evicted from host)",
 }

@@ -1,5 +1,5 @@
-"""Pure pieces of benchmarks.e2e_ttft's hybrid-model rows (H1-H3): the chunk-aligned hit
-they expect, the bytes a hybrid hit copies, their specs, the hit check and the verdicts.
+"""Pure pieces of benchmarks.e2e_ttft's hybrid-model rows (H1-H3): the hit they expect
+(vLLM's own, #25), the bytes a hybrid hit copies, their specs, the hit check and the verdicts.
 
 No engine is started; nothing here judges a timing.
 """
@@ -25,16 +25,20 @@ def test_hybrid_geometry_alternates_with_a_window_below_the_chunk():
     assert workload.HYBRID_WINDOW < workload.CHUNK_TOKENS
 
 
-def test_hybrid_hit_is_whole_chunks_never_more_than_vllms_hit():
-    assert workload.hybrid_hit(4000) == 3584 < workload.prefix_hit(4000) == 3968
-    assert workload.hybrid_hit(3676) == 3584 < workload.prefix_hit(3676) == 3648
+def test_hybrid_hit_is_vllms_prefix_cache_hit():
+    # A: whole blocks (its repeat hits one block short of its end); B: a partial last block.
+    assert workload.hybrid_hit(4000) == workload.prefix_hit(4000) == 3968
+    assert workload.hybrid_hit(3676) == workload.prefix_hit(3676) == 3648
+    assert workload.hybrid_hit(8000) == workload.prefix_hit(8000) == 7968
     assert workload.hybrid_hit(1024) == workload.prefix_hit(1024) == 992
-    assert workload.hybrid_hit(511) == 0
+    assert workload.hybrid_hit(511) == 480
 
 
-def test_hybrid_host_slots_hold_one_prompts_whole_chunks():
-    assert workload.hybrid_host_slots({"A": 4000, "B": 3676}) == 7
-    assert workload.hybrid_host_slots({"A": 1100, "B": 2100}) == 4
+def test_hybrid_host_slots_hold_the_entries_one_prompts_hit_reads():
+    # A: 7 whole chunks and the 12-block entry its repeat ends in; B: 7 and its 2-block tail.
+    assert workload.hybrid_host_slots({"A": 4000, "B": 3676}) == 8
+    assert workload.hybrid_host_slots({"A": 1100, "B": 2100}) == 5  # 2048 + a 1-block tail
+    assert workload.hybrid_host_slots({"A": 1056, "B": 1040}) == 2  # 1024 + 1 block; 1024 whole
 
 
 def test_hybrid_kv_bytes_counts_the_sliding_layers_window_only():
@@ -42,6 +46,11 @@ def test_hybrid_kv_bytes_counts_the_sliding_layers_window_only():
     full_layers, sliding_layers = 4, 4
     # window 256, block 32: 8 of a chunk's 16 blocks for each sliding layer
     assert workload.hybrid_kv_bytes(3584) == (full_layers * 3584 + sliding_layers * 7 * 256) * per_layer_token
+    # a hit ending inside a chunk: the partial entry's window too (at most its own blocks)
+    assert workload.hybrid_kv_bytes(3968) == (
+        full_layers * 3968 + sliding_layers * (7 * 8 + 8) * 32) * per_layer_token
+    assert workload.hybrid_kv_bytes(3648) == (
+        full_layers * 3648 + sliding_layers * (7 * 8 + 2) * 32) * per_layer_token
     # a window of a whole chunk or more: every block, as full attention
     assert workload.hybrid_kv_bytes(1024, window=600) == 1024 * 8192
     assert workload.hybrid_kv_bytes(1024, layer_types=["full_attention"] * 8) == 1024 * 8192
@@ -60,7 +69,7 @@ def test_hybrid_specs_use_the_hybrid_model_and_one_prompts_whole_chunks(tmp_path
     assert specs["vllm_prefix"]["model"] == str(tmp_path / "model")
     assert "kv_transfer_config" not in specs["hybrid_vllm_prefix"]
     extra = specs["hybrid_tieredkv_disk"]["kv_transfer_config"]["kv_connector_extra_config"]
-    assert extra["host_bytes"] == 7 * workload.CHUNK_TOKENS * 8192
+    assert extra["host_bytes"] == 8 * workload.CHUNK_TOKENS * 8192
     assert extra["disk_path"] != specs["tieredkv_disk"]["kv_transfer_config"][
         "kv_connector_extra_config"]["disk_path"]
 
@@ -70,15 +79,17 @@ def record(label: str, prompt: str, cached: int, seconds: float = 1.0, **tk) -> 
             "tieredkv": tk, "forward_s": seconds / 2}
 
 
-def test_a_hybrid_hit_is_checked_against_the_chunk_aligned_length():
+def test_a_hybrid_hit_is_checked_against_vllms_prefix_cache_hit():
     expected_hit = {"A": 3968, "B": 3648}
-    expected_hybrid = {"A": 3584, "B": 3584}
-    good = {"records": [record("hit0", "A", 3584, hit_tokens_disk=3584),
-                        record("hosthit0", "A", 3584, hit_tokens_host=3584)]}
+    expected_hybrid = {name: workload.hybrid_hit(n) for name, n in {"A": 4000, "B": 3676}.items()}
+    assert expected_hybrid == expected_hit
+    good = {"records": [record("hit0", "A", 3968, hit_tokens_disk=3968),
+                        record("hosthit0", "A", 3968, hit_tokens_host=3968)]}
     row = judging.summarize("hybrid_tieredkv_disk", good, expected_hit, None, expected_hybrid)
     assert row["hit_ok"] and row["host_hits_same_engine"]["hit_ok"]
-    # a hit that did not happen (or not from the tier) is a FAIL
-    for bad in (record("hit0", "A", 0), record("hit0", "A", 3584, hit_tokens_host=3584)):
+    # a hit that did not happen, was chunk-aligned, or not from the tier is a FAIL
+    for bad in (record("hit0", "A", 0), record("hit0", "A", 3584, hit_tokens_disk=3584),
+                record("hit0", "A", 3968, hit_tokens_host=3968)):
         row = judging.summarize("hybrid_tieredkv_disk", {"records": [bad]}, expected_hit, None,
                             expected_hybrid)
         assert not row["hit_ok"] and row["problems"]
