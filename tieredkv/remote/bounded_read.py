@@ -206,8 +206,12 @@ async def _run_cluster(client: RedisCluster, keys: Sequence[bytes], op: _Getrang
 async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrange | _Exists) -> list[Any]:
     """Send the batch's commands on ``conn`` and read their replies; any failure drops ``conn``."""
     try:
-        if conn.is_connected and not _parser_idle(conn):
-            await conn.disconnect()  # bytes of an earlier reply are pending: start clean
+        if conn.is_connected and not (_parser_idle(conn) and _open(conn)):
+            # Bytes of an earlier reply are pending, or the server closed the connection
+            # while it sat in the pool (a Cluster node never checks; redis-py's pool does not
+            # with maintenance notifications on, its RESP3 default): start clean rather than
+            # send into a socket that will never answer.
+            await conn.disconnect()
         packed = conn.pack_commands([op.command(key) for key in keys])
         if isinstance(op, _Getrange) and not isinstance(conn, SSLConnection):
             return await _read_into_buffers(conn, packed, len(keys), op.max_len, op.buffers)
@@ -232,8 +236,10 @@ async def _read_into_buffers(conn: AbstractConnection, packed: list[bytes], coun
         await conn.connect()
     stream: asyncio.StreamReader | None = getattr(conn, "_reader", None)
     writer: asyncio.StreamWriter | None = getattr(conn, "_writer", None)
-    if stream is None or writer is None:
+    if stream is None or writer is None or not _open(conn):
         raise rex.ConnectionError("the connection closed before its replies were read")
+    # No await from here to set_protocol: a close the stream has not seen yet reaches
+    # _BulkReplies, which fails the batch on it at once.
     transport = writer.transport
     own = transport.get_protocol()
     replies = _BulkReplies(own, count, max_len, buffers,
@@ -258,8 +264,9 @@ class _BulkReplies(asyncio.BufferedProtocol):
     (the header line for ``max_len + 1`` bytes, those bytes, CRLF), never more: before a
     reply's header line is parsed the socket is asked for at most a whole value's reply
     (``$max_len``, the value, CRLF), after it for exactly the rest of that reply. A header
-    announcing more than ``max_len + 1`` bytes fails the batch before any of it is received.
-    Connection events (loss, EOF, write flow control) go on to the stream's protocol too.
+    announcing more than ``max_len + 1`` bytes, or a header line longer than such a length
+    needs (padded digits would outgrow the buffer), fails the batch before any of it is
+    received. Connection events (loss, EOF, write flow control) go on to the stream's protocol too.
     """
 
     def __init__(self, own: asyncio.BaseProtocol, count: int, max_len: int, buffers: ReadBuffers,
@@ -270,7 +277,9 @@ class _BulkReplies(asyncio.BufferedProtocol):
         self._max_len = max_len
         self._parse_error = parse_error
         self._whole = len(b"$%d\r\n" % max_len) + max_len + 2  # a value's reply, exactly
-        self._size = len(b"$%d\r\n" % (max_len + 1)) + max_len + 3  # the longest one allowed
+        # The longest header line allowed (``$-1`` included), and the longest reply.
+        self._header_limit = max(len(b"$%d\r\n" % (max_len + 1)), len(b"$-1\r\n"))
+        self._size = self._header_limit + max_len + 3
         self._view = buffers.take(self._size)
         self._filled = 0  # bytes of the current reply (and any after it) in the buffer
         self._body = 0  # where the current reply's value starts; 0 until its header is parsed
@@ -359,6 +368,8 @@ class _BulkReplies(asyncio.BufferedProtocol):
             return True
         if kind != b"$":
             raise rex.InvalidResponse(f"unexpected reply type {kind!r} to GETRANGE")
+        if eol + 2 > self._header_limit:  # padded digits: the reply would outgrow its buffer
+            raise rex.InvalidResponse("a bulk reply's length line is longer than the bound allows")
         try:
             size = int(text)
         except ValueError:
@@ -429,6 +440,16 @@ def _parser_idle(conn: AbstractConnection) -> bool:
         return False
     buffer = getattr(parser, "_buffer", None)
     return not (isinstance(buffer, bytes | bytearray) and len(buffer) > getattr(parser, "_pos", 0))
+
+
+def _open(conn: AbstractConnection) -> bool:
+    """The server has not closed ``conn`` as far as the event loop saw: after an EOF the
+    transport stops reading, so a command sent on it would wait for its deadline."""
+    stream: asyncio.StreamReader | None = getattr(conn, "_reader", None)
+    writer: asyncio.StreamWriter | None = getattr(conn, "_writer", None)
+    if stream is None or writer is None:
+        return False
+    return not (stream.at_eof() or stream.exception() is not None or writer.transport.is_closing())
 
 
 async def _drop(conn: AbstractConnection) -> None:
