@@ -18,7 +18,8 @@ import pytest
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult, Move
+from tieredkv.metrics.specs import Count
+from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult, Move, Tier
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 
@@ -370,19 +371,28 @@ class Clock:
         return self.now
 
 
-def test_the_cost_model_weighs_a_tail_that_ends_past_the_chunk_aligned_limit():
-    """A hybrid tail in the prompt's last chunk ends past the last chunk boundary before the
-    prompt's end: recomputing what the hit covers costs its tokens up to the tail's end, not to
-    that boundary. Reads predicted at 2.64 ms (2.2 ms and the 20 % margin) for the 176 tokens a
-    2.75 ms recompute would take: taken (weighed against 128 tokens, 2 ms, it was declined)."""
+def on_slow_disk(tail_blocks: int, hybrid: bool = True) -> tuple[Planner, list[int]]:
+    """A planner whose disk alone holds a prompt of 2 chunks and a ``tail_blocks`` tail
+    (and 5 tokens): its reads are predicted at 2.64 ms (2.2 ms and the 20 % margin), and the
+    engine prefills 64,000 tokens/s (a block recomputes in 0.25 ms). ``hybrid=False``: a
+    one-group model (its partial hits end at any block an entry holds)."""
     clock = Clock()
     config = TieredKVConfig.from_dict({"chunk_blocks": C})
     planner = Planner(config, block_size=BLOCK, num_host_slots=3, num_disk_slots=8,
-                      world_size=1, slot_rows=rows(2), clock=clock)
-    turn1 = prompt(2 * C + 3, 5)
-    compute(planner, "t1", turn1)
+                      world_size=1, slot_rows=rows(2) if hybrid else None, clock=clock)
+
+    def store(req: str, tokens: list[int]) -> None:
+        if hybrid:
+            compute(planner, req, tokens)
+            return
+        planner.set_block_ids(req, list(range(100, 100 + len(tokens) // BLOCK)), replace=True)
+        planner.plan_stores(req, keys(tokens), len(tokens), tail=True)
+        done(planner, Move.STORE)
+
+    turn1 = prompt(2 * C + tail_blocks, 5)
+    store("t1", turn1)
     assert len(done(planner, Move.SPILL)) == 3
-    compute(planner, "x", prompt(3 * C, 1, seed=7))  # evicts them from host
+    store("x", prompt(3 * C, 1, seed=7))  # evicts them from host
     done(planner, Move.SPILL)
     cost = planner.cost
     for round_ in range(3):  # disk: 3 rounds of 3 chunks, 2.2 ms each
@@ -395,11 +405,36 @@ def test_the_cost_model_weighs_a_tail_that_ends_past_the_chunk_aligned_limit():
         cost.step_scheduled(640)
         clock.now += 0.01
         cost.step_done()
+    return planner, turn1
+
+
+DECLINED_DISK = (Count.HITS_DECLINED_SLOWER, Tier.DISK)
+
+
+def test_the_cost_model_weighs_a_tail_that_ends_past_the_chunk_aligned_limit():
+    """A hybrid tail in the prompt's last chunk ends past the last chunk boundary before the
+    prompt's end: recomputing what the hit covers costs its tokens up to the tail's end, not to
+    that boundary. Reads predicted at 2.64 ms for the 176 tokens a 2.75 ms recompute would
+    take: taken (weighed against 128 tokens, 2 ms, it was declined)."""
+    planner, turn1 = on_slow_disk(3)
     turn2 = turn1 + [90_000 + i for i in range(8)]  # its last chunk boundary: 128
     assert planner.lookup("t2", keys(turn2), 0, len(turn2)) is None  # promoting
     assert len(done(planner, Move.PROMOTE)) == 3
     assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == (2 * C + 3) * BLOCK
-    assert planner.counters["hits_declined_slower", "disk"] == 0
+    assert planner.counters[DECLINED_DISK] == 0
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "one_group"])
+@pytest.mark.parametrize("more", [8, 200])
+def test_a_tail_read_slower_than_recomputing_what_it_covers_is_declined(more: int, hybrid: bool):
+    """A tail ending the hit at 144 tokens (2.25 ms to recompute) read in 2.64 ms: declined,
+    however long the prompt goes on. Weighed up to its chunk's end (192 tokens, 3 ms, once
+    the prompt passes it), it was taken: a hit slower than a miss."""
+    planner, turn1 = on_slow_disk(1, hybrid)
+    turn2 = turn1 + [90_000 + i for i in range(more)]
+    assert planner.lookup("t2", keys(turn2), 0, len(turn2)) == 0
+    assert planner.counters[DECLINED_DISK] == 1
+    assert planner.counters[Count.HIT_TOKENS, Tier.DISK] == 0
 
 
 def test_lookup_tokens_count_what_a_hybrid_hit_could_cover():

@@ -222,9 +222,13 @@ class Lookup:
             run.append(partial_key)
             remote_chunks.append(partial_key)
         if self._cost is not None and (lower_chunks or remote_chunks):
+            # Weighed against recomputing up to where the hit would end: a tail's own end (a
+            # hybrid one may pass limit), not its chunk's, which could make a slow read pay.
+            run_end = (min(((first + len(run) - 1) * self.chunk_blocks + partial_blocks)
+                           * self.block_size, block_limit) if partial_key is not None else limit)
             run, lower_chunks, remote_chunks, partial_key = self._affordable(
                 state, run, lower_chunks, remote_chunks, partial_key, first,
-                num_computed_tokens, block_limit, request_keys)  # a hybrid tail may pass limit
+                num_computed_tokens, run_end, request_keys)
         timed_out = False
         if state.promote_deadline or lower_chunks or pending or remote_chunks:
             now = time.monotonic()
