@@ -192,6 +192,21 @@ def test_a_counter_that_is_not_declared_cannot_be_counted() -> None:
     assert counts.snapshot() == {"lookups": 2, "hit_tokens": {"disk": 64}}
 
 
+def test_reading_a_counter_that_is_not_declared_raises() -> None:
+    """A misspelled counter read 0 (Counter's default), so an assertion on it could never
+    fail: reading any key that no :class:`Count` declares, in its shape, names it and raises."""
+    counts = Counts()
+    for bad in ("hits_declined_slower", ("hits_declined_slower", "disk"), Count.HIT_TOKENS,
+                (Count.LOOKUPS, "disk"), (Count.HIT_TOKENS,), ("hit_tokens", 3)):
+        with pytest.raises(KeyError, match="not a declared counter") as raised:
+            counts[bad]  # noqa: B018 (the read is the test)
+        assert repr(bad) in str(raised.value)
+    assert counts[Count.LOOKUPS] == 0 and counts["lookups"] == 0  # declared, never counted
+    assert counts[Count.HITS_DECLINED_SLOWER, Tier.DISK] == 0
+    assert counts["hits_declined_slower_than_recompute", "disk"] == 0
+    assert not counts  # reading counts nothing
+
+
 def test_every_declared_counter_feeds_a_counter_metric() -> None:
     assert set(COUNT_ROUTES) == set(Count)
     for count, route in COUNT_ROUTES.items():

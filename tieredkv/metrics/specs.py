@@ -382,19 +382,38 @@ ADMISSION_REJECTED: dict[Tier, Count] = {Tier.DISK: Count.DISK_ADMISSION_REJECTE
 CountKey = Count | tuple[Count, str]
 
 
+def _declared(key: object, by_value: bool = False) -> bool:
+    """Whether ``key`` is a declared counter in its shape; ``by_value``: a plain str naming
+    a :class:`Count` counts as that Count (reads may use names; counting must use Counts)."""
+    count, label = (key if len(key) == 2 else (None, None)) if isinstance(key, tuple) else (key, None)
+    if by_value and isinstance(count, str) and not isinstance(count, Count):
+        count = next((c for c in Count if c.value == count), None)
+    if not isinstance(count, Count):
+        return False
+    if isinstance(key, tuple):
+        return isinstance(label, str) and COUNT_ROUTES[count].by
+    return not COUNT_ROUTES[count].by
+
+
+def _undeclared(key: object) -> KeyError:
+    return KeyError(f"tieredkv: {key!r} is not a declared counter (metrics/specs.py Count)")
+
+
 class Counts(Counter):
     """The scheduler's counters: keyed by a :class:`Count`, or ``(count, label)`` for one
-    counted by tier or cause. Any other key raises, so every counter has a metric."""
+    counted by tier or cause. Any other key raises, counted or read (a misspelled counter
+    read as 0 would make an assertion on it unable to fail), so every counter has a metric."""
 
     def __setitem__(self, key: CountKey, value: int) -> None:
-        if isinstance(key, tuple):
-            count, label = key if len(key) == 2 else (None, None)
-            ok = isinstance(count, Count) and isinstance(label, str) and COUNT_ROUTES[count].by
-        else:
-            ok = isinstance(key, Count) and not COUNT_ROUTES[key].by
-        if not ok:
-            raise KeyError(f"tieredkv: {key!r} is not a declared counter (metrics/specs.py Count)")
+        if not _declared(key):
+            raise _undeclared(key)
         super().__setitem__(key, value)
+
+    def __missing__(self, key: object) -> int:
+        """0 for a declared counter never counted; any other key raises."""
+        if not _declared(key, by_value=True):
+            raise _undeclared(key)
+        return 0
 
     def update(self, other: Mapping[CountKey, int] | None = None, /,  # type: ignore[override]
                **kwargs: int) -> None:
