@@ -80,3 +80,13 @@ async def await_up(store: RemoteStore, timeout_s: float) -> bool:
     while not store.up and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     return store.up
+
+
+async def read_command(reader: asyncio.StreamReader) -> list[bytes]:
+    """One RESP array of bulk strings (what redis-py sends): for fake servers in tests."""
+    count = int((await reader.readuntil(b"\r\n"))[1:-2])
+    parts = []
+    for _ in range(count):
+        size = int((await reader.readuntil(b"\r\n"))[1:-2])
+        parts.append((await reader.readexactly(size + 2))[:-2])
+    return parts

@@ -22,7 +22,7 @@ import pytest
 from redis import exceptions as rex
 from redis.asyncio import Redis
 
-from tests.remote.remote_helpers import RedisClusterProcs, RedisServer, chunk_items
+from tests.remote.remote_helpers import RedisClusterProcs, RedisServer, chunk_items, read_command
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.bounded_read import read_bounded
 from tieredkv.remote.store import Head
@@ -94,11 +94,7 @@ def _padded_header_server(value: bytes) -> Callable[..., Awaitable[None]]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                count = int((await reader.readuntil(b"\r\n"))[1:-2])
-                parts = []
-                for _ in range(count):
-                    size = int((await reader.readuntil(b"\r\n"))[1:-2])
-                    parts.append((await reader.readexactly(size + 2))[:-2])
+                parts = await read_command(reader)
                 if parts[0].upper() == b"GETRANGE":
                     writer.write(b"$" + b"0" * 60 + b"%d\r\n%s\r\n" % (len(value), value))
                 else:

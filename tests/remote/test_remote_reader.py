@@ -15,22 +15,12 @@ from typing import Any
 import pytest
 from redis.asyncio import RedisCluster
 
-from tests.remote.remote_helpers import RedisClusterProcs, chunk_items
+from tests.remote.remote_helpers import RedisClusterProcs, chunk_items, read_command
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.store import Head
 
 OpenStore = Callable[..., Awaitable[Any]]
 HUGE = 1 << 40  # announced, never sent: a reader that believed it would wait or allocate
-
-
-async def _command(reader: asyncio.StreamReader) -> list[bytes]:
-    """One RESP array of bulk strings (what redis-py sends)."""
-    count = int((await reader.readuntil(b"\r\n"))[1:-2])
-    parts = []
-    for _ in range(count):
-        size = int((await reader.readuntil(b"\r\n"))[1:-2])
-        parts.append((await reader.readexactly(size + 2))[:-2])
-    return parts
 
 
 def _server(answer: bytes, *, close: bool = False) -> Callable[..., Awaitable[None]]:
@@ -39,7 +29,7 @@ def _server(answer: bytes, *, close: bool = False) -> Callable[..., Awaitable[No
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                name = (await _command(reader))[0].upper()
+                name = (await read_command(reader))[0].upper()
                 if name in (b"GETRANGE", b"EXISTS"):
                     writer.write(answer)
                     await writer.drain()
@@ -133,7 +123,7 @@ def _answering(replies: bytes, piece: int) -> Callable[..., Awaitable[None]]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                name = (await _command(reader))[0].upper()
+                name = (await read_command(reader))[0].upper()
                 if name != b"GETRANGE":
                     writer.write(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
                     await writer.drain()
