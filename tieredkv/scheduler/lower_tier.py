@@ -331,6 +331,25 @@ class Fill:
 
     # ------------------------------------------------------------------ sources of a partial chunk
 
+    def _usable_blocks(
+        self, keys, chunk: int, num_computed_tokens: int, limit: int
+    ) -> tuple[int, int, int, bytes] | None:
+        """``(base, lo, hi, first key)``: the blocks ``lo..hi`` of ``chunk`` a partial hit of
+        this request could end after (past what it computed, before ``limit`` and the chunk's
+        end), when some tier holds the first of them; None when no entry can serve (a miss
+        costs one key and a dict probe per tier)."""
+        C, bs = self.chunk_blocks, self.block_size
+        base = chunk * C
+        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
+        lo = max(1, num_computed_tokens // bs - base + 1)
+        if lo > hi:
+            return None
+        first_key = keys.block_key(base + lo - 1)
+        lower = self.lower
+        if not self.host.holds(first_key) and (lower is None or not lower.holds(first_key)):
+            return None
+        return base, lo, hi, first_key
+
     def partial_source(
         self, keys, chunk: int, num_computed_tokens: int, limit: int
     ) -> tuple[bytes, str, int] | None:
@@ -343,19 +362,12 @@ class Fill:
         probe per tier); the last one a repeated prompt (its own tail); a binary search
         between them anything else.
         """
-        C, bs = self.chunk_blocks, self.block_size
-        base = chunk * C
-        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
-        lo = num_computed_tokens // bs - base + 1
-        if lo < 1:
-            lo = 1
-        if lo > hi:
+        span = self._usable_blocks(keys, chunk, num_computed_tokens, limit)
+        if span is None:
             return None
+        base, lo, hi, first_key = span
         block_key = keys.block_key
-        first_key = block_key(base + lo - 1)
-        host, lower = self.host, self.lower
-        if not host.holds(first_key) and (lower is None or not lower.holds(first_key)):
-            return None
+        host = self.host
         source = self.block_source
         if hi > lo:
             key = block_key(base + hi - 1)
@@ -385,16 +397,11 @@ class Fill:
         ends by ``limit`` and past ``num_computed_tokens``, as ``(key, HOST | PENDING | LOWER,
         blocks)``, or None. Only an entry's own end serves a hit (its sliding rows end there),
         so each end is probed (no entry holds the first usable block: one probe, a miss)."""
-        C, bs = self.chunk_blocks, self.block_size
-        base = chunk * C
-        hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
-        lo = max(1, num_computed_tokens // bs - base + 1)
-        if lo > hi:
+        span = self._usable_blocks(keys, chunk, num_computed_tokens, limit)
+        if span is None:
             return None
+        base, lo, hi, _ = span
         host, lower = self.host, self.lower
-        first_key = keys.block_key(base + lo - 1)
-        if not host.holds(first_key) and (lower is None or not lower.holds(first_key)):
-            return None
         for n in range(hi, lo - 1, -1):
             key = keys.block_key(base + n - 1)
             for tier, kind in ((host, HOST), (lower, LOWER)):
