@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tieredkv"
 # Floors, lowest first. A part may import parts on strictly lower floors (and itself).
 FLOORS: dict[str, int] = {
     "protocol": 0, "remote_url": 0,
-    "config": 1, "keys": 1, "kv_groups": 1,
+    "config": 1, "keys": 1,
     "disk": 2, "metrics": 2,
     "remote": 3,
     "transfer": 4,

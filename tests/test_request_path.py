@@ -31,8 +31,7 @@ from tieredkv.disk.format import rank_lock_name, slab_path, slot_counts
 from tieredkv.disk.private_files import DiskLock
 from tieredkv.disk.slab import SlabFile
 from tieredkv.keys import LazyChunkKeys, Namespace
-from tieredkv.kv_groups import FULL, KVGroup, SlotRows
-from tieredkv.protocol import Job, JobResult, Move, StepPlan, merge_results
+from tieredkv.protocol import FULL, Job, JobResult, KVGroup, Move, SlotRows, StepPlan, merge_results
 from tieredkv.scheduler.planner import Planner
 from tieredkv.transfer.backends.base import select_backend
 from tieredkv.transfer.engine import TransferEngine
@@ -275,7 +274,7 @@ def test_architecture_states_the_count_of_its_list() -> None:
     assert f"**{len(listed)} modules**" in section, f"the list has {len(listed)} modules"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 32 modules today "
+@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 31 modules today "
                    "(the goal is at most 30); once it holds, XPASS fails: remove this mark")
 def test_the_path_passes_through_at_most_30_modules() -> None:
     listed = documented_path()

@@ -15,10 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.metrics.exporter import build_exporter_metrics
 from tieredkv.metrics.specs import COUNT_ROUTES, COUNTER, METRIC_SPECS, Count, Counts, route_counter
-from tieredkv.protocol import FailureCause, JobResult, Move, Tier
+from tieredkv.protocol import FULL, SLIDING, FailureCause, JobResult, KVGroup, Move, SlotRows, Tier
 from tieredkv.remote.results import BatchResult
 from tieredkv.scheduler.planner import Planner
 from tieredkv.scheduler.remote_tier import RemoteProbe, RemoteTier

@@ -17,9 +17,18 @@ import pytest
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
 from tieredkv.metrics.specs import Count
-from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult, Move, Tier
+from tieredkv.protocol import (
+    FULL,
+    NO_BLOCK,
+    SLIDING,
+    FailureCause,
+    JobResult,
+    KVGroup,
+    Move,
+    SlotRows,
+    Tier,
+)
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 

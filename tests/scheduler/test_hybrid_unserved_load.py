@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import NO_BLOCK, FailureCause, JobResult, Move
+from tieredkv.protocol import (
+    FULL,
+    NO_BLOCK,
+    SLIDING,
+    FailureCause,
+    JobResult,
+    KVGroup,
+    Move,
+    SlotRows,
+)
 from tieredkv.scheduler.planner import Planner
 from tieredkv.testing.hashing import sha256_block_hashes
 

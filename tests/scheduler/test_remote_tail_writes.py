@@ -21,8 +21,7 @@ from tests.scheduler.test_planner import BLOCK, CHUNK_BLOCKS, CHUNK_TOKENS, FP, 
 from tests.transfer.transfer_helpers import drain, layout_caches, run_step
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
-from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import FailureCause, Job, JobResult
+from tieredkv.protocol import FULL, SLIDING, FailureCause, Job, JobResult, KVGroup, SlotRows
 from tieredkv.remote.codec import Verified, decode, value_bytes
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url

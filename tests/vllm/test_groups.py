@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
-from tieredkv.protocol import NO_BLOCK
+from tieredkv.protocol import FULL, NO_BLOCK, SLIDING, KVGroup, SlotRows
 from tieredkv.vllm.groups import group_geometry
 
 H = NO_BLOCK

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Counts
-from tieredkv.protocol import JobResult, Move, StepPlan
+from tieredkv.protocol import JobResult, Move, SlotRows, StepPlan
 from tieredkv.scheduler.tier_index import TierIndex
 
 if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) imports this

@@ -25,9 +25,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from tieredkv.kv_groups import FULL
 from tieredkv.metrics.specs import ADMISSION_REJECTED, Count, Counts
-from tieredkv.protocol import FailureCause, Job, JobResult, Move, Tier
+from tieredkv.protocol import FULL, FailureCause, Job, JobResult, Move, Tier
 from tieredkv.scheduler.ledger import JobRecord, PlannerParts, RequestState
 from tieredkv.scheduler.tier_index import Placement, TierIndex
 

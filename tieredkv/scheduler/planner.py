@@ -40,9 +40,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tieredkv.config import TieredKVConfig
-from tieredkv.kv_groups import SlotRows
 from tieredkv.metrics.specs import Count, CountKey, Counts
-from tieredkv.protocol import JobResult, Move, StepPlan, Tier
+from tieredkv.protocol import JobResult, Move, SlotRows, StepPlan, Tier
 from tieredkv.scheduler.ledger import HitEpoch, JobLedger, PlannerParts, RequestTable
 from tieredkv.scheduler.lookup import Lookup
 from tieredkv.scheduler.lower_tier import DiskTier, Fill

@@ -27,7 +27,7 @@ from typing import Any
 
 from tieredkv.config import ConfigError, TieredKVConfig, format_size
 from tieredkv.keys import Namespace
-from tieredkv.kv_groups import SlotRows
+from tieredkv.protocol import SlotRows
 from tieredkv.vllm.groups import group_geometry
 
 logger = logging.getLogger(__name__)

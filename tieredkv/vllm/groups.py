@@ -1,4 +1,4 @@
-"""vLLM's KV-cache groups -> a :class:`~tieredkv.kv_groups.SlotRows`, or a refusal that says why.
+"""vLLM's KV-cache groups -> a :class:`~tieredkv.protocol.SlotRows`, or a refusal that says why.
 
 tieredkv serves full-attention groups (every block) and sliding-window groups (the blocks a
 hit ending at an entry's end needs: a chunk boundary, or where a stored prompt ended). It stores a block's KV under a key of the block's
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tieredkv.kv_groups import FULL, SLIDING, KVGroup, SlotRows
+from tieredkv.protocol import FULL, SLIDING, KVGroup, SlotRows
 
 _WHAT_TO_DO = "remove --kv-transfer-config for this model (or serve it without tieredkv)"
 # Speculative methods whose drafter writes KV from the target's hidden state and the *next*
