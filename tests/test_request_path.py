@@ -58,7 +58,7 @@ NAMESPACE = Namespace(model="request-path", dtype="bfloat16", kv_layout="LBHNC",
                       block_size=BLOCK, chunk_blocks=CHUNK_BLOCKS, num_layers=LAYERS,
                       num_kv_heads=HEADS, head_size=CONTENT // 2)
 FP = NAMESPACE.fingerprint()
-SLOT_ROWS = SlotRows((KVGroup(FULL),), CHUNK_BLOCKS)  # vllm/groups.py's answer for one group
+SLOT_ROWS = SlotRows((KVGroup(FULL),), CHUNK_BLOCKS)  # vllm/geometry.py's answer for one group
 
 
 # ---------------------------------------------------------------------------- the trace
@@ -274,8 +274,6 @@ def test_architecture_states_the_count_of_its_list() -> None:
     assert f"**{len(listed)} modules**" in section, f"the list has {len(listed)} modules"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 is open: the path runs through 31 modules today "
-                   "(the goal is at most 30); once it holds, XPASS fails: remove this mark")
 def test_the_path_passes_through_at_most_30_modules() -> None:
     listed = documented_path()
     assert len(listed) <= MAX_MODULES, f"{len(listed)} modules on the path: {listed}"

@@ -386,6 +386,46 @@ class TieredKVConfig:
     def disk_bytes_per_rank(self, world_size: int) -> int:
         return self.disk_bytes // max(1, world_size)
 
+    def check_remote_value(self, payload_bytes: int, header_bytes: int) -> None:
+        """Refuse a ``remote_write_queue_bytes`` smaller than one chunk's value (every write
+        dropped). A value's size (one rank's KV of a chunk plus the codec's header) is known
+        only once the model is: both halves call this then."""
+        if not (self.has_remote and self.remote_writes):
+            return
+        value_bytes = payload_bytes + header_bytes
+        if self.remote_write_queue_bytes < value_bytes:
+            raise ConfigError(
+                "remote_write_queue_bytes",
+                f"smaller than one chunk's value ({format_size(value_bytes)}, {value_bytes} bytes: "
+                f"the chunk's KV on one rank and a {header_bytes}-byte header), so every write to "
+                f"the remote tier would be dropped; set it to several values (e.g. "
+                f"{format_size(8 * value_bytes)}), lower chunk_blocks, or set remote_writes: false",
+                value=self.remote_write_queue_bytes,
+            )
+
+    def forgeable_hash_warning(self, hash_algo: str, collision_resistant: bool, stable: bool) -> str | None:
+        """Why keys of a tier that outlives the process are forgeable under ``hash_algo``, or None.
+
+        tieredkv keys chunks by vLLM's block hashes. A non-cryptographic algorithm is only safe
+        while its seed is secret and random per process (vLLM's default without PYTHONHASHSEED;
+        tieredkv then keeps the disk tier and Redis to this process). With PYTHONHASHSEED set
+        (``stable``) the seed is shared: a prompt whose block hashes collide with another's
+        can be computed offline, and the disk tier (across restarts) and Redis (for every
+        replica) keep what it stores. Accepted, since the operator chose it, but said loudly.
+        """
+        if collision_resistant or not stable or not (self.has_disk or self.has_remote):
+            return None
+        tiers = " and ".join(name for name, on in (("disk", self.has_disk), ("remote (Redis)", self.has_remote)) if on)
+        return (
+            f"tieredkv: prefix_caching_hash_algo={hash_algo} is not collision resistant, and with "
+            "PYTHONHASHSEED set its seed is fixed and predictable, so colliding prompts can be "
+            "precomputed offline (vLLM keeps a random seed for this algorithm for that reason); "
+            f"the {tiers} tier keeps these keys beyond this process (on disk across restarts, in "
+            "Redis for every replica), so a prompt forged to collide with another can be served "
+            "the other's KV, or make others be served its own. Use --prefix-caching-hash-algo "
+            "sha256 (or sha256_cbor) where tenants do not trust each other"
+        )
+
 
 def _parse_remote(extra: dict[str, Any]) -> dict[str, Any]:
     """The ``remote_*`` keys; every one but ``remote_url`` needs ``remote_url`` set.

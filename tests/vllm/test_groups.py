@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tieredkv.protocol import FULL, NO_BLOCK, SLIDING, KVGroup, SlotRows
-from tieredkv.vllm.groups import group_geometry
+from tieredkv.vllm.geometry import group_geometry
 
 H = NO_BLOCK
 

@@ -334,7 +334,7 @@ def test_hybrid_groups_announce_what_each_serves_with_vllms_group_index():
     """A sliding-window group announces only the blocks of a chunk a hit needs (its window at
     the chunk's end); a full-attention group every block; each with its group index."""
     from tests.vllm.test_groups import _config, _spec
-    from tieredkv.vllm.groups import group_geometry
+    from tieredkv.vllm.geometry import group_geometry
 
     config = _config(_spec("sliding", window=64, block_size=BLOCK), _spec("full", block_size=BLOCK))
     slot_rows = group_geometry(config, chunk_blocks=4).slot_rows
@@ -361,7 +361,7 @@ def test_a_hybrid_prompts_tail_announces_the_window_before_its_end():
     tail's end, not before the chunk's: those are the blocks it announces (a one-block tail
     with a two-block window: its one block)."""
     from tests.vllm.test_groups import _config, _spec
-    from tieredkv.vllm.groups import group_geometry
+    from tieredkv.vllm.geometry import group_geometry
 
     config = _config(_spec("sliding", window=64, block_size=BLOCK), _spec("full", block_size=BLOCK))
     groups = event_groups(config, group_geometry(config, chunk_blocks=4).slot_rows)
