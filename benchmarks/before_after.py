@@ -11,7 +11,13 @@ load hits both sides alike.
     python -m benchmarks.before_after --before f31e8db            # scheduler_bench + e2e_ttft
     python -m benchmarks.before_after --before f31e8db --only scheduler_bench
 
-Writes ``benchmarks/results/before_after.{json,md}``.
+Each table ends with its verdict: the geometric mean of the rows' after/before ratios
+against the noise measured in the same sitting (with ``--rounds 2``, how far each side's two
+runs of a row lie apart; with one round, the interquartile range of a row's own samples,
+where the benchmark keeps them). "no slower" holds when that mean is at most 1 + the median
+row noise; every row slower beyond its own noise is named either way.
+
+Writes ``benchmarks/results/<--out>.{json,md}`` (default ``before_after``).
 """
 
 from __future__ import annotations
@@ -94,6 +100,51 @@ def _merge(runs: list[dict[str, Any]], rows: Callable[[dict[str, Any]], dict[str
     return {key: statistics.median(values) for key, values in per_row.items()}
 
 
+def _rel_spread(values: list[float]) -> float | None:
+    """(max - min) / median of two runs, or the interquartile range / median of samples."""
+    if len(values) < 2 or statistics.median(values) <= 0:
+        return None
+    mid = statistics.median(values)
+    if len(values) < 4:
+        return (max(values) - min(values)) / mid
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / mid
+
+
+def noise(runs: dict[str, list[dict[str, Any]]], rows: Callable[[dict[str, Any]], dict[str, float]],
+          samples: Callable[[dict[str, Any]], dict[str, list[float]]]) -> dict[str, float]:
+    """Each row's relative noise in this sitting: the larger of the two sides' spreads, from
+    their runs when each side ran twice, else from the row's own samples (rows without
+    either are left out)."""
+    out: dict[str, float] = {}
+    for key in rows(runs["before"][0]):
+        spreads: list[float] = []
+        for side in ("before", "after"):
+            if len(runs[side]) > 1:
+                spread = _rel_spread([rows(run).get(key, 0.0) for run in runs[side]])
+            else:
+                spread = _rel_spread(samples(runs[side][0]).get(key, []))
+            if spread is not None:
+                spreads.append(spread)
+        if len(spreads) == 2:
+            out[key] = max(spreads)
+    return out
+
+
+def verdict(table: dict[str, Any]) -> dict[str, Any]:
+    """Geometric mean of after/before over the rows both sides have, the median row noise,
+    the rows slower than their own noise, and whether the after side is no slower."""
+    before, after, row_noise = table["before"], table["after"], table.get("noise", {})
+    ratios = {k: after[k] / b for k, b in before.items() if b > 0 and after.get(k) is not None}
+    if not ratios:
+        return {"geomean": None, "noise": None, "slower_rows": [], "no_slower": False}
+    geomean = statistics.geometric_mean(ratios.values())
+    typical = statistics.median(row_noise.values()) if row_noise else 0.0
+    slower = sorted(k for k, r in ratios.items() if k in row_noise and r > 1 + row_noise[k])
+    return {"geomean": geomean, "noise": typical, "slower_rows": slower,
+            "no_slower": geomean <= 1 + typical}
+
+
 def scheduler_rows(data: dict[str, Any]) -> dict[str, float]:
     return {f"{r['operation']} @ {r['size_label']}": r["tieredkv_median_us"] for r in data["rows"]}
 
@@ -106,7 +157,16 @@ def e2e_rows(data: dict[str, Any]) -> dict[str, float]:
     return rows
 
 
-ROWS = {"scheduler_bench": (scheduler_rows, "µs"), "e2e_ttft": (e2e_rows, "")}
+def no_samples(data: dict[str, Any]) -> dict[str, list[float]]:
+    return {}
+
+
+def e2e_samples(data: dict[str, Any]) -> dict[str, list[float]]:
+    """Each TTFT row's own measured hits (the ratio rows have none)."""
+    return {f"TTFT {name} (median s)": list(row.get("samples_s") or []) for name, row in data["rows"].items()}
+
+
+ROWS = {"scheduler_bench": (scheduler_rows, "µs", no_samples), "e2e_ttft": (e2e_rows, "", e2e_samples)}
 
 
 def render(before: str, after: str, tables: dict[str, dict[str, Any]]) -> str:
@@ -122,11 +182,22 @@ def render(before: str, after: str, tables: dict[str, dict[str, Any]]) -> str:
         unit = ROWS[name][1]
         lines += [f"## {name}", "", f"| row | before{' ' + unit if unit else ''} | after | after / before |",
                   "|---|---:|---:|---:|"]
+        row_noise = table.get("noise", {})
         for key, b in table["before"].items():
             a = table["after"].get(key)
             ratio = f"{a / b:.2f}" if a is not None and b else "—"
-            lines.append(f"| {key} | {b:.4g} | {a:.4g} | {ratio} |" if a is not None else f"| {key} | {b:.4g} | — | — |")
+            spread = f" (noise ±{row_noise[key]:.2f})" if key in row_noise else ""
+            lines.append(f"| {key} | {b:.4g} | {a:.4g} | {ratio}{spread} |" if a is not None else f"| {key} | {b:.4g} | — | — |")
+        judged = verdict(table)
         lines.append("")
+        if judged["geomean"] is None:
+            lines += ["**Verdict: not judged** (no row on both sides).", ""]
+            continue
+        word = "no slower" if judged["no_slower"] else "SLOWER"
+        lines.append(f"**Verdict: {word}.** Geometric mean of after / before over the rows: "
+                     f"{judged['geomean']:.3f}; target ≤ 1 + median row noise = {1 + judged['noise']:.3f}.")
+        slower = judged["slower_rows"]
+        lines += [f"Rows slower beyond their own noise: {', '.join(slower) if slower else 'none'}.", ""]
     return "\n".join(lines)
 
 
@@ -137,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=BENCHMARKS, action="append", help="run only these")
     parser.add_argument("--rounds", type=int, default=1, choices=(1, 2),
                         help="2: ABBA order, median of two runs per side")
+    parser.add_argument("--out", default="before_after",
+                        help="results file name under benchmarks/results/ (no suffix)")
     args = parser.parse_args(argv)
     names = args.only or list(BENCHMARKS)
     load_before = os.getloadavg()
@@ -151,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                 for i, side in enumerate(order):
                     print(f"{name}: {side} ({i + 1}/{len(order)})", flush=True)
                     runs[side].append(run_one(trees[side], name, parent / f"out-{side}-{i}"))
-                rows = ROWS[name][0]
-                tables[name] = {"rounds": len(runs["before"]),
+                rows, _, samples = ROWS[name]
+                tables[name] = {"rounds": len(runs["before"]), "noise": noise(runs, rows, samples),
                                 "before": _merge(runs["before"], rows), "after": _merge(runs["after"], rows)}
+                tables[name]["verdict"] = verdict(tables[name])
         finally:
             for tree in trees.values():
                 _git("worktree", "remove", "--force", str(tree))
@@ -161,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     text = render(before, after, tables)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "before_after.md").write_text(text + "\n")
-    (RESULTS / "before_after.json").write_text(json.dumps({
+    (RESULTS / f"{args.out}.md").write_text(text + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps({
         "before": before, "after": after, "machine": machine_info(),
         "load_average_start": load_before, "load_average_end": os.getloadavg(), "tables": tables,
     }, indent=1) + "\n")
-    return 0
+    return 0 if all(t["verdict"]["no_slower"] for t in tables.values()) else 1
 
 
 if __name__ == "__main__":

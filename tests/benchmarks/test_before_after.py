@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import before_after
 
 
@@ -30,3 +32,37 @@ def test_e2e_rows_take_each_configs_median_and_each_verdicts_ratio() -> None:
             "verdicts": [{"target": "host hit <= 1.3 x floor", "worse_ratio": 1.04}]}
     assert before_after.e2e_rows(data) == {
         "TTFT recompute (median s)": 1.5, "host hit <= 1.3 x floor (worse-of ratio)": 1.04}
+
+
+def _scheduler_run(value: float) -> dict:
+    return {"rows": [{"operation": "lookup", "size_label": "1k", "tieredkv_median_us": value}]}
+
+
+def test_two_rounds_measure_each_rows_noise_from_its_two_runs_per_side() -> None:
+    runs = {"before": [_scheduler_run(10.0), _scheduler_run(11.0)],
+            "after": [_scheduler_run(10.0), _scheduler_run(10.2)]}
+    measured = before_after.noise(runs, before_after.scheduler_rows, before_after.no_samples)
+    assert measured == {"lookup @ 1k": (11.0 - 10.0) / 10.5}  # the noisier side
+
+
+def test_one_round_takes_the_noise_from_each_rows_own_samples() -> None:
+    def run(samples: list[float]) -> dict:
+        return {"rows": {"host": {"median_s": sorted(samples)[len(samples) // 2], "samples_s": samples}},
+                "verdicts": [{"target": "host hit", "worse_ratio": 1.1}]}
+    runs = {"before": [run([1.0, 1.0, 1.1, 1.2, 1.2])], "after": [run([1.0, 1.0, 1.0, 1.0, 1.0])]}
+    measured = before_after.noise(runs, before_after.e2e_rows, before_after.e2e_samples)
+    assert set(measured) == {"TTFT host (median s)"}  # the ratio row has no samples
+    assert measured["TTFT host (median s)"] > 0.1
+
+
+def test_the_verdict_weighs_the_mean_ratio_against_the_noise_and_names_slower_rows() -> None:
+    table = {"before": {"a": 10.0, "b": 10.0, "c": 10.0}, "after": {"a": 9.0, "b": 10.0, "c": 12.0},
+             "noise": {"a": 0.05, "b": 0.05, "c": 0.05}}
+    judged = before_after.verdict(table)
+    assert judged["slower_rows"] == ["c"]  # 1.2 > 1.05
+    assert judged["geomean"] == pytest.approx((0.9 * 1.0 * 1.2) ** (1 / 3))
+    assert judged["no_slower"] is True  # 1.026 <= 1.05
+    table["after"]["b"] = 11.5
+    assert before_after.verdict(table)["no_slower"] is False
+    text = before_after.render("aaa", "bbb", {"scheduler_bench": {"rounds": 2, **table}})
+    assert "**Verdict: SLOWER.**" in text and "Rows slower beyond their own noise: b, c." in text
