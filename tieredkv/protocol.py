@@ -445,6 +445,13 @@ class SlotRows:
                 rows.append(block if block != NULL_BLOCK and self._kept(group, j, n) else NO_BLOCK)
         return tuple(rows)
 
+    def empty_rows(self, n: int | None = None) -> tuple[int, ...]:
+        """Slot rows an entry of ``n`` blocks (None: whole) never fills: they hold what the
+        slot held before, so a remote value of the whole slot carries zeros there."""
+        C, n = self.chunk_blocks, self._held(n)
+        return tuple(g * C + j for g, group in enumerate(self.groups) for j in range(C)
+                     if not self._kept(group, j, n))
+
     def sliding_blocks(self, rows: Sequence[int]) -> tuple[int, ...]:
         """The real blocks of sliding-window groups among a chunk's ``rows`` (vLLM may free
         and hand them out again while a store still reads them)."""
