@@ -73,8 +73,10 @@ class Lookup:
         if self.remote is None:
             return
         limit = (num_tokens - 1) // self.unit * self.unit
+        block_limit = (num_tokens - 1) // self.block_size * self.block_size
         last = min(len(keys), -(-limit // self.chunk_tokens))
-        tail = self._tail_keys(keys, last, limit, 0) if limit // self.chunk_tokens == last else ()
+        tail = (self._tail_keys(keys, last, block_limit, 0)
+                if limit // self.chunk_tokens == last else ())
         if last > 0 or tail:
             materialize = getattr(keys, "materialize", None)
             chunks = (materialize(last) if materialize is not None else keys)[:last]
@@ -153,8 +155,8 @@ class Lookup:
         tail: tuple[bytes, ...] = ()
         if self.remote is not None and not state.remote_done:
             if limit // self.chunk_tokens == last:  # the prompt's limit lies in the next chunk
-                tail = self._tail_keys(request_keys, last, limit, num_computed_tokens)
-            if tail and i == last and self._held_here(request_keys, limit):
+                tail = self._tail_keys(request_keys, last, block_limit, num_computed_tokens)
+            if tail and i == last and self._held_here(request_keys, block_limit):
                 tail = ()  # host or disk holds every block a hit could use: nothing to ask
         if self.remote is not None and (i < last or tail) and not state.remote_done:
             if materialize is not None:
@@ -162,9 +164,11 @@ class Lookup:
             # The probe asks from chunk 0 (as ``prefetch_remote`` did, when the request
             # arrived): its answer is the remote tier's leading run; past i it extends ours.
             found_remote = self.remote.poll(req_id, keys[:last], tail)
+            # What it could save: up to the tail's end (a hybrid tail reads a whole slot).
+            reads = last - i + bool(tail and self.slot_rows is not None)
             if found_remote is None and self._cost is not None and not (
                     self._cost.may_wait_for_probe(req_id, Tier.REMOTE,
-                                                  limit - i * self.chunk_tokens, last - i)):
+                                                  block_limit - i * self.chunk_tokens, reads)):
                 found_remote = i  # waited longer than a remote hit could save: compute the rest
                 tail = ()
             if found_remote is None:
@@ -181,8 +185,8 @@ class Lookup:
                 # another replica) may be there. One more call, once the first answered, only
                 # when Redis held chunks past host and disk (they are read anyway): a cold
                 # miss, or a prefix host or disk serve, never waits a second round trip.
-                inner = self._tail_keys(request_keys, end, limit, num_computed_tokens)
-                longest = min(limit, (end + 1) * self.chunk_tokens - self.block_size)
+                inner = self._tail_keys(request_keys, end, block_limit, num_computed_tokens)
+                longest = min(block_limit, (end + 1) * self.chunk_tokens - self.block_size)
                 if inner and not self._held_here(request_keys, longest):
                     tail_id = req_id + INNER_TAIL
                     if self.remote.poll(tail_id, keys[:end], inner) is None:
@@ -212,7 +216,12 @@ class Lookup:
                     lower_chunks.append(partial_key)
                 elif kind == PENDING:
                     pending = True
-        usable = limit // self.block_size - (i + len(remote_chunks)) * self.chunk_blocks
+        tail_base = (i + len(remote_chunks)) * self.chunk_blocks  # the chunk a remote tail is in
+        usable = block_limit // self.block_size - tail_base
+        if remote_tail is not None and self.slot_rows is not None and (
+                remote_tail[1] > usable
+                or (tail_base + remote_tail[1]) * self.block_size <= num_computed_tokens):
+            remote_tail = None  # hybrid: it serves only a hit ending at its end, past computed
         if remote_tail is not None and min(remote_tail[1], usable) > partial_blocks:
             if partial_key is not None:  # a shorter tail here: the remote one serves more
                 run.pop()
@@ -305,19 +314,31 @@ class Lookup:
                 partial_key if partial_key in kept else None)
 
     def _tail_keys(self, keys: Any, chunk: int, limit: int, computed: int) -> tuple[bytes, ...]:
-        """Where the remote tier may hold a tail of ``chunk`` (:func:`tail_keys`); none for a
-        hybrid model (Redis holds no hybrid tail: its value would be a whole slot's rows)."""
-        if self.slot_rows is not None:
+        """Where the remote tier may hold a tail of ``chunk`` that a hit ending by ``limit``
+        (a block boundary) can use (:func:`tail_keys`). Hybrid: a tail serves a hit ending
+        exactly at its end, so only the tails ending by ``limit`` and past ``computed`` (the
+        longest one every rank holds is the best; one past the limit would hide it)."""
+        if self.slot_rows is None:
+            return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size)
+        if not getattr(keys, "block_granular", False):
             return ()
-        return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size)
+        base, bs = chunk * self.chunk_blocks, self.block_size
+        end = min(limit // bs, keys.num_blocks, base + self.chunk_blocks - 1)
+        return keys.block_keys(base, end) if end > max(base, computed // bs) else ()
 
     def _held_here(self, keys: Any, end_token: int) -> bool:
         """Whether host or the lower tier holds the last block a hit ending by ``end_token``
-        could use (then its partial entry serves every block a remote tail could)."""
+        could use (then its partial entry serves every block a remote tail could). Hybrid:
+        the entry ending exactly there (a longer one lacks the window before that end)."""
         block = min(end_token, keys.num_blocks * self.block_size) // self.block_size - 1
         if block < 0:
             return False
         key = keys.block_key(block)
+        if self.slot_rows is not None:
+            blocks = block % self.chunk_blocks + 1
+            return any(tier is not None and tier.is_ready(key)
+                       and getattr(tier.get(key), "blocks", 0) == blocks
+                       for tier in (self.host, self.lower))
         if self.host.ready_holder(key) is not None:
             return True
         lower = self.lower

@@ -11,10 +11,12 @@
 * Remote writes: an entry READY in host is queued for the shared remote tier once admitted
   (``remote_admission``) and not known to be there; :meth:`Placer.plan_remote_writes` turns
   the queue into write jobs, the host copy pinned until every rank copied it out. A prompt's
-  tail goes there too (one KV-cache group): its value holds only its own rows, never the
-  rest of its slot (a previous tenant's rows, issue #23). A tail stays in Redis when a
-  longer entry of its chunk lands: Redis has no aliases, so a prompt ending at the tail
-  finds only the tail (its keys stop where it ends), never the longer entry.
+  tail goes there too: its value holds only its own rows, never the rest of its slot (a
+  previous tenant's rows, issue #23); a hybrid model's tail (its rows are not the first
+  rows of its slot) as a whole slot's value whose rows the entry does not keep are zeros.
+  A tail stays in Redis when a longer entry of its chunk lands: Redis has no aliases, so a
+  prompt ending at the tail finds only the tail (its keys stop where it ends), never the
+  longer entry (and a hybrid one lacks the tail's window).
 * Settle/supersede: an entry that becomes READY drops the shorter entries of its tier whose
   blocks it holds, or is dropped itself when a longer READY entry holds all of its blocks
   (a prompt's tail that grew leaves one copy, not two).
@@ -26,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from tieredkv.metrics.specs import ADMISSION_REJECTED, Count, Counts
-from tieredkv.protocol import FULL, FailureCause, Job, JobResult, Move, Tier
+from tieredkv.protocol import FailureCause, Job, JobResult, Move, Tier
 from tieredkv.scheduler.ledger import JobRecord, PlannerParts, RequestState
 from tieredkv.scheduler.tier_index import Placement, TierIndex
 
@@ -220,49 +222,37 @@ class Placer:
 
     def _remote_storable(self, key: bytes) -> bool:
         """Whether the host entry ``key`` can go to the remote tier: a whole chunk, or, with
-        block-granular keys and one KV-cache group, a prompt's tail (its value then holds
-        only its own rows; lookups probe tails by their last block's key).
+        block-granular keys, a prompt's tail (its value then holds only its own rows, or for
+        a hybrid model the whole slot with zeros in the rows it does not keep; lookups probe
+        tails by their last block's key).
 
         With block-granular keys an entry's aliases say how many blocks it holds, and a
         one-block tail has none, just like a whole chunk under keys that are not granular: so
         an entry without every alias is whole only once keys are known not to be granular.
-        A hybrid model's tail is never written (its rows are not the first rows of its slot),
-        nor an entry with no aliases that is not known whole: a one-block tail looks like a
-        whole chunk promoted after a restart whose disk header could not keep every alias
-        (``chunk_blocks`` above 167), which a one-row value would misname.
+        An entry with no aliases that is not known whole is never written: a one-block tail
+        looks like a whole chunk promoted after a restart whose disk header could not keep
+        every alias (``chunk_blocks`` above 167), which a one-row value would misname.
         """
         placement = self.host.get(key)
         if placement is None:
             return False
         if placement.blocks == self.chunk_blocks or self._granular is False:
             return True
-        return self._granular is True and self.slot_rows is None and bool(placement.aliases)
+        return self._granular is True and bool(placement.aliases)
 
-    @property
-    def _slot_rows(self) -> int:
-        """Rows of a whole chunk's slot: ``chunk_blocks`` per KV-cache group."""
-        return self.slot_rows.rows if self.slot_rows is not None else self.chunk_blocks
-
-    def _entry_rows(self, blocks: int) -> int:
-        """Slot rows an entry holding ``blocks`` blocks of its chunk fills, as the worker checks
-        it against the slot's rows: with block-granular keys the entry's own count (a tail's
-        value holds only those rows); without, no tail is ever stored and every entry fills
-        its slot."""
-        if not self._granular:
-            return self._slot_rows
-        return self._slot_rows * blocks // self.chunk_blocks
-
-    @property
-    def _hole_rows(self) -> tuple[int, ...]:
-        """Rows a whole chunk's store never fills (a sliding window's rows before the blocks
-        it keeps): they hold what the slot held before, so a remote value gets zeros there."""
+    def _value_rows(self, blocks: int) -> tuple[int, tuple[int, ...]]:
+        """``(rows, holes)`` of the remote value of an entry holding ``blocks`` blocks of its
+        chunk, as the worker checks them against the slot's rows. One group: the entry's own
+        rows (a tail's value holds only those; keys that are not block-granular store no
+        tail, so every entry fills its slot). Hybrid: always the whole slot, its rows the
+        entry does not keep (a sliding window's rows before its blocks; a tail's rows past
+        its end) as ``holes``, which the worker writes as zeros, never as what the slot held
+        before (a tail's hybrid value costs a whole chunk's bytes in Redis)."""
         slot_rows, C = self.slot_rows, self.chunk_blocks
-        if slot_rows is None:
-            return ()
-        return tuple(
-            g * C + j for g, group in enumerate(slot_rows.groups) if group.kind != FULL
-            for j in range(C - group.window_blocks)
-        )
+        if slot_rows is not None:
+            held = blocks if self._granular and blocks < C else None
+            return slot_rows.rows, slot_rows.empty_rows(held)
+        return (blocks if self._granular else C), ()
 
     def plan_remote_writes(self) -> None:
         """Turn queued remote writes into jobs (in this step's plan); the host copy is pinned
@@ -277,10 +267,9 @@ class Placer:
             host.pin(key)
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(Move.REMOTE_WRITE, (key,), None)
+            rows, holes = self._value_rows(placement.blocks)
             self._ledger.plan.jobs.append(
-                Job.remote_write(job_id, key, placement.slot,
-                                 rows=self._entry_rows(placement.blocks), holes=self._hole_rows)
-            )
+                Job.remote_write(job_id, key, placement.slot, rows=rows, holes=holes))
 
     def complete_remote_write(self, job: JobRecord, outcome: JobResult) -> None:
         (key,) = job.keys

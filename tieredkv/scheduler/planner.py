@@ -111,6 +111,8 @@ class Planner:
             self.lower = disk
         self.remote = remote
         self.slot_rows = slot_rows if slot_rows is not None and slot_rows.hybrid else None
+        if remote is not None:  # a hybrid tail's value is a whole slot (placement.py)
+            remote.whole_slot_tails = self.slot_rows is not None
         # The cost model (scheduler/policies.py) declines a lower tier's hit predicted slower
         # than recomputing it. ``chunk_bytes``: one chunk, all ranks (0: unknown; bandwidth in
         # chunks/s); ``clock``: its clock (tests pass a fake one).

@@ -38,7 +38,10 @@ A prompt's tail: a prompt that ends inside a chunk may find its last blocks in R
 tail entry, keyed by its last block's key (chunk keys are the keys of their last block, so
 tails and chunks share one key space). The lookup passes the block keys of that partial
 chunk (``tail``); the same pipelined call asks for them, and :meth:`RemoteProbe.tail_blocks`
-answers how many leading blocks the longest tail every rank holds covers.
+answers how many leading blocks the longest tail every rank holds covers. A hybrid model's
+tail is a whole slot's value (zeros in the rows it does not keep), read as one
+(:attr:`RemoteTier.whole_slot_tails`); its lookup asks only for tails ending by its limit,
+since such a tail serves a hit ending exactly at its end.
 
 Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
 call whose keys extend the earlier ones re-probes only the new keys, and only if every
@@ -343,6 +346,8 @@ class RemoteTier(LowerTier):
         # Tails a lookup found, until their fill ends (bounded: a tail the lookup then did
         # not fill, cut by the cost model or a full host, is never popped): key -> blocks.
         self._tails: OrderedDict[bytes, int] = OrderedDict()
+        # A hybrid model's tails are whole-slot values (the planner says): read as a whole slot.
+        self.whole_slot_tails = False
         self._is_up = is_up
         self.writes = writes
         self._sightings = Sightings(admission, seen_limit)
@@ -397,8 +402,8 @@ class RemoteTier(LowerTier):
 
     def plan_fill(self, plan: StepPlan, job_id: int, key: bytes, host_slot: int,
                   req_id: str) -> None:
-        plan.jobs.append(Job.remote_read(job_id, key, host_slot, req_id=req_id,
-                                         rows=self._tails.get(key, 0)))
+        rows = 0 if self.whole_slot_tails else self._tails.get(key, 0)
+        plan.jobs.append(Job.remote_read(job_id, key, host_slot, req_id=req_id, rows=rows))
 
     def fill_done(self, key: bytes, ok: bool) -> None:
         self._tails.pop(key, None)
