@@ -256,3 +256,41 @@ def test_a_longer_entry_in_redis_keeps_the_hybrid_tail_that_ends_a_hit(make_repl
     c = make_replica(11)
     again = longer + [70_000 + i for i in range(30)]
     assert c.lookup("l2", again) == 2 * C * BLOCK
+
+
+# --- the probe's wait, weighed against what the tail saves (cost model on) ----------------------
+
+
+def test_a_request_waits_for_a_hybrid_tails_probe_as_long_as_the_tail_could_save():
+    """Host holds the prompt's whole chunk; only its 3-block tail is in Redis. The probe's
+    wait is weighed against recomputing up to the tail's end (48 tokens, 0.75 ms at
+    64,000 tokens/s), not the chunk-aligned limit (0 tokens: given up at once)."""
+    from tests.scheduler.test_cost_model_planner import Clock, fast_engine
+    from tests.scheduler.test_remote_tier import FP as STORE_FP
+    from tests.scheduler.test_remote_tier import Store
+
+    clock = Clock()
+    store = Store()
+    probe = RemoteProbe(store, STORE_FP, 1, deadline_s=10.0, clock=clock)
+    tier = RemoteTier(probe, is_up=lambda: True, writes=False, admission=1, seen_limit=64,
+                      clock=clock)
+    planner = Planner(TieredKVConfig.from_dict({"chunk_blocks": C}), block_size=BLOCK,
+                      num_host_slots=HOST_SLOTS, remote=tier, slot_rows=LAYOUT, clock=clock)
+    fast_engine(planner, clock)
+    head = TURN1[:C * BLOCK + 5]  # the whole chunk only (no tail, no repeat entry)
+    planner.set_block_ids("w", a_tables(head), replace=True)
+    planner.plan_stores("w", keys(head), len(head), tail=True, computed_tokens=0)
+    planner.apply([JobResult.done(job.job_id) for job in planner.take_plan().of(Move.STORE)])
+    planner.finished("w")
+    tail_key = keys(TURN1).block_key(C + 2)
+    store.put(tail_key)
+    store.hold = True
+    assert planner.lookup("r", keys(TURN1), 0, len(TURN1)) is None  # the probe is out
+    clock.now += 0.0005
+    assert planner.lookup("r", keys(TURN1), 0, len(TURN1)) is None  # still worth waiting
+    store.release()
+    assert planner.lookup("r", keys(TURN1), 0, len(TURN1)) is None  # reading the tail
+    (read,) = planner.take_plan().of(Move.REMOTE_READ)
+    assert (read.key, read.src.rows) == (tail_key, 0)  # a whole slot's value
+    planner.apply([JobResult.done(read.job_id)])
+    assert planner.lookup("r", keys(TURN1), 0, len(TURN1)) == TAIL_HIT
