@@ -314,6 +314,38 @@ def test_a_chats_every_turn_hits_what_vllms_prefix_cache_hits(alt_model, chat_re
     assert_hits(again["phases"], 0, {"t6": floor["t6"]}, tiers={"disk": floor["t6"]})
 
 
+# --- the shared tier: a fresh engine's hit ends where the prompt ended (#25) ------------------
+
+# p1: 11 whole chunks and a 2-block tail (1,500 tokens); block_aligned: 8 chunks, and its
+# repeat hits the 2-block entry before its 3-block tail. Neither hit is a chunk multiple.
+REMOTE_NAMES = ["p1", "block_aligned"]
+
+
+def test_a_fresh_engine_hits_a_hybrid_prompts_tail_in_redis(alt_model, alt_reference, redis_server):
+    """Engine A computes the prompts and writes their chunks and tails to Redis (a hybrid
+    tail as a whole slot's value, zeros in the rows it does not keep); engine B, a fresh
+    process with its own host tier and no disk, hits what vLLM's own prefix cache would,
+    every token from Redis, with the reference's tokens and logprobs."""
+    kv = {"host_bytes": "256MiB", "remote_url": redis_server.url,
+          "remote_key_prefix": "hybrid", "remote_timeout_s": 2.0}
+    writer = run_engine(tkv_spec(alt_model, [gen(*REMOTE_NAMES), DRAIN], **kv))["phases"]
+    assert_same_as_reference(writer[0], REMOTE_NAMES, alt_reference["outputs"])
+    assert cached_tokens(writer[0]) == dict.fromkeys(REMOTE_NAMES, 0)
+    # Whole chunks, p1's tail, block_aligned's tail and the entry its repeat hits.
+    assert writer[1]["counters"].get("remote_written_chunks", 0) == 11 + 1 + 8 + 2, writer[1]
+    reader = run_engine(tkv_spec(alt_model, [gen(*REMOTE_NAMES)], **kv))
+    phases = reader["phases"]
+    assert reader["engine"]["disable_hybrid_kv_cache_manager"] is False
+    expected = {name: alt_reference["repeat_hits"][name] for name in REMOTE_NAMES}
+    assert all(hit % CHUNK_TOKENS for hit in expected.values()), expected
+    assert_hits(phases, 0, expected, tiers={"remote": sum(expected.values())})
+    assert_same_as_reference(phases[0], REMOTE_NAMES, alt_reference["outputs"])
+    counters = phases[0]["counters"]
+    assert counters.get("remote_read_chunks", 0) == 11 + 1 + 8 + 1, counters
+    failed = {k: v for k, v in counters.items() if k.startswith("remote_read_failed_")}
+    assert not failed, failed
+
+
 # --- vLLM's hybrid manager and capacity -----------------------------------------------------
 
 
