@@ -17,7 +17,8 @@ logprobs within the tolerance of the other end-to-end tests.
 
 Covered: host hits (both models), disk hits after a restart, hits shorter and longer than the
 window, a multi-turn chat whose every turn hits what vLLM's own prefix cache hits (host, then
-disk after a restart), preemption, TP=2, a failed load (reported as a failed request and
+disk after a restart), a fresh engine's hit from Redis ending inside a chunk where the
+prompt ended (a hybrid tail is a whole slot's value there), preemption, TP=2, a failed load (reported as a failed request and
 recomputed whole),
 vLLM keeping its hybrid manager on with the same KV capacity as without tieredkv (both printed:
 ``pytest -s``), and a Mamba model refused at start-up naming its layer kind.
