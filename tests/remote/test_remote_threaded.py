@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from tests.helpers import HANG_S, finishes
 from tests.remote.remote_helpers import FINGERPRINT, RedisServer, chunk_items, free_port, wait_up
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.codec import decode
+from tieredkv.remote.results import BatchResult
 from tieredkv.remote.threaded import ThreadedRemoteStore
 
 
@@ -69,3 +73,30 @@ def test_close_is_bounded_while_calls_hang_on_a_paused_server(
         assert result.cause is FailureCause.CANCELLED and result.values == [None] * 20
     after = store.batch_exists(names)
     assert after.done() and after.result().cause is FailureCause.CANCELLED
+
+
+def test_a_call_made_from_an_answers_callback_is_answered(
+    deployment: str, open_threaded: Callable[..., ThreadedRemoteStore], prefix: str
+) -> None:
+    """A done callback runs on the store's thread, and may start the next call there (the
+    transfer layer sends its next read batch so): the store must not hold its lock while it
+    runs callbacks (it did: the next call waited for that lock on the one thread that held it,
+    and the tier, its close included, hung for good)."""
+    store = open_threaded(deployment)
+    assert wait_up(store, 10)
+    names = [n for _, n, _ in chunk_items(prefix, 4)]
+    release = threading.Event()
+    gate = store.run(lambda: asyncio.to_thread(release.wait, HANG_S), False)
+    then: list[Future[BatchResult[bool]]] = []
+    chained = threading.Event()
+
+    def chain(_: Future[bool]) -> None:
+        then.append(store.batch_exists(names))
+        chained.set()
+
+    gate.add_done_callback(chain)
+    release.set()  # answered on the store's thread, after the callback is in place
+    assert finishes(lambda: gate.result(HANG_S)) is True
+    assert chained.wait(HANG_S), "the callback's call never returned"
+    assert finishes(lambda: then[0].result(HANG_S)).values == [False] * 4
+    assert finishes(lambda: store.close(HANG_S))

@@ -179,10 +179,12 @@ class ThreadedRemoteStore:
         self._resolve(future, result)
 
     def _resolve(self, future: Future[Any], result: Any) -> None:
+        """Answer ``future`` unless ``close`` took it first. Outside the lock: its done
+        callbacks run here, on the store's thread, and may call the store again."""
         with self._lock:
-            self._pending.pop(future, None)
-            if not future.done():
-                future.set_result(result)
+            owned = self._pending.pop(future, None) is not None
+        if owned:
+            future.set_result(result)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -211,9 +213,8 @@ class ThreadedRemoteStore:
             self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             pending, self._pending = self._pending, {}
-            for future, fallback in pending.items():
-                if not future.done():
-                    future.set_result(fallback())
+        for future, fallback in pending.items():  # taken from _resolve: only answered here
+            future.set_result(fallback())
         return not self._thread.is_alive()
 
     def __enter__(self) -> ThreadedRemoteStore:
