@@ -70,10 +70,23 @@ def _command(tree: Path, name: str) -> list[str]:
     return [sys.executable, str(tree / "benchmarks" / f"{name}.py")]
 
 
-def run_one(tree: Path, name: str, out: Path) -> dict[str, Any]:
-    """Run benchmark ``name`` from ``tree``; its JSON result."""
+def harness_dir(tree: Path, harness: Path, parent: Path) -> Path:
+    """A directory where ``tieredkv`` is ``tree``'s and ``benchmarks`` is ``harness``'s: the
+    same measuring code over both sides' packages (run from it, it is first on sys.path)."""
+    run_dir = parent / f"run-{tree.name}-with-{harness.name}"
+    run_dir.mkdir(exist_ok=True)
+    for name, source in (("tieredkv", tree), ("benchmarks", harness)):
+        link = run_dir / name
+        if not link.exists():
+            link.symlink_to(source / name, target_is_directory=True)
+    return run_dir
+
+
+def run_one(tree: Path, name: str, out: Path, extra: list[str] | None = None) -> dict[str, Any]:
+    """Run benchmark ``name`` from ``tree`` (with ``extra`` arguments); its JSON result.
+    ``tree`` is a worktree, or a :func:`harness_dir` (its ``benchmarks`` a link)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    args = _command(tree, name)
+    args = _command(tree, name) + list(extra or [])
     if name == "scheduler_bench":
         out.mkdir(parents=True, exist_ok=True)
         args += ["--quiet", "--no-plot", "--out-dir", str(out)]
@@ -145,8 +158,23 @@ def verdict(table: dict[str, Any]) -> dict[str, Any]:
             "no_slower": geomean <= 1 + typical}
 
 
+def _row_key(row: dict[str, Any]) -> str:
+    """A scheduler row by its operation and exact size (labels were reworded over time)."""
+    if "size" in row:
+        return f"{row['operation']} @ {row['size']:,} {row.get('unit', '')}".rstrip()
+    return f"{row['operation']} @ {row['size_label']}"
+
+
 def scheduler_rows(data: dict[str, Any]) -> dict[str, float]:
-    return {f"{r['operation']} @ {r['size_label']}": r["tieredkv_median_us"] for r in data["rows"]}
+    return {_row_key(r): r["tieredkv_median_us"] for r in data["rows"]}
+
+
+def same_sizes(before: dict[str, Any]) -> list[str]:
+    """Arguments that make the after side look up the prompt sizes the before side did (the
+    benchmark's sizes changed over time; ``--sizes`` exists on the side that changed them)."""
+    sizes = sorted({int(r["size"]) for r in before["rows"]
+                    if r["operation"].startswith("get_num_new_matched_tokens") and "size" in r})
+    return ["--sizes", ",".join(map(str, sizes))] if sizes else []
 
 
 def e2e_rows(data: dict[str, Any]) -> dict[str, float]:
@@ -208,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=BENCHMARKS, action="append", help="run only these")
     parser.add_argument("--rounds", type=int, default=1, choices=(1, 2),
                         help="2: ABBA order, median of two runs per side")
+    parser.add_argument("--harness", choices=("own", "after"), default="own",
+                        help="own: each side runs its own benchmark code; after: both run the "
+                        "after commit's (the measuring code changed in between)")
+    parser.add_argument("--same-sizes", action="store_true",
+                        help="scheduler_bench: the after side looks up the before side's prompt "
+                        "sizes (--sizes; for a before commit whose sizes differ)")
     parser.add_argument("--out", default="before_after",
                         help="results file name under benchmarks/results/ (no suffix)")
     args = parser.parse_args(argv)
@@ -217,13 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tieredkv-before-after-") as tmp:
         parent = Path(tmp)
         trees = {"before": checkout(args.before, parent), "after": checkout(args.after, parent)}
+        runs_in = dict(trees) if args.harness == "own" else {
+            side: harness_dir(tree, trees["after"], parent) for side, tree in trees.items()}
         try:
             for name in names:
                 order = ["before", "after"] if args.rounds == 1 else ["before", "after", "after", "before"]
                 runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
                 for i, side in enumerate(order):
                     print(f"{name}: {side} ({i + 1}/{len(order)})", flush=True)
-                    runs[side].append(run_one(trees[side], name, parent / f"out-{side}-{i}"))
+                    extra = (same_sizes(runs["before"][0])
+                             if side == "after" and name == "scheduler_bench" and args.same_sizes else [])
+                    runs[side].append(run_one(runs_in[side], name, parent / f"out-{side}-{i}", extra))
                 rows, _, samples = ROWS[name]
                 tables[name] = {"rounds": len(runs["before"]), "noise": noise(runs, rows, samples),
                                 "before": _merge(runs["before"], rows), "after": _merge(runs["after"], rows)}
@@ -233,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                 _git("worktree", "remove", "--force", str(tree))
     before, after = _git("rev-parse", "--short", args.before), _git("rev-parse", "--short", args.after)
     text = render(before, after, tables)
+    if args.harness == "after":
+        text = text.replace("each side in its own worktree and process.",
+                            f"each side in its own worktree and process, both measured by {after}'s "
+                            "benchmark code.")
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.md").write_text(text + "\n")

@@ -46,7 +46,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +100,13 @@ def run(
     show_progress: bool = True,
     model_dir: Path | None = None,
     kv_events: bool = False,
+    sizes: Sequence[int] | None = None,
 ) -> Result:
-    """Run one profile in-process; returns the rows and (optionally) writes the results."""
+    """Run one profile in-process; returns the rows and (optionally) writes the results.
+    ``sizes`` replaces the profile's prompt sizes (before_after.py: an older commit's sizes)."""
     profile = PROFILES[profile_name]
+    if sizes:
+        profile = replace(profile, sizes=tuple(sorted(set(sizes))))
     started = time.time()
     load_before = load_average()
     engine = Engine(model_dir, kv_events=kv_events)
@@ -204,6 +208,16 @@ def run(
     return result
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts like 1024,2348, not {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("every size is at least one token")
+    return sizes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_mutually_exclusive_group()
@@ -221,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "events on/off ratio (writes scheduler_bench_events.*)")
     parser.add_argument("--cprofile", action="store_true",
                         help="only print cProfile reports of the hot paths, no timing run")
+    parser.add_argument("--sizes", type=_sizes, default=None,
+                        help="prompt sizes in tokens, comma-separated, instead of the profile's "
+                        "(to compare with a run that used other sizes)")
     args = parser.parse_args(argv)
     logging.getLogger("tieredkv").setLevel(logging.ERROR)  # the CLI's output is the table
     if args.cprofile:
@@ -235,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         show_progress=not args.quiet,
         model_dir=args.model_dir,
         kv_events=args.kv_events,
+        sizes=args.sizes,
     )
     return common.print_written(result.markdown, result.paths)
 

@@ -20,7 +20,6 @@ from benchmarks.scheduler.workload import (
     NUM_GPU_BLOCKS,
     TIER_BYTES,
 )
-from tieredkv.protocol import Move
 
 
 class Engine:
@@ -272,7 +271,12 @@ class TieredSide(Side):
         return self.connector._scheduler
 
     def store_job_ids(self, meta: Any) -> list[int]:
-        return [job.job_id for job in meta.plan.of(Move.STORE)]
+        plan = meta.plan
+        if not hasattr(plan, "of"):  # a commit before the one job type (before_after.py)
+            return [job.job_id for job in plan.stores]
+        from tieredkv.protocol import Move
+
+        return [job.job_id for job in plan.of(Move.STORE)]
 
     def worker_report(self, job_ids: Sequence[int]) -> Any:
         from tieredkv.protocol import JobResult

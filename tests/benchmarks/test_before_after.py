@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -66,3 +67,39 @@ def test_the_verdict_weighs_the_mean_ratio_against_the_noise_and_names_slower_ro
     assert before_after.verdict(table)["no_slower"] is False
     text = before_after.render("aaa", "bbb", {"scheduler_bench": {"rounds": 2, **table}})
     assert "**Verdict: SLOWER.**" in text and "Rows slower beyond their own noise: b, c." in text
+
+
+def test_rows_are_matched_by_exact_size_and_the_after_side_can_be_given_the_before_sizes() -> None:
+    before = {"rows": [
+        {"operation": "get_num_new_matched_tokens hit", "size": 1024, "size_label": "1k tokens", "unit": "tokens",
+         "tieredkv_median_us": 10.0},
+        {"operation": "build_connector_meta (decode)", "size": 4, "size_label": "4 requests", "unit": "requests",
+         "tieredkv_median_us": 5.0},
+        {"operation": "get_num_new_matched_tokens miss", "size": 2348, "size_label": "2348 tokens", "unit": "tokens",
+         "tieredkv_median_us": 9.0},
+    ]}
+    after = {"rows": [{"operation": "get_num_new_matched_tokens hit", "size": 1024, "size_label": "1,024 tokens",
+                       "unit": "tokens", "tieredkv_median_us": 9.0}]}
+    assert before_after.same_sizes(before) == ["--sizes", "1024,2348"]
+    assert set(before_after.scheduler_rows(after)) <= set(before_after.scheduler_rows(before))
+
+
+def test_the_scheduler_bench_runs_the_sizes_it_is_given() -> None:
+    from benchmarks import scheduler_bench
+
+    result = scheduler_bench.run("smoke", write=False, make_plot=False, show_progress=False, sizes=[700, 1500])
+    lookups = {r["size"] for r in result.rows if r["operation"].startswith("get_num_new_matched_tokens")}
+    assert lookups == {700, 1500}
+
+
+def test_a_harness_dir_pairs_one_trees_package_with_anothers_benchmarks(tmp_path: Path) -> None:
+    for tree in ("old", "new"):
+        for package in ("tieredkv", "benchmarks"):
+            (tmp_path / tree / package).mkdir(parents=True)
+            (tmp_path / tree / package / "__init__.py").write_text(f"TREE = {tree!r}\n")
+    run_dir = before_after.harness_dir(tmp_path / "old", tmp_path / "new", tmp_path)
+    assert before_after.harness_dir(tmp_path / "old", tmp_path / "new", tmp_path) == run_dir  # reused
+    found = subprocess.run(
+        [sys.executable, "-c", "import tieredkv, benchmarks; print(tieredkv.TREE, benchmarks.TREE)"],
+        cwd=run_dir, capture_output=True, text=True, check=True).stdout.split()
+    assert found == ["old", "new"]
