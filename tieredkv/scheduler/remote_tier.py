@@ -10,9 +10,10 @@ replicas write and Redis evicts at any moment), so it keeps no index of it, only
   into host slots by the workers (the fill path's ``Move.REMOTE_READ`` jobs) and verified there
   before anything is promised; a chunk that turns out gone or bad is a miss, counted by
   cause, and forgotten.
-* **Writes.** A chunk stored in host memory (a whole chunk: the probe asks for chunk keys) is
-  queued for the remote tier once admitted (``remote_admission`` sightings), unless it is
-  known to be there already (read from it, written before, or seen by a probe).
+* **Writes.** A chunk stored in host memory, or a prompt's tail (found by the probe under its
+  last block's key), is queued for the remote tier once admitted (``remote_admission``
+  sightings), unless it is known to be there already (read from it, written before, or seen
+  by a probe).
 * **Reset.** ``reset_cache`` forgets the hints, never the shared data: other replicas may be
   serving from it.
 
