@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -12,7 +13,7 @@ import pytest
 
 from tests.helpers import HANG_S, finishes, make_key
 from tests.remote.remote_helpers import FAST, RedisServer, wait_up
-from tieredkv.protocol import JobResult
+from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import HEADER_BYTES, encode
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
@@ -61,9 +62,28 @@ class Answers:
             return dict(self.results)
 
 
+class GatedHost(HostPool):
+    """A host pool whose slot ``gated`` is held up the first time a thread other than the
+    test's asks for it (a read landing into it): the test acts while that batch lands."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gated: int | None = None
+        self.reached = threading.Event()
+        self.gate = threading.Event()
+        self._test_thread = threading.current_thread()
+
+    def slot_memoryview(self, slot: int) -> memoryview:
+        if slot == self.gated and threading.current_thread() is not self._test_thread:
+            self.gated = None
+            self.reached.set()
+            assert self.gate.wait(HANG_S), "the test never opened the gate"
+        return super().slot_memoryview(slot)
+
+
 @pytest.fixture
-def host() -> Iterator[HostPool]:
-    pool = HostPool(SLOTS, PAYLOAD, pin=False)
+def host() -> Iterator[GatedHost]:
+    pool = GatedHost(SLOTS, PAYLOAD, pin=False)
     pool.buffer.fill_(SENTINEL)
     yield pool
     pool.close()
@@ -100,7 +120,8 @@ def put(jobs: RemoteJobs, store: ThreadedRemoteStore, keys: list[bytes],
 
 
 def test_reads_past_the_budget_are_sent_from_the_answer_callback_and_all_land(
-    redis_server: RedisServer, host: HostPool, make_jobs: Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]],
+    redis_server: RedisServer, host: GatedHost,
+    make_jobs: Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]],
 ) -> None:
     """One value per batch: each later batch is sent by the poll ``on_answer`` runs on the
     store's thread (it hung there: the store held its lock while running callbacks)."""
@@ -115,3 +136,106 @@ def test_reads_past_the_budget_are_sent_from_the_answer_callback_and_all_land(
         assert bytes(host.slot_memoryview(i))[:PAYLOAD] == payload(i)
     assert store.stats().calls["get"] >= 6
     assert jobs.take_stats().reads_ok == 6
+
+
+def busy(jobs: RemoteJobs) -> frozenset[int]:
+    with jobs._lock:
+        return frozenset(jobs._busy)
+
+
+def test_a_corrupted_value_fails_only_its_job_and_the_batches_around_it_land(
+    redis_server: RedisServer, host: GatedHost,
+    make_jobs: Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]],
+) -> None:
+    """Batches of one value: batch 1's value has a flipped payload byte; it is a checksum
+    miss that leaves its slot alone, while batches 0, 2 and 3 land verified."""
+    jobs, store = make_jobs(redis_server.url, read_batch_bytes=2 * (HEADER_BYTES + PAYLOAD))
+    keys = [make_key(400 + i) for i in range(4)]
+    bad = bytearray(encode(payload(1), fingerprint=FINGERPRINT, key=keys[1], rank=0))
+    bad[HEADER_BYTES + 17] ^= 0xFF
+    put(jobs, store, keys, {1: bytes(bad)})
+    answers = Answers(jobs)
+    jobs.start_reads([(20 + i, key, i, 0) for i, key in enumerate(keys)])
+    results = answers.wait(4)
+    assert results == {20: JobResult.done(20), 21: JobResult.fail(21, FailureCause.CHECKSUM),
+                       22: JobResult.done(22), 23: JobResult.done(23)}
+    for i in (0, 2, 3):
+        assert bytes(host.slot_memoryview(i))[:PAYLOAD] == payload(i)
+    assert bytes(host.slot_memoryview(1)) == bytes([SENTINEL]) * host.slot_bytes
+    stats = jobs.take_stats()
+    assert (stats.reads_ok, stats.reads_failed) == (3, {"checksum": 1})
+    assert busy(jobs) == frozenset()
+
+
+def test_a_slot_stays_busy_until_its_value_has_landed(
+    redis_server: RedisServer, host: GatedHost,
+    make_jobs: Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]],
+) -> None:
+    """The value arrived, but until it is copied and reported its slot is the read's: no
+    write copies from it and no other read lands into it; after, it is free again."""
+    jobs, store = make_jobs(redis_server.url, read_batch_bytes=2 * (HEADER_BYTES + PAYLOAD))
+    keys = [make_key(500 + i) for i in range(3)]
+    put(jobs, store, keys)
+    answers = Answers(jobs)
+    host.gated = 0
+    jobs.start_reads([(30, keys[0], 0, 0)])
+    assert host.reached.wait(HANG_S)  # slot 0's value is landing now
+    assert 0 in busy(jobs) and 30 not in answers.results
+    assert jobs.write([(31, keys[1], 0, 4, ())]) == [JobResult.fail(31, FailureCause.COPY_ERROR)]
+    jobs.start_reads([(32, keys[2], 0, 0), (33, keys[1], 1, 0)])
+    host.gate.set()
+    results = answers.wait(3)
+    assert results == {30: JobResult.done(30), 32: JobResult.fail(32, FailureCause.COPY_ERROR),
+                       33: JobResult.done(33)}
+    assert bytes(host.slot_memoryview(0))[:PAYLOAD] == payload(0)
+    assert bytes(host.slot_memoryview(1))[:PAYLOAD] == payload(1)
+    assert busy(jobs) == frozenset()
+    assert jobs.write([(34, keys[0], 0, 4, ())]) == [JobResult.done(34)]
+
+
+def test_close_while_a_batch_lands_answers_every_job_once_and_frees_every_slot(
+    redis_server: RedisServer, host: GatedHost,
+    make_jobs: Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]],
+) -> None:
+    """Close comes while batch 0 is landing and later batches wait for it: the landing batch
+    finishes verified, the rest are answered (landed or cancelled), each job exactly once,
+    and close returns only after the landing finished (no slot left busy)."""
+    jobs, store = make_jobs(redis_server.url, read_batch_bytes=2 * (HEADER_BYTES + PAYLOAD))
+    keys = [make_key(600 + i) for i in range(5)]
+    put(jobs, store, keys)
+    answers = Answers(jobs)
+    host.gated = 0
+    jobs.start_reads([(40 + i, key, i, 0) for i, key in enumerate(keys)])
+    assert host.reached.wait(HANG_S)
+    closed: list[list[JobResult]] = []
+    order: list[str] = []
+
+    def close() -> None:
+        closed.append(jobs.close(HANG_S))
+        order.append("closed")
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    deadline = time.monotonic() + HANG_S
+    while not store._closed:  # close is under way (the store refuses new calls) ...
+        assert time.monotonic() < deadline, "close never started"
+        time.sleep(0.001)
+    # A close that did not wait for the landing would return in this while (never a false
+    # failure: a close that waits stays blocked on the gate however long this is).
+    closer.join(0.5)
+    order.append("landing")
+    host.gate.set()  # ... before the batch being landed finishes
+    closer.join(HANG_S)
+    assert order == ["landing", "closed"], "close returned while a batch was still landing"
+    assert answers.results.get(40) == JobResult.done(40)  # landed before close returned
+    answers.take(closed[0])
+    results = answers.wait(5)
+    assert set(results) == {40, 41, 42, 43, 44}
+    assert all(r.ok or r.failure is FailureCause.CANCELLED for r in results.values()), results
+    for job_id, result in results.items():
+        slot = job_id - 40
+        if result.ok:
+            assert bytes(host.slot_memoryview(slot))[:PAYLOAD] == payload(slot)
+        else:
+            assert bytes(host.slot_memoryview(slot)) == bytes([SENTINEL]) * host.slot_bytes
+    assert busy(jobs) == frozenset()

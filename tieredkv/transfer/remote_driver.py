@@ -4,8 +4,9 @@ Neither kind ever blocks the caller. A read takes its host slot for writing (the
 guard) from submit until its answer was polled and verified, so no load or spill reads a
 half-landed slot; a write copies its slot into the store's bounded queue during submit and
 reports at once (``done``: queued; ``dropped``: no room or store down). A read's answer is
-verified and reported as soon as it arrives (:meth:`RemoteDriver.pump`, on the store's thread),
-so the engine's poll and idle wait see it like any other job's.
+verified and reported as soon as it arrives (:meth:`RemoteDriver.pump`, on the remote jobs'
+landing thread, while the store's thread receives the next batch), so the engine's poll and
+idle wait see it like any other job's.
 
 The engine builds a driver only for a worker with a remote tier; without one (no
 ``remote_url``, or the store failed to build) its own handler fails every remote job

@@ -3,12 +3,17 @@
 Reads: ``batch_get_bounded`` calls answered by futures; ``on_answer`` tells the owner when
 one can be polled. Redis is written by anyone who can reach it, so no read takes more than one
 value's exact length per key (a planted 400 MiB value costs one value's bytes, and is a miss),
-and the values out at once (sent, not yet landed) total at most ``read_batch_bytes`` (or one
-batch cut to fit it): reads past that wait, in order, until earlier batches landed. A value reaches its host slot only in :meth:`RemoteJobs.poll`, and only once
+and the values out at once (sent, not yet landed) total at most ``read_batch_bytes``: reads
+are cut into batches of half that, so one batch lands while the next is read, and reads past
+it wait, in order, until earlier batches landed. A value reaches its host slot only in
+:meth:`RemoteJobs.poll`, outside the lock (a batch landing never stops the next one being
+sent or another poll taking its own batch), and only once
 ``codec.decode`` proved it is this rank's shard of this key in this namespace, of the exact
 payload length and checksum; anything else leaves the slot alone and is a miss with its
-cause. A slot stays *busy* until its read was polled, so the engine does not hand it to a
-new tenant that the late answer would overwrite. A prompt's tail is a value of only its own
+cause. A slot stays *busy* until its read was polled and landed, so the engine does not hand
+it to a new tenant that the late answer would overwrite. With ``on_answer`` set, answers are
+landed on a thread of this object's own (then ``on_answer`` polls there), never on the
+store's: landing on its event loop would stop it receiving the next batch meanwhile. A prompt's tail is a value of only its own
 rows (rows 0..n-1 of every layer): its read expects exactly that length and lands those rows.
 
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
@@ -23,11 +28,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import Rejected, RemoteKeyNames, decode, encode, value_bytes
@@ -115,14 +123,22 @@ class RemoteJobs:
         self.row_spans: tuple[tuple[int, int], ...] = ()
         self.value_len = value_bytes(host.payload_bytes)  # the longest value a read accepts
         self._budget = read_batch_bytes
-        self._batch_keys = max(1, read_batch_bytes // self.value_len)
+        # Two batches fit the budget: one lands while the next is read.
+        self._batch_keys = max(1, read_batch_bytes // 2 // self.value_len)
         self._lock = threading.Lock()
-        self._batches: list[_Batch] = []  # sent, not yet polled
+        self._batches: list[_Batch] = []  # sent, not yet taken by a poll
+        self._landing = 0  # values taken by a poll, not landed yet (their buffers still held)
+        self._landed = threading.Condition(self._lock)  # notified whenever some landed
         self._unsent: deque[_Batch] = deque()  # waiting for the batch before them
         self._busy: set[int] = set()
         self._ready: list[JobResult] = []  # failed before reaching the network
-        # Called (on the store's thread, or the caller's) once a read's answer can be polled.
+        # Called (on this object's landing thread, or the caller's) once a read's answer can
+        # be polled.
         self.on_answer: Callable[[], None] | None = None
+        self._wake = threading.Condition(self._lock)  # the landing thread's
+        self._woken = False
+        self._stopping = False
+        self._lander: threading.Thread | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -179,10 +195,10 @@ class RemoteJobs:
         """Send batches in order while the values out (sent, not yet landed) fit in
         ``read_batch_bytes``; one batch always may go (it was cut to fit)."""
         sent = []
-        out = sum(len(batch.jobs) for batch in self._batches) * self.value_len
+        out = (sum(len(batch.jobs) for batch in self._batches) + self._landing) * self.value_len
         while self._unsent:
             size = len(self._unsent[0].jobs) * self.value_len
-            if self._batches and out + size > self._budget:
+            if out and out + size > self._budget:
                 break
             batch = self._unsent.popleft()
             batch.future = self.store.batch_get_bounded(batch.names, self.value_len,
@@ -193,40 +209,74 @@ class RemoteJobs:
         return sent
 
     def _watch(self, sent: list[Future[BatchResult[Head | None]]]) -> bool:
-        """Have ``on_answer`` called when a sent batch is answered (outside the lock). Without
-        a callback: True if one is answered already (the caller polls again)."""
-        callback = self.on_answer
-        if callback is None:
+        """Have the landing thread call ``on_answer`` when a sent batch is answered (outside
+        the lock). Without a callback: True if one is answered already (the caller polls
+        again)."""
+        if self.on_answer is None:
             return any(future.done() for future in sent)
         for future in sent:
-            future.add_done_callback(lambda _answered: callback())
+            future.add_done_callback(self._wake_lander)
         return False
+
+    def _wake_lander(self, _answered: object = None) -> None:
+        """Have ``on_answer`` called on the landing thread (started on first use); runs on
+        the store's thread, so it only signals."""
+        with self._lock:
+            self._woken = True
+            if self._lander is None and not self._stopping:
+                self._lander = threading.Thread(target=self._land_answers, daemon=True,
+                                                name="tieredkv-remote-land")
+                self._lander.start()
+            self._wake.notify()
+            stopped = self._stopping and not (self._lander and self._lander.is_alive())
+        callback = self.on_answer
+        if stopped and callback is not None:  # closed: no thread lands for it any more
+            callback()
+
+    def _land_answers(self) -> None:
+        """The landing thread: ``on_answer`` (which polls, so lands) each time one came."""
+        while True:
+            with self._lock:
+                self._wake.wait_for(lambda: self._woken or self._stopping)
+                if not self._woken:
+                    return
+                self._woken = False
+            callback = self.on_answer
+            try:
+                if callback is not None:
+                    callback()
+            except Exception:  # noqa: BLE001 - the owner's bug; keep landing the next answers
+                logger.exception("tieredkv remote tier: on_answer raised")
 
     def poll(self) -> list[JobResult]:
         """Results of reads answered since the last poll; verified values land in their slots.
 
-        Never blocks and never raises. A value that is absent or failed to arrive reads as a
-        miss with the batch's cause (``timeout``, ``io_error``, ``unavailable``, ``cancelled``).
-        Landing a batch sends the next one.
+        Never blocks on the network and never raises. A value that is absent or failed to
+        arrive reads as a miss with the batch's cause (``timeout``, ``io_error``,
+        ``unavailable``, ``cancelled``). The batches that may go out while answered ones land
+        are sent first; each landed batch sends the next.
         """
         out: list[JobResult] = []
         while True:
             with self._lock:
                 out += self._ready
                 self._ready = []
+                arrived: list[_Batch] = []
                 waiting: list[_Batch] = []
                 for batch in self._batches:
                     assert batch.future is not None
-                    if batch.future.done():
-                        out += self._finish(batch)
-                    else:
-                        waiting.append(batch)
+                    (arrived if batch.future.done() else waiting).append(batch)
                 self._batches = waiting
+                self._landing += sum(len(batch.jobs) for batch in arrived)
                 sent = self._send_locked()
-            if not self._watch(sent):
+            again = self._watch(sent)
+            for batch in arrived:  # outside the lock: verify and copy (the slots stay busy)
+                out += self._finish(batch)
+            if not arrived and not again:
                 return out
 
     def _finish(self, batch: _Batch) -> list[JobResult]:
+        """Land one taken batch (outside the lock), then free its slots and budget."""
         assert batch.future is not None
         try:
             result = batch.future.result(0)
@@ -236,11 +286,29 @@ class RemoteJobs:
         except Exception:  # noqa: BLE001 - the store answers one value per key; this is a bug
             logger.exception("tieredkv remote tier: a read batch went wrong")
             values, cause = [None] * len(batch.jobs), FailureCause.UNKNOWN
-        out = []
-        for (job_id, key, slot, rows), value in zip(batch.jobs, values, strict=True):
-            self._busy.discard(slot)
-            out.append(self._land(job_id, key, slot, rows, value, cause))
-        return out
+        landed: list[tuple[JobResult, int]] = []
+        try:
+            for (job_id, key, slot, rows), value in zip(batch.jobs, values, strict=True):
+                landed.append(self._land(job_id, key, slot, rows, value, cause))
+        except Exception:  # noqa: BLE001 - a bug in landing: the rest are misses, never lost
+            logger.exception("tieredkv remote tier: landing a read batch went wrong")
+            for job_id, _, _, _ in batch.jobs[len(landed):]:
+                landed.append((JobResult.fail(job_id, FailureCause.UNKNOWN), 0))
+        batch.future = None  # its values' buffers go back to the store's pool
+        del values
+        with self._lock:
+            for (_, _, slot, _), (result, size) in zip(batch.jobs, landed, strict=True):
+                self._busy.discard(slot)
+                if result.ok:
+                    self._reads_ok += 1
+                    self._bytes_read += size
+                else:
+                    self._reads_failed[(result.failure or FailureCause.UNKNOWN).value] += 1
+            self._landing -= len(batch.jobs)
+            self._landed.notify_all()
+            sent = self._send_locked()
+        self._watch(sent)  # a poll after this one lands what is answered already
+        return [result for result, _ in landed]
 
     def _rows_bytes(self, rows: int) -> int | None:
         """Payload bytes of a value holding rows 0..rows-1 of every layer (0 or every row: a
@@ -254,11 +322,12 @@ class RemoteJobs:
     def _land(
         self, job_id: int, key: bytes, slot: int, rows: int, value: Head | None,
         cause: FailureCause | None,
-    ) -> JobResult:
-        """Verify one value and copy it into its slot, or fail with the reason it is unusable."""
+    ) -> tuple[JobResult, int]:
+        """Verify one value and copy it into its slot, or fail with the reason it is unusable;
+        the result and the payload bytes landed (counted by the caller, under the lock)."""
         if value is None and cause is not None:
             # The call (or its item) failed: a miss by the call's cause, not ``missing``.
-            return self._read_failed(job_id, cause)
+            return JobResult.fail(job_id, cause), 0
         size = self._rows_bytes(rows)
         assert size is not None  # start_reads refused the others
         decoded = decode(
@@ -267,21 +336,22 @@ class RemoteJobs:
         )
         if isinstance(decoded, Rejected):
             logger.debug("tieredkv remote read %d rejected: %s", job_id, decoded.detail)
-            return self._read_failed(job_id, decoded.cause)
+            return JobResult.fail(job_id, decoded.cause), 0
         if len(decoded.payload) != size:  # decode checked it; never copy more than a slot
-            return self._read_failed(job_id, FailureCause.SHORT_READ)
-        target = self.host.slot_memoryview(slot)
+            return JobResult.fail(job_id, FailureCause.SHORT_READ), 0
+        # numpy copies without the GIL (a memoryview assignment holds it): the store's thread
+        # keeps receiving the next batch meanwhile.
+        target = np.frombuffer(self.host.slot_memoryview(slot), dtype=np.uint8)
+        source = np.frombuffer(decoded.payload, dtype=np.uint8)
         if size == self.host.payload_bytes:
-            target[:size] = decoded.payload
+            np.copyto(target[:size], source)
         else:  # a tail: its rows of each layer, in layer order
             at = 0
             for offset, row_bytes in self.row_spans:
                 n = rows * row_bytes
-                target[offset:offset + n] = decoded.payload[at:at + n]
+                np.copyto(target[offset:offset + n], source[at:at + n])
                 at += n
-        self._reads_ok += 1
-        self._bytes_read += size
-        return JobResult.done(job_id)
+        return JobResult.done(job_id), size
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -388,8 +458,21 @@ class RemoteJobs:
         """Close the store within ~``timeout_s`` (queued writes are dropped, counted by it).
 
         Returns the results of every read still outstanding: the store resolves the futures
-        it could not answer as ``cancelled`` (and answers batches not sent yet so at once), so
-        after this no slot is busy.
+        it could not answer as ``cancelled`` (and answers batches not sent yet so at once).
+        Batches another thread is landing finish there (through ``on_answer``), waited for
+        within ``timeout_s`` (landing is local work), so after this no slot is busy.
         """
+        deadline = time.monotonic() + timeout_s
         self.store.close(timeout_s)
-        return self.poll()
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+            lander = self._lander
+        out = self.poll()
+        with self._lock:
+            if not self._landed.wait_for(lambda: not self._landing,
+                                         max(0.0, deadline - time.monotonic())):
+                logger.warning("tieredkv remote tier: reads still landing at close")
+        if lander is not None and lander is not threading.current_thread():
+            lander.join(max(0.0, deadline - time.monotonic()))
+        return out
