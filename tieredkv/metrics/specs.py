@@ -395,6 +395,11 @@ def _declared(key: object, by_value: bool = False) -> bool:
     return not COUNT_ROUTES[count].by
 
 
+# The counters counted by themselves, and those counted ``(count, label)``.
+_UNLABELLED = frozenset(c for c in Count if not COUNT_ROUTES[c].by)
+_LABELLED = frozenset(c for c in Count if COUNT_ROUTES[c].by)
+
+
 def _undeclared(key: object) -> KeyError:
     return KeyError(f"tieredkv: {key!r} is not a declared counter (metrics/specs.py Count)")
 
@@ -405,9 +410,14 @@ class Counts(Counter):
     read as 0 would make an assertion on it unable to fail), so every counter has a metric."""
 
     def __setitem__(self, key: CountKey, value: int) -> None:
-        if not _declared(key):
+        # Checked on every count, so the common shapes first (a lookup counts several times).
+        if key.__class__ is Count:
+            if key not in _UNLABELLED:
+                raise _undeclared(key)
+        elif not (key.__class__ is tuple and len(key) == 2 and key[0].__class__ is Count
+                  and key[0] in _LABELLED and isinstance(key[1], str)):
             raise _undeclared(key)
-        super().__setitem__(key, value)
+        dict.__setitem__(self, key, value)
 
     def __missing__(self, key: object) -> int:
         """0 for a declared counter never counted; any other key raises."""
