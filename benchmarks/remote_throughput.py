@@ -7,12 +7,16 @@ uses the worse of the two. The benchmark starts its own redis-server, then a 3-m
 Cluster (``tieredkv.testing.redis_procs``), and for three value sizes users get (one TP
 rank's shard of one chunk, see ``SHARDS``) measures, per deployment:
 
-* **tieredkv**: ``ThreadedRemoteStore.batch_set`` / ``batch_get_bounded`` / ``batch_exists``,
-  one batch = the shards of one 4,096-token prompt for one rank, ``clients`` batches in
-  flight. Values are ``codec.encode`` output (the 100-byte header included, built before
-  timing); a GET is the worker's read: bounded to the value's length, verified with
-  ``codec.decode`` (key, rank, namespace, length, checksum) and copied into a host-slot-sized
-  buffer, inside the timed loop.
+* **tieredkv**: one batch = the shards of one 4,096-token prompt for one rank, ``clients``
+  batches in flight. Values are ``codec.encode`` output (the 100-byte header included, built
+  before timing). A GET is the worker's real read path (``benchmarks.remote.worker_read``):
+  each prompt is one ``RemoteDriver.submit_reads`` of ``Job.remote_read`` jobs, RemoteJobs
+  (the engine's default 128 MiB read budget, batches of half, answers landed on its own
+  thread through ``on_answer``) reads them bounded to the value's length on a store of its
+  own, verifies each with ``codec.decode`` (key, rank, namespace, length, checksum) and
+  copies it into a slot of a real ``HostPool``; a failed read fails the pass. SET and EXISTS
+  are the store's ``batch_set`` / ``batch_exists`` (EXISTS is the call the scheduler's
+  probe sends; SET is not the engine's queued write path, see ``passes``).
 * **redis-py**: ``redis.asyncio`` pipelines (``transaction=False``) of ``batch`` plain
   commands on an event-loop thread of their own, ``clients`` in flight (the same
   concurrency), same keys and values; replies only length-checked.
@@ -51,6 +55,7 @@ from benchmarks.remote.passes import codec_rates, measure
 from benchmarks.remote.raw_async import AsyncRedisPy
 from benchmarks.remote.rbench import RedisBenchmark
 from benchmarks.remote.report import build_rows, headline, table, verdict_table, verdicts
+from benchmarks.remote.worker_read import WorkerReads
 from benchmarks.remote.workload import (
     CALL_TIMEOUT_S,
     CLUSTER_MIN_RUN_S,
@@ -124,9 +129,16 @@ def _deployment(profile: Profile, deployment: str, binary: str, progress: common
                     exists = max(profile.exists_items, clients * shard.batch)
                     case = Case(shard, batches * shard.batch, exists)
                     codec[shard.name] = codec_rates(case)
-                    samples = measure(case, clients, profile.rounds, store, raw, bench, progress)
+                    reader = WorkerReads(parse_remote_url(procs.url), case, clients)
+                    try:
+                        if not reader.wait_connected(30.0):
+                            raise BenchError(f"the reader's store did not connect: {reader.store.stats()}")
+                        samples = measure(case, clients, profile.rounds, store, reader, raw, bench,
+                                          progress)
+                    finally:
+                        reader.close()
                     rows += build_rows(case, clients, samples, deployment)
-                    del case
+                    del case, reader
                     client.flushall()
         finally:
             store.close(5.0)
@@ -192,10 +204,15 @@ def run(profile_name: str = "quick", *, deployments: Sequence[str] = DEPLOYMENTS
                         "batch": s.batch} for s in profile.shards],
         },
         "sides": {
-            "tieredkv": "ThreadedRemoteStore (redis.asyncio client on the store's own event-loop "
-                        "thread): batch_set / batch_get_bounded / batch_exists, one pipeline per "
-                        "batch, `clients` batches in flight; each value read is bounded to its "
-                        "length, verified by codec.decode and copied into a host-slot-sized buffer",
+            "tieredkv": "GET: the worker's read path, RemoteDriver.submit_reads of one prompt's "
+                        "Job.remote_read jobs per batch, `clients` prompts outstanding, RemoteJobs "
+                        "with the engine's default read budget (128 MiB, batches of half, answers "
+                        "landed on its own thread via on_answer) on a ThreadedRemoteStore of its "
+                        "own: each value read bounded to its length, verified by codec.decode and "
+                        "copied into a HostPool slot, every read required to land; SET / EXISTS: "
+                        "ThreadedRemoteStore.batch_set / batch_exists (redis.asyncio client on the "
+                        "store's own event-loop thread), one pipeline per batch, `clients` "
+                        "batches in flight",
             "redis-py": "redis.asyncio Redis/RedisCluster pipelines (transaction=False) of <batch> "
                         "plain SET/GET/EXISTS on an event-loop thread of their own, <clients> in "
                         "flight, same keys and values as tieredkv and its socket read size; "
@@ -227,7 +244,8 @@ def run(profile_name: str = "quick", *, deployments: Sequence[str] = DEPLOYMENTS
         "(the C client), shown without a target. Ratio = tieredkv median / baseline median "
         "(MB/s for SET and GET, ops/s for EXISTS); per-round range = the ratio within each "
         f"round. {profile.rounds} rounds per deployment; in each, tieredkv, redis-benchmark and "
-        "redis-py take turns (the order flips every round), each running SET, GET and EXISTS. "
+        "redis-py take turns (the order flips every round), each running SET, GET and EXISTS; "
+        "GETs read the keys in one random order, the same for both Python sides. "
         f"MB = 10^6 bytes of values (header included). Clients: {clients_note}.\n\n"
         "What each side used: "
         + "; ".join(f"**{side}**: {text}" for side, text in payload["sides"].items()) + ".\n\n"

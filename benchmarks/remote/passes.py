@@ -1,10 +1,10 @@
-"""remote_throughput's passes: tieredkv's threaded store, raw redis-py (asyncio) and
-redis-benchmark each moving one case's bytes (SET, GET, EXISTS), timed round by round.
+"""remote_throughput's passes: tieredkv, raw redis-py (asyncio) and redis-benchmark each
+moving one case's bytes (SET, GET, EXISTS), timed round by round.
 
-tieredkv's GET is the worker's read path, not a plain GET: ``batch_get_bounded`` (no more
-than one value's length per key), ``codec.decode`` (namespace, key, rank, length, checksum)
-and the copy of the verified payload into a host-slot-sized buffer, all inside the timed
-loop."""
+tieredkv's GET is the worker's real read path (:mod:`benchmarks.remote.worker_read`:
+RemoteDriver -> RemoteJobs -> the store, verified values copied into HostPool slots); its SET
+and EXISTS are the store's calls (``batch_set``, ``batch_exists``, the one the scheduler's
+probe sends). :func:`land` is only the codec's single-thread information line."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.remote.raw_async import AsyncRedisPy
 from benchmarks.remote.rbench import RedisBenchmark
+from benchmarks.remote.worker_read import WorkerReads
 from benchmarks.remote.workload import (
     CALL_TIMEOUT_S,
     FINGERPRINT,
@@ -32,8 +33,10 @@ from tieredkv.remote.store import Head
 from tieredkv.remote.threaded import ThreadedRemoteStore
 
 
-def land(case: Case, indices: range, heads: Sequence[Head | None], slots: Sequence[bytearray]) -> None:
-    """Verify each value read and copy its payload into a slot, as the worker's reads do."""
+def land(case: Case, indices: Sequence[int], heads: Sequence[Head | None],
+         slots: Sequence[bytearray]) -> None:
+    """Verify each value and copy its payload into a slot: the codec's cost alone, on one
+    thread (information; the GET pass runs RemoteJobs' own landing)."""
     size = case.shard.payload_bytes
     for slot, i, head in zip(slots, indices, heads, strict=False):
         j = i % case.items
@@ -46,47 +49,33 @@ def land(case: Case, indices: range, heads: Sequence[Head | None], slots: Sequen
         slot[:size] = checked.payload
 
 
-def host_slots(case: Case) -> list[bytearray]:
-    """One batch's host slots, written once so their pages exist (as the engine's pinned host
-    pool's do): a pass then times the copy, not the kernel mapping fresh pages."""
-    slots = [bytearray(case.shard.payload_bytes) for _ in range(case.shard.batch)]
-    for slot in slots:
-        slot[:] = case.values[0][HEADER_BYTES:]
-    return slots
-
-
-def tieredkv_pass(store: ThreadedRemoteStore, case: Case, op: str, clients: int,
-                  slots: Sequence[bytearray] = ()) -> float:
-    """Seconds to move ``case``'s items through the tier with ``clients`` batches in flight;
-    GETs land in ``slots`` (:func:`host_slots`)."""
+def tieredkv_pass(store: ThreadedRemoteStore, case: Case, op: str, clients: int) -> float:
+    """Seconds to SET or EXISTS ``case``'s items through the store with ``clients`` batches
+    in flight (GETs: :class:`~benchmarks.remote.worker_read.WorkerReads`)."""
+    if op not in ("set", "exists"):
+        raise ValueError(f"tieredkv_pass moves SET and EXISTS, not {op!r}")
     names, values, n = case.names, case.values, case.items
-    slots = slots or host_slots(case)
 
-    def submit(indices: range) -> Future[Any]:
+    def submit(indices: Sequence[int]) -> Future[Any]:
         if op == "set":
             return store.batch_set([(names[i], values[i]) for i in indices], timeout_s=CALL_TIMEOUT_S)
-        if op == "get":
-            return store.batch_get_bounded([names[i] for i in indices], case.shard.value_bytes,
-                                           timeout_s=CALL_TIMEOUT_S)
         return store.batch_exists([names[i % n] for i in indices], timeout_s=CALL_TIMEOUT_S)
 
     todo = iter(case.batches(op))
-    inflight: dict[Future[Any], range] = {}
+    inflight: dict[Future[Any], Sequence[int]] = {}
     start = time.perf_counter()
     for indices in itertools.islice(todo, clients):
         inflight[submit(indices)] = indices
     while inflight:
         done, _ = wait(inflight, return_when=FIRST_COMPLETED)
         for future in done:
-            indices = inflight.pop(future)
+            inflight.pop(future)
             result = future.result()
             if result.failed:
                 raise BenchError(f"tieredkv {op}: {result.failed} items failed ({result.cause})")
-            if op == "get":
-                land(case, indices, result.values, slots)
-            elif not all(result.values):
+            if not all(result.values):
                 raise BenchError(f"tieredkv {op}: an item was not stored / not found")
-            following = next(todo, None)  # landed first: no more in flight than redis-py has
+            following = next(todo, None)
             if following is not None:
                 inflight[submit(following)] = following
     return time.perf_counter() - start
@@ -113,12 +102,14 @@ def codec_rates(case: Case) -> dict[str, float]:
 
 
 def measure(case: Case, clients: int, rounds: int, store: ThreadedRemoteStore,
-            raw: AsyncRedisPy, bench: RedisBenchmark, progress: common.Progress) -> Samples:
-    """``rounds`` rounds; in each, every side runs SET, GET, EXISTS; the order flips per round."""
-    slots = host_slots(case)
+            reader: WorkerReads, raw: AsyncRedisPy, bench: RedisBenchmark,
+            progress: common.Progress) -> Samples:
+    """``rounds`` rounds; in each, every side runs SET, GET, EXISTS; the order flips per round.
+    tieredkv's GETs go through ``reader`` (the worker's read path), its others through ``store``."""
 
     def run_tieredkv() -> dict[str, float]:
-        return {op: case.count(op) / tieredkv_pass(store, case, op, clients, slots) for op in OPS}
+        return {op: reader.rate() if op == "get"
+                else case.count(op) / tieredkv_pass(store, case, op, clients) for op in OPS}
 
     def run_redispy() -> dict[str, float]:
         return {op: case.count(op) / raw.run_pass(case, op, clients) for op in OPS}

@@ -4,6 +4,8 @@ case's keys and self-verifying values."""
 from __future__ import annotations
 
 import hashlib
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tieredkv.remote.codec import HEADER_BYTES, RemoteKeyNames, encode
@@ -122,7 +124,10 @@ class BenchError(RuntimeError):
 
 @dataclass
 class Case:
-    """The keys and encoded values of one shard size; ``items`` of them are moved per op."""
+    """The keys and encoded values of one shard size; ``items`` of them are moved per op.
+
+    GETs read the keys in one random order (``read_order``, the same for every side and
+    round): a prompt's chunks are not the ones written next to each other."""
 
     shard: Shard
     items: int
@@ -130,6 +135,7 @@ class Case:
     chunk_keys: list[bytes] = field(default_factory=list)
     names: list[bytes] = field(default_factory=list)
     values: list[bytes] = field(default_factory=list)
+    read_order: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         namer = RemoteKeyNames(FINGERPRINT, RANK, PREFIX)
@@ -140,10 +146,15 @@ class Case:
             self.chunk_keys.append(key)
             self.names.append(namer(key))
             self.values.append(encode(body, fingerprint=FINGERPRINT, key=key, rank=RANK))
+        self.read_order = list(range(self.items))
+        random.Random(self.items).shuffle(self.read_order)
 
-    def batches(self, op: str) -> list[range]:
+    def batches(self, op: str) -> list[Sequence[int]]:
+        """One op's batches of item indices (GET: in ``read_order``)."""
         count = self.exists_items if op == "exists" else self.items
         step = self.shard.batch
+        if op == "get":
+            return [self.read_order[i:i + step] for i in range(0, count, step)]
         return [range(i, min(i + step, count)) for i in range(0, count, step)]
 
     def count(self, op: str) -> int:

@@ -5,7 +5,9 @@ The benchmark starts its own servers (``tieredkv.testing.redis_procs``) and runs
 redis-benchmark (random keys, every one of them hit) and raw redis-py (asyncio) on one value
 size with a few thousand items. Only the shape of the results is checked: the files, every
 ratio a positive finite number, each target named, the verdict on the worse deployment.
-Timings themselves are not judged here.
+Timings themselves are not judged here. tieredkv's GET pass is shown to be the worker's read
+path: values land in the HostPool's slots through RemoteJobs, and a corrupted value is
+RemoteJobs' failed job, not bytes the pass counts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ import redis
 from benchmarks import remote_throughput as bench
 from benchmarks.remote import report, workload
 from benchmarks.remote.rbench import RedisBenchmark
+from benchmarks.remote.worker_read import WorkerReads
+from benchmarks.remote.workload import BenchError, Case, Shard
 from tieredkv.remote.codec import HEADER_BYTES
+from tieredkv.remote_url import parse_remote_url
+from tieredkv.testing.redis_procs import RedisClusterProcs, RedisServer
 
 MiB = 1 << 20
 
@@ -118,3 +124,81 @@ def test_smoke_profile_writes_sane_results(tmp_path: Path, capsys: pytest.Captur
     assert data["headline"] in markdown
     assert "redis-benchmark" in markdown and "redis-py" in markdown
     assert data["headline"] in capsys.readouterr().out
+
+
+# 256 KiB values, 4 per prompt: three prompts of a small case through the worker's read path.
+TINY = Shard("tiny", "1 layer, 1 KV head, head dim 64, bf16", 1, 1, 64, 2, 1, 1024)
+
+
+def _written(deployment: RedisServer | RedisClusterProcs, case: Case) -> redis.Redis | redis.RedisCluster:
+    if isinstance(deployment, RedisClusterProcs):
+        client: redis.Redis | redis.RedisCluster = redis.RedisCluster(
+            host="127.0.0.1", port=deployment.servers[0].port)
+    else:
+        client = redis.Redis(port=deployment.port)
+    for name, value in zip(case.names, case.values, strict=True):
+        client.set(name, value)
+    return client
+
+
+def _payload(case: Case, i: int) -> bytes:
+    return case.values[i][HEADER_BYTES:]
+
+
+def _slot(reader: WorkerReads, slot: int) -> bytes:
+    return bytes(reader.host.slot_memoryview(slot)[:reader.case.shard.payload_bytes])
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+def test_the_get_pass_lands_every_value_in_host_slots_through_remote_jobs(
+        redis_deployment: RedisServer | RedisClusterProcs, clients: int) -> None:
+    case = Case(TINY, 3 * TINY.batch, 1)
+    client = _written(redis_deployment, case)
+    reader = WorkerReads(parse_remote_url(redis_deployment.url), case, clients)
+    try:
+        assert reader.wait_connected(30.0)
+        for _ in range(2):  # the reader is reused round after round
+            result = reader.run_pass()
+            assert result.failed == {} and result.reads == result.reads_ok == case.items
+            assert result.bytes_landed == case.items * TINY.payload_bytes
+            result.check(case)
+        if clients == 1:  # one lane: its slots hold the last prompt's values, in order
+            last = case.batches("get")[-1]
+            assert [_slot(reader, s) for s in range(TINY.batch)] == [_payload(case, i) for i in last]
+        assert reader.rate() > 0
+    finally:
+        reader.close()
+        for name in case.names:  # one key per DEL: a Cluster refuses cross-slot ones
+            client.delete(name)
+        client.close()
+    assert sorted(i for b in case.batches("get") for i in b) == list(range(case.items))
+    assert case.batches("get")[0] != list(range(TINY.batch))  # GETs read in a random order
+
+
+def test_a_corrupted_value_is_a_failed_read_not_bytes_moved(redis_server: RedisServer) -> None:
+    """RemoteJobs verifies before it copies: the corrupted value fails its job (``checksum``),
+    its slot keeps what landed there before, and the pass refuses to report a rate."""
+    case = Case(TINY, 3 * TINY.batch, 1)
+    client = _written(redis_server, case)
+    prompts = case.batches("get")
+    bad = prompts[-1][1]  # the last prompt's second read: slot 1 of the one lane
+    corrupted = bytearray(case.values[bad])
+    corrupted[HEADER_BYTES + 7] ^= 0xFF
+    client.set(case.names[bad], bytes(corrupted))
+    reader = WorkerReads(parse_remote_url(redis_server.url), case, 1)
+    try:
+        assert reader.wait_connected(30.0)
+        result = reader.run_pass()
+        assert result.failed == {"checksum": 1}
+        assert result.reads_ok == case.items - 1
+        assert result.bytes_landed == (case.items - 1) * TINY.payload_bytes
+        assert _slot(reader, 1) == _payload(case, prompts[-2][1])  # the previous tenant's bytes
+        assert _slot(reader, 0) == _payload(case, prompts[-1][0])
+        with pytest.raises(BenchError, match="checksum"):
+            result.check(case)
+        with pytest.raises(BenchError, match="1 of 12 reads failed"):
+            reader.rate()
+    finally:
+        reader.close()
+        client.delete(*case.names)
+        client.close()
