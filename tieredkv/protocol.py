@@ -232,6 +232,15 @@ class Job:
     def __post_init__(self) -> None:
         object.__setattr__(self, "move", Move.between(self.src.medium, self.dst.medium))
 
+    @classmethod
+    def _made(cls, move: Move, job_id: int, src: Place, dst: Place, key: bytes,
+              req_id: str | None = None) -> Job:
+        """A job of a pair its named constructor knows, built without a frozen dataclass's
+        per-field ``__setattr__`` (a scheduler step makes one per chunk it moves)."""
+        job = object.__new__(cls)
+        job.__dict__.update(job_id=job_id, src=src, dst=dst, key=key, req_id=req_id, move=move)
+        return job
+
     @property
     def host_slot(self) -> int:
         """The one host slot the job reads or writes (a load has one per chunk: -1)."""
@@ -254,19 +263,19 @@ class Job:
               req_id: str | None = None) -> Job:
         """d2h: device blocks -> host slot (block j -> position j; fewer ids than a chunk: a
         prompt's tail)."""
-        return cls(job_id, DeviceBlocks(tuple(block_ids)), HostSlot(host_slot), key, req_id)
+        return cls._made(Move.STORE, job_id, DeviceBlocks(tuple(block_ids)), HostSlot(host_slot), key, req_id)
 
     @classmethod
     def spill(cls, job_id: int, key: bytes, host_slot: int, disk_slot: int,
               aliases: tuple[bytes, ...] = ()) -> Job:
         """Host slot -> disk slot, written with a verified header; the host copy stays."""
-        return cls(job_id, HostSlot(host_slot), DiskSlot(disk_slot, tuple(aliases)), key)
+        return cls._made(Move.SPILL, job_id, HostSlot(host_slot), DiskSlot(disk_slot, tuple(aliases)), key)
 
     @classmethod
     def promote(cls, job_id: int, key: bytes, disk_slot: int, host_slot: int,
                 req_id: str | None = None) -> Job:
         """Disk slot -> host slot, verified before the scheduler may promise it as a hit."""
-        return cls(job_id, DiskSlot(disk_slot), HostSlot(host_slot), key, req_id)
+        return cls._made(Move.PROMOTE, job_id, DiskSlot(disk_slot), HostSlot(host_slot), key, req_id)
 
     @classmethod
     def load(cls, job_id: int, req_id: str, chunks: tuple[LoadChunk, ...],
@@ -274,21 +283,21 @@ class Job:
         """A request's chunks, in prefix order, each copied host -> device."""
         chunks = tuple(chunks)
         blocks = tuple(b for c in chunks for b in c.block_ids)
-        return cls(job_id, HostChunks(chunks, unserved), DeviceBlocks(blocks), b"", req_id)
+        return cls._made(Move.LOAD, job_id, HostChunks(chunks, unserved), DeviceBlocks(blocks), b"", req_id)
 
     @classmethod
     def remote_read(cls, job_id: int, key: bytes, host_slot: int,
                     req_id: str | None = None, rows: int = 0) -> Job:
         """Shared store -> host slot (``rows``: a tail's rows, 0: a whole chunk); promised
         only after every rank reported it done."""
-        return cls(job_id, RemoteShard(rows), HostSlot(host_slot), key, req_id)
+        return cls._made(Move.REMOTE_READ, job_id, RemoteShard(rows), HostSlot(host_slot), key, req_id)
 
     @classmethod
     def remote_write(cls, job_id: int, key: bytes, host_slot: int, rows: int = 0,
                      holes: tuple[int, ...] = ()) -> Job:
         """Host slot -> shared store, through the store's bounded write queue (a full queue
         or a store that is down drops it: the engine never waits on the network)."""
-        return cls(job_id, HostSlot(host_slot), RemoteShard(rows, tuple(holes)), key)
+        return cls._made(Move.REMOTE_WRITE, job_id, HostSlot(host_slot), RemoteShard(rows, tuple(holes)), key)
 
 
 @dataclass(frozen=True)
@@ -359,8 +368,6 @@ class StepPlan:
 
 # ------------------------------------------------- slot rows: where each group's blocks sit
 #
-# A model's KV-cache groups as tieredkv sees them, and where each group's blocks sit in a slot.
-#
 # vLLM's hybrid KV-cache manager gives each kind of attention layer its own group of block ids
 # (full attention; sliding window). tieredkv keeps one slot per entry holding every group:
 # group ``g``'s block ``j`` of the chunk is row ``g * chunk_blocks + j`` of the slot. An entry
@@ -370,10 +377,8 @@ class StepPlan:
 # prefix cache needs exactly ``cdiv(window - 1 + extra, block_size)`` contiguous blocks ending
 # at the hit; the chunk before holds its own last ``window_blocks``). So a hybrid hit ends on a
 # chunk boundary or exactly where a stored prompt ended, nowhere else. The rows an entry does
-# not store are holes (:data:`NO_BLOCK`), never copied.
-#
-# With one full-attention group (every model before hybrids) rows are block positions, as they
-# always were: nothing here changes for it.
+# not store are holes (:data:`NO_BLOCK`), never copied. With one full-attention group (every
+# model before hybrids) rows are block positions, as they always were.
 
 FULL, SLIDING = "full", "sliding"
 NULL_BLOCK = 0  # vLLM's placeholder block id (a sliding window's freed blocks)

@@ -65,6 +65,9 @@ class Lookup:
         # exactly at a stored prompt's end (the windows a sliding group stores end there).
         self.unit = self.chunk_tokens if parts.slot_rows is not None else parts.block_size
         self._fill = fill
+        # Where a hit may go on into a partial chunk: any entry's leading blocks, or for a
+        # hybrid model only a stored prompt's own end.
+        self._partial = fill.partial_source if parts.slot_rows is None else fill.tail_entry
         self._cost = parts.cost  # None: every lower-tier hit is taken
         self._in_flight = fill.in_flight  # read only: the fill path owns it
 
@@ -207,8 +210,7 @@ class Lookup:
         if (not remote_chunks and i * self.chunk_tokens < block_limit
                 and (state.hit_chunk_limit is None or i < state.hit_chunk_limit)
                 and getattr(request_keys, "block_granular", False)):
-            found = (self._fill.partial_source if self.slot_rows is None else self._fill.tail_entry)(
-                request_keys, i, num_computed_tokens, block_limit)
+            found = self._partial(request_keys, i, num_computed_tokens, block_limit)
             if found is not None:
                 partial_key, kind, partial_blocks = found
                 run.append(partial_key)
@@ -216,13 +218,10 @@ class Lookup:
                     lower_chunks.append(partial_key)
                 elif kind == PENDING:
                     pending = True
-        tail_base = (i + len(remote_chunks)) * self.chunk_blocks  # the chunk a remote tail is in
-        usable = block_limit // self.block_size - tail_base
-        if remote_tail is not None and self.slot_rows is not None and (
-                remote_tail[1] > usable
-                or (tail_base + remote_tail[1]) * self.block_size <= num_computed_tokens):
-            remote_tail = None  # hybrid: it serves only a hit ending at its end, past computed
-        if remote_tail is not None and min(remote_tail[1], usable) > partial_blocks:
+        if remote_tail is not None:
+            remote_tail = self._usable_remote_tail(
+                remote_tail, i + len(remote_chunks), block_limit, num_computed_tokens, partial_blocks)
+        if remote_tail is not None:
             if partial_key is not None:  # a shorter tail here: the remote one serves more
                 run.pop()
                 if lower_chunks and lower_chunks[-1] == partial_key:
@@ -285,6 +284,19 @@ class Lookup:
             partial_blocks=partial_blocks if partial else 0,
         )
         return hit
+
+    def _usable_remote_tail(
+        self, tail: tuple[bytes, int], chunk: int, block_limit: int, num_computed_tokens: int,
+        partial_blocks: int,
+    ) -> tuple[bytes, int] | None:
+        """The remote tail found in ``chunk``, when it serves more than the partial entry host
+        or disk hold there; a hybrid one only ending at its own end, past what was computed."""
+        usable = block_limit // self.block_size - chunk * self.chunk_blocks
+        if self.slot_rows is not None and (
+                tail[1] > usable
+                or (chunk * self.chunk_blocks + tail[1]) * self.block_size <= num_computed_tokens):
+            return None
+        return tail if min(tail[1], usable) > partial_blocks else None
 
     def _affordable(
         self, state: RequestState, run: list[bytes], lower_chunks: list[bytes],
