@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = args.only or list(BENCHMARKS)
     load_before = os.getloadavg()
+    # Named now: HEAD may move while the benchmarks run (the trees are checked out now too).
+    before, after = _git("rev-parse", "--short", args.before), _git("rev-parse", "--short", args.after)
     tables: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="tieredkv-before-after-") as tmp:
         parent = Path(tmp)
@@ -269,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for tree in trees.values():
                 _git("worktree", "remove", "--force", str(tree))
-    before, after = _git("rev-parse", "--short", args.before), _git("rev-parse", "--short", args.after)
     text = render(before, after, tables)
     if args.harness == "after":
         text = text.replace("each side in its own worktree and process.",
