@@ -172,7 +172,8 @@ class JobLedger:
             job_id, move, keys, req_id, remaining=self.world_size, chunk_blocks=chunk_blocks,
             sliding=sliding,
         )
-        self.sliding_sources.update(sliding)
+        if sliding:  # hybrid stores only (Counter.update costs even when empty)
+            self.sliding_sources.update(sliding)
         return job_id
 
     def take_plan(self) -> StepPlan:
