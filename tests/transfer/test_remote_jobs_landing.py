@@ -1,5 +1,6 @@
-"""RemoteJobs as the engine drives it: answers reported through ``on_answer`` (on the store's
-thread), reads past the batch budget sent from there, and every job answered exactly once."""
+"""RemoteJobs as the engine drives it: answers reported through ``on_answer`` (on the landing
+thread), reads past the batch budget sent from there, each landed batch reported before the
+next lands, and every job answered exactly once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import pytest
 
@@ -15,6 +17,8 @@ from tests.helpers import HANG_S, finishes, make_key
 from tests.remote.remote_helpers import FAST, RedisServer, wait_up
 from tieredkv.protocol import FailureCause, JobResult
 from tieredkv.remote.codec import HEADER_BYTES, encode
+from tieredkv.remote.results import BatchResult
+from tieredkv.remote.store import Head
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.transfer.host_pool import HostPool
@@ -239,3 +243,87 @@ def test_close_while_a_batch_lands_answers_every_job_once_and_frees_every_slot(
         else:
             assert bytes(host.slot_memoryview(slot)) == bytes([SENTINEL]) * host.slot_bytes
     assert busy(jobs) == frozenset()
+
+
+
+class HeldStore:
+    """A store whose GET batches are answered only when the test says so (``answer(k)``, the
+    k-th call), as the store's thread would: on a thread of its own."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        self.values = values
+        self.calls: list[tuple[Future[BatchResult[Head | None]], list[str]]] = []
+        self.sent = threading.Condition()
+
+    def batch_get_bounded(self, names: list[str], max_len: int, *, timeout_s: float | None = None
+                          ) -> Future[BatchResult[Head | None]]:
+        future: Future[BatchResult[Head | None]] = Future()
+        with self.sent:
+            self.calls.append((future, list(names)))
+            self.sent.notify_all()
+        return future
+
+    def answer(self, k: int) -> None:
+        with self.sent:
+            assert self.sent.wait_for(lambda: len(self.calls) > k, HANG_S), "batch never sent"
+            future, names = self.calls[k]
+        heads = [Head(memoryview(bytearray(self.values[n])), len(self.values[n])) for n in names]
+        answering = threading.Thread(target=future.set_result, args=(BatchResult(heads),))
+        answering.start()
+        answering.join(HANG_S)
+
+    def close(self, timeout_s: float = 2.0) -> bool:
+        for future, names in self.calls:
+            if not future.done():
+                future.set_result(BatchResult([None] * len(names), FailureCause.CANCELLED, len(names)))
+        return True
+
+
+
+class SlotGates(HostPool):
+    """Landing into slot ``s`` (on a thread other than the test's) waits for ``open[s]``,
+    after setting ``reached[s]``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.reached = {s: threading.Event() for s in range(2)}
+        self.open = {s: threading.Event() for s in range(2)}
+        self._test_thread = threading.current_thread()
+
+    def slot_memoryview(self, slot: int) -> memoryview:
+        if slot in self.open and threading.current_thread() is not self._test_thread:
+            self.reached[slot].set()
+            assert self.open[slot].wait(HANG_S), "the test never opened the gate"
+        return super().slot_memoryview(slot)
+
+
+def test_a_landed_batch_is_reported_before_the_next_one_lands() -> None:
+    """Batch 1 arrives while batch 0 lands: batch 0's result is reported as soon as it landed,
+    not held back until batch 1 has landed too (a request whose chunks came first would wait
+    for the whole stream)."""
+    host = SlotGates(SLOTS, PAYLOAD, pin=False)
+    keys = [make_key(700 + i) for i in range(2)]
+    values: dict[str, bytes] = {}
+    store = HeldStore(values)
+    jobs = RemoteJobs(store, host, fingerprint=FINGERPRINT, rank=0, prefix="held",  # type: ignore[arg-type]
+                      ttl_s=60.0, timeout_s=30.0, slot_rows=4,
+                      read_batch_bytes=2 * (HEADER_BYTES + PAYLOAD))  # batches of one value
+    try:
+        for i, key in enumerate(keys):
+            values[jobs._redis_name(key)] = encode(payload(i), fingerprint=FINGERPRINT, key=key, rank=0)
+        answers = Answers(jobs)
+        jobs.start_reads([(70, keys[0], 0, 0), (71, keys[1], 1, 0)])
+        store.answer(0)
+        assert host.reached[0].wait(HANG_S)  # batch 0 is landing
+        store.answer(1)  # batch 1 arrives meanwhile
+        host.open[0].set()
+        # Batch 0's result comes while batch 1 cannot land yet (its gate is shut).
+        assert answers.wait(1) == {70: JobResult.done(70)}
+        host.open[1].set()
+        assert answers.wait(2) == {70: JobResult.done(70), 71: JobResult.done(71)}
+        assert bytes(host.slot_memoryview(1))[:PAYLOAD] == payload(1)
+        finishes(lambda: jobs.close(1.0))
+    finally:
+        for gate in host.open.values():
+            gate.set()
+        host.close()

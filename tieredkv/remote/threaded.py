@@ -11,11 +11,12 @@ even with the server stalled or gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from functools import partial
 from typing import Any, TypeVar
 
@@ -184,7 +185,7 @@ class ThreadedRemoteStore:
         with self._lock:
             owned = self._pending.pop(future, None) is not None
         if owned:
-            future.set_result(result)
+            _answer(future, result)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class ThreadedRemoteStore:
         with self._lock:
             pending, self._pending = self._pending, {}
         for future, fallback in pending.items():  # taken from _resolve: only answered here
-            future.set_result(fallback())
+            _answer(future, fallback())
         return not self._thread.is_alive()
 
     def __enter__(self) -> ThreadedRemoteStore:
@@ -222,3 +223,10 @@ class ThreadedRemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _answer(future: Future[Any], result: Any) -> None:
+    """Set ``future``'s result unless its caller cancelled it (nothing in tieredkv does; a
+    cancelled one must not stop ``close`` answering the others)."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(result)

@@ -13,8 +13,9 @@ and the handler picks the thread that runs it:
 - spill (host -> disk) and promote (disk -> host), :mod:`~tieredkv.transfer.disk_jobs`:
   coroutines on the event loop awaiting the slab executor's bounded pool of I/O threads;
   spills pass a bounded queue, so a slow disk drops them (counted) instead of delaying others;
-- remote read and write (host <-> remote), :mod:`~tieredkv.transfer.remote_driver`: on the
-  store's own thread. Without a remote tier on this worker there is no driver: the engine
+- remote read and write (host <-> remote), :mod:`~tieredkv.transfer.remote_driver`: sent
+  from the store's own thread, landed (verified, copied into host slots) on the remote
+  jobs' landing thread. Without a remote tier on this worker there is no driver: the engine
   fails each remote job ``unavailable`` itself (the scheduler counts it and recomputes).
 
 Handlers see the engine only as a :class:`~tieredkv.transfer.runtime.Runtime`.

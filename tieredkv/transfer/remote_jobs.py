@@ -259,6 +259,7 @@ class RemoteJobs:
         out: list[JobResult] = []
         while True:
             with self._lock:
+                stopping = self._stopping
                 out += self._ready
                 self._ready = []
                 arrived: list[_Batch] = []
@@ -272,12 +273,16 @@ class RemoteJobs:
             again = self._watch(sent)
             for batch in arrived:  # outside the lock: verify and copy (the slots stay busy)
                 out += self._finish(batch)
-            if not arrived and not again:
+            # With a landing thread, report what landed now: it polls again for what arrived
+            # meanwhile (each sent batch wakes it), so a request whose chunks landed first is
+            # not held back by the stream. Closing (or no thread): take everything.
+            if (not arrived and not again) or (arrived and self.on_answer is not None and not stopping):
                 return out
 
     def _finish(self, batch: _Batch) -> list[JobResult]:
         """Land one taken batch (outside the lock), then free its slots and budget."""
         assert batch.future is not None
+        result = None
         try:
             result = batch.future.result(0)
             values, cause = result.values, result.cause
@@ -295,7 +300,7 @@ class RemoteJobs:
             for job_id, _, _, _ in batch.jobs[len(landed):]:
                 landed.append((JobResult.fail(job_id, FailureCause.UNKNOWN), 0))
         batch.future = None  # its values' buffers go back to the store's pool
-        del values
+        del values, result
         with self._lock:
             for (_, _, slot, _), (result, size) in zip(batch.jobs, landed, strict=True):
                 self._busy.discard(slot)

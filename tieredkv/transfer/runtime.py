@@ -7,7 +7,7 @@ reports its one result through :meth:`Runtime.finish`. Handlers see the engine o
 :class:`Runtime`, never its private state.
 
 Thread-safe: every job kind finishes on a thread of its own (the event loop, the h2d lane,
-the remote store's thread, or vLLM's worker thread for an inline load).
+the remote jobs' landing thread, or vLLM's worker thread for an inline load).
 """
 
 from __future__ import annotations
