@@ -167,11 +167,14 @@ class Lookup:
             # The probe asks from chunk 0 (as ``prefetch_remote`` did, when the request
             # arrived): its answer is the remote tier's leading run; past i it extends ours.
             found_remote = self.remote.poll(req_id, keys[:last], tail)
-            # What it could save: up to the tail's end (a hybrid tail reads a whole slot).
+            # What it could save: up to the tail's end (a hybrid tail reads a whole slot), past
+            # what is computed or served here already.
             reads = last - i + bool(tail and self.slot_rows is not None)
             if found_remote is None and self._cost is not None and not (
-                    self._cost.may_wait_for_probe(req_id, Tier.REMOTE,
-                                                  block_limit - i * self.chunk_tokens, reads)):
+                    self._cost.may_wait_for_probe(
+                        req_id, Tier.REMOTE,
+                        block_limit - self._served(request_keys, i, last, num_computed_tokens,
+                                                   block_limit), reads)):
                 found_remote = i  # waited longer than a remote hit could save: compute the rest
                 tail = ()
             if found_remote is None:
@@ -284,6 +287,17 @@ class Lookup:
             partial_blocks=partial_blocks if partial else 0,
         )
         return hit
+
+    def _served(self, keys, i: int, last: int, num_computed_tokens: int, block_limit: int) -> int:
+        """Tokens a remote hit could not add to: those computed, the whole chunks before ``i``
+        and, when only a tail can come from Redis (``i == last``), the blocks of chunk ``i`` an
+        entry here holds (asked only while a probe is out)."""
+        served = max(i * self.chunk_tokens, num_computed_tokens)
+        if i == last and getattr(keys, "block_granular", False):
+            held = self._partial(keys, i, num_computed_tokens, block_limit)
+            if held is not None:
+                served = max(served, (i * self.chunk_blocks + held[2]) * self.block_size)
+        return served
 
     def _usable_remote_tail(
         self, tail: tuple[bytes, int], chunk: int, block_limit: int, num_computed_tokens: int,
