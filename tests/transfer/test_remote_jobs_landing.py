@@ -327,3 +327,32 @@ def test_a_landed_batch_is_reported_before_the_next_one_lands() -> None:
         for gate in host.open.values():
             gate.set()
         host.close()
+
+
+def test_a_prompts_reads_go_as_several_batches_and_the_first_lands_before_the_last_arrives() -> None:
+    """64 values of 100 KB (6.4 MB, far inside the read budget) are not one call whose
+    values land only once all of them arrived: the first batch lands while the rest are out."""
+    size, count = 100_000, 64
+    host = HostPool(count, size, pin=False)
+    values: dict[str, bytes] = {}
+    store = HeldStore(values)
+    jobs = RemoteJobs(store, host, fingerprint=FINGERPRINT, rank=0, prefix="many",  # type: ignore[arg-type]
+                      ttl_s=60.0, timeout_s=30.0, slot_rows=4)
+    try:
+        keys = [make_key(800 + i) for i in range(count)]
+        for i, key in enumerate(keys):
+            values[jobs._redis_name(key)] = encode(bytes([i]) * size, fingerprint=FINGERPRINT,
+                                                   key=key, rank=0)
+        answers = Answers(jobs)
+        jobs.start_reads([(1000 + i, key, i, 0) for i, key in enumerate(keys)])
+        assert len(store.calls) >= 2  # sent at once: the budget holds them all
+        store.answer(0)
+        first = answers.wait(len(store.calls[0][1]))
+        assert first == {1000 + i: JobResult.done(1000 + i) for i in range(len(first))}
+        assert bytes(host.slot_memoryview(0))[:size] == bytes([0]) * size
+        for k in range(1, len(store.calls)):
+            store.answer(k)
+        assert len(answers.wait(count)) == count
+        finishes(lambda: jobs.close(1.0))
+    finally:
+        host.close()

@@ -55,6 +55,9 @@ SlotJob = tuple[int, bytes, int, int]
 WriteJob = tuple[int, bytes, int, int, tuple[int, ...]]
 # Bytes of values one rank's reads hold at once (in flight or arrived, not yet landed).
 READ_BATCH_BYTES = 128 << 20
+# Bytes of values one read batch (one pipelined call) asks for at most: a prompt's reads go as
+# several batches, so the first lands while later ones are still received.
+READ_BATCH_TARGET = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,9 @@ class RemoteJobs:
         self.row_spans: tuple[tuple[int, int], ...] = ()
         self.value_len = value_bytes(host.payload_bytes)  # the longest value a read accepts
         self._budget = read_batch_bytes
-        # Two batches fit the budget: one lands while the next is read.
-        self._batch_keys = max(1, read_batch_bytes // 2 // self.value_len)
+        # Two batches fit the budget (one lands while the next is read), and a prompt's reads
+        # are several batches, not one that lands only once all of it arrived.
+        self._batch_keys = max(1, min(read_batch_bytes // 2, READ_BATCH_TARGET) // self.value_len)
         self._lock = threading.Lock()
         self._batches: list[_Batch] = []  # sent, not yet taken by a poll
         self._landing = 0  # values taken by a poll, not landed yet (their buffers still held)
