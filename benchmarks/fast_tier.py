@@ -23,7 +23,8 @@ from benchmarks.common import git_revision, machine_info, results_dir, write_jso
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "not vllm and not redis"
-_SUMMARY = re.compile(r"^=+ (.*(?:passed|failed).*) in [\d.]+s", re.MULTILINE)
+# pytest's last line: "==== 5 passed in 1.2s ====", or with -q "5 passed, 1 skipped in 1.2s".
+_SUMMARY = re.compile(r"^(?:=+ )?(\d+ (?:passed|failed).*?) in [\d.]+s", re.MULTILINE)
 
 
 def run_tier(extra: list[str]) -> tuple[float, int, str]:

@@ -22,3 +22,10 @@ def test_a_failing_tier_is_kept_with_its_status(tmp_path: Path) -> None:
     status = fast_tier.main(["--out-dir", str(tmp_path / "out"), str(tmp_path / "test_fails.py")])
     data = json.loads((tmp_path / "out" / "fast_tier.json").read_text())
     assert status == 1 == data["exit_status"] and "1 failed" in data["summary"]
+
+
+def test_the_summary_is_pytests_own_line_in_quiet_mode_too(tmp_path: Path) -> None:
+    (tmp_path / "test_two.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
+    fast_tier.main(["--out-dir", str(tmp_path / "out"), str(tmp_path / "test_two.py")])
+    data = json.loads((tmp_path / "out" / "fast_tier.json").read_text())
+    assert data["summary"] == "2 passed"
