@@ -98,6 +98,37 @@ def test_a_miss_pins_nothing_and_a_chunk_being_stored_is_not_promised():
     assert r.ask("s") == CHUNK_TOKENS  # the hit ends where a chunk is not READY
 
 
+def test_a_repeated_miss_turns_into_a_hit_as_soon_as_anything_arrives():
+    """A miss asked again in the same state is answered without a scan; every way a hit can
+    appear since (a store finishing in host, a copy on disk, the request's block hashes
+    replaced by a streaming session) is seen on the next ask."""
+    r = Rig()
+    assert r.ask() == 0 and r.ask() == 0 and r.ask() == 0
+    assert r.host.allocate(KEYS[0], ()) is not None  # its store is in flight: still no hit
+    assert r.ask() == 0
+    assert r.host.mark_ready(KEYS[0])
+    assert r.ask() == CHUNK_TOKENS
+    r.lookup.on_alloc("r", [], 0)  # not taken
+    assert r.ask("d") == CHUNK_TOKENS
+    assert r.ask("d", computed=CHUNK_TOKENS) == 0 and r.ask("d", computed=CHUNK_TOKENS) == 0
+    r.on_disk(1)
+    assert r.ask("d", computed=CHUNK_TOKENS) is None  # chunk 1 is on disk now: filled first
+    # A streaming session replaced the request's block hashes (same length, other tokens),
+    # with nothing arriving in between: the hit is on the new tokens, not a stale miss.
+    other = [t + 10**6 for t in PROMPT]
+    r._ready(r.host, keys_for(other)[0], ())
+    fives, others = keys_for([5] * len(PROMPT)), keys_for(other)
+    for _ in range(3):  # asked while it waits
+        assert r.lookup.lookup("v", fives, 0, len(PROMPT)) == 0
+    assert r.lookup.lookup("v", others, 0, len(PROMPT)) == CHUNK_TOKENS
+    r.lookup.on_alloc("v", [], 0)
+    streamed = keys_for([6] * len(PROMPT))  # the same keys object, its hashes replaced
+    assert r.lookup.lookup("w", streamed, 0, len(PROMPT)) == 0
+    assert r.lookup.lookup("w", streamed, 0, len(PROMPT)) == 0
+    streamed.block_hashes[:] = keys_for(other).block_hashes
+    assert r.lookup.lookup("w", streamed, 0, len(PROMPT)) == CHUNK_TOKENS
+
+
 def test_the_hit_never_covers_the_last_token_and_ends_at_the_last_block_held():
     r = Rig()
     r.in_host(0, 1, 2, tail_blocks=1)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingHit:
     """A lookup's answer, its host chunks pinned until vLLM allocates blocks for it."""
 
@@ -48,7 +48,7 @@ class PendingHit:
     partial_blocks: int = 0  # hybrid: a partial hit's last entry holds exactly these blocks
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     req_id: str
     block_ids: list[int] = field(default_factory=list)  # group 0's device blocks
@@ -68,6 +68,9 @@ class RequestState:
     looked_up: bool = False
     # A load found blocks it does not hold from this chunk on (hybrid): later hits end before it.
     hit_chunk_limit: int | None = None
+    # The last lookups' answer was a miss in this state (see Lookup.lookup): asked again in it,
+    # the answer is the same without a scan. ``()``: one miss, not stamped yet.
+    miss_stamp: tuple | None = None
 
     @property
     def tables(self) -> list[list[int]]:
@@ -117,7 +120,7 @@ class HitEpoch:
         self.value += 1
 
 
-@dataclass
+@dataclass(slots=True)
 class JobRecord:
     job_id: int
     move: Move

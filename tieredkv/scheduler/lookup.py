@@ -32,7 +32,13 @@ from tieredkv.protocol import NO_BLOCK, FailureCause, Job, JobResult, LoadChunk,
 from tieredkv.scheduler.ledger import JobRecord, PendingHit, PlannerParts, RequestState
 from tieredkv.scheduler.lower_tier import LOWER, PENDING, Fill
 from tieredkv.scheduler.placement import Placer
-from tieredkv.scheduler.remote_tier import INNER_TAIL, tail_keys
+from tieredkv.scheduler.remote_hits import RemoteHits
+
+# Lookup.lookup counts these on every request's first answer: set by dict's own method (Counts'
+# checked one costs a Python frame), the members bound here once (an enum member's attribute
+# read costs five times a global's on Python 3.11).
+_set_count = dict.__setitem__
+_LOOKUPS, _LOOKUP_TOKENS = Count.LOOKUPS, Count.LOOKUP_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +73,19 @@ class Lookup:
         self._fill = fill
         # Where a hit may go on into a partial chunk: any entry's leading blocks, or for a
         # hybrid model only a stored prompt's own end.
+        # (Both take the span of blocks ``fill.usable_blocks`` found some tier may serve.)
         self._partial = fill.partial_source if parts.slot_rows is None else fill.tail_entry
+        self._usable_blocks = fill.usable_blocks
         self._cost = parts.cost  # None: every lower-tier hit is taken
         self._in_flight = fill.in_flight  # read only: the fill path owns it
+        # The remote tier's share of a lookup; None without one.
+        self.remote_hits = (RemoteHits(parts, parts.remote, fill.usable_blocks, self._partial)
+                            if parts.remote is not None else None)
 
     def prefetch_remote(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> None:
-        """A request arrived: send its remote probe now (the keys its lookups will ask about)."""
-        if self.remote is None:
-            return
-        limit = (num_tokens - 1) // self.unit * self.unit
-        block_limit = (num_tokens - 1) // self.block_size * self.block_size
-        last = min(len(keys), -(-limit // self.chunk_tokens))
-        tail = (self._tail_keys(keys, last, block_limit, 0)
-                if limit // self.chunk_tokens == last else ())
-        if last > 0 or tail:
-            materialize = getattr(keys, "materialize", None)
-            chunks = (materialize(last) if materialize is not None else keys)[:last]
-            self.remote.poll(req_id, chunks, tail)
+        """A request arrived: send its remote probe now (:meth:`RemoteHits.prefetch`)."""
+        if self.remote_hits is not None:
+            self.remote_hits.prefetch(req_id, keys, num_tokens)
 
     # ------------------------------------------------------------------ lookups
 
@@ -110,6 +112,11 @@ class Lookup:
             self.release_hit(state)
         if state.load_job is not None:
             return 0
+        stamp = state.miss_stamp
+        if stamp:
+            if stamp == self._miss_stamp(keys, num_computed_tokens, num_tokens):
+                return 0  # asked again, nothing arrived in any tier since: still a miss
+            state.miss_stamp = ()  # missed before: a miss now is stamped again
         unit = self.unit
         limit = (num_tokens - 1) // unit * unit
         block_limit = (num_tokens - 1) // self.block_size * self.block_size  # a tail's limit
@@ -151,60 +158,17 @@ class Lookup:
                 break
             i += 1
         # Past host and disk: the whole chunks the remote tier holds for every rank, and the
-        # longest tail it holds of the partial chunk after them (one call).
+        # longest tail it holds of the partial chunk after them (remote_hits.py).
         remote_chunks: list[bytes] = []
         remote_pos = len(run)
         remote_tail: tuple[bytes, int] | None = None
-        tail: tuple[bytes, ...] = ()
-        if self.remote is not None and not state.remote_done:
-            if limit // self.chunk_tokens == last:  # the prompt's limit lies in the next chunk
-                tail = self._tail_keys(request_keys, last, block_limit, num_computed_tokens)
-            if tail and i == last and self._held_here(request_keys, block_limit):
-                tail = ()  # host or disk holds every block a hit could use: nothing to ask
-        if self.remote is not None and (i < last or tail) and not state.remote_done:
-            if materialize is not None:
-                keys = materialize(last)
-            # The probe asks from chunk 0 (as ``prefetch_remote`` did, when the request
-            # arrived): its answer is the remote tier's leading run; past i it extends ours.
-            found_remote = self.remote.poll(req_id, keys[:last], tail)
-            # What it could save: up to the tail's end (a hybrid tail reads a whole slot), past
-            # what is computed or served here already.
-            reads = last - i + bool(tail and self.slot_rows is not None)
-            if found_remote is None and self._cost is not None and not (
-                    self._cost.may_wait_for_probe(
-                        req_id, Tier.REMOTE,
-                        block_limit - self._served(request_keys, i, last, num_computed_tokens,
-                                                   block_limit), reads)):
-                found_remote = i  # waited longer than a remote hit could save: compute the rest
-                tail = ()
+        if self.remote_hits is not None and not state.remote_done:
+            found_remote = self.remote_hits.probe(
+                state, request_keys, i, last, limit, block_limit, num_computed_tokens)
             if found_remote is None:
-                if not state.promote_deadline:
-                    state.promote_deadline = time.monotonic() + self.load_timeout_s
                 return None  # the probe is in flight: ask again (nothing is pinned)
-            remote_chunks = list(keys[i:max(i, found_remote)])
-            end = i + len(remote_chunks)
-            if tail and end == last:
-                remote_tail = self.remote.found_tail(req_id, tail)
-            elif i < end < last:
-                # Redis's run ends before the prompt's last whole chunk: a tail of chunk
-                # ``end`` (where an earlier, shorter prompt ended: a chat's previous turn on
-                # another replica) may be there. One more call, once the first answered, only
-                # when Redis held chunks past host and disk (they are read anyway): a cold
-                # miss, or a prefix host or disk serve, never waits a second round trip.
-                inner = self._tail_keys(request_keys, end, block_limit, num_computed_tokens)
-                longest = min(block_limit, (end + 1) * self.chunk_tokens - self.block_size)
-                if inner and not self._held_here(request_keys, longest):
-                    tail_id = req_id + INNER_TAIL
-                    if self.remote.poll(tail_id, keys[:end], inner) is None:
-                        if self._cost is None or self._cost.may_wait_for_probe(
-                                req_id, Tier.REMOTE, len(inner) * self.block_size, 1):
-                            return None  # ask again (nothing is pinned)
-                    else:
-                        remote_tail = self.remote.found_tail(tail_id, inner)
-                    self.remote.forget(tail_id)
+            remote_chunks, remote_tail = found_remote
             run.extend(remote_chunks)
-            state.remote_done = True
-            self.remote.forget(req_id)
         # The run of whole chunks ends at chunk i: the hit may go on into chunk i, up to the
         # last of its blocks some entry holds (this prompt's tail, or a chunk of another
         # prompt sharing these blocks).
@@ -213,7 +177,8 @@ class Lookup:
         if (not remote_chunks and i * self.chunk_tokens < block_limit
                 and (state.hit_chunk_limit is None or i < state.hit_chunk_limit)
                 and getattr(request_keys, "block_granular", False)):
-            found = self._partial(request_keys, i, num_computed_tokens, block_limit)
+            span = self._usable_blocks(request_keys, i, num_computed_tokens, block_limit)
+            found = self._partial(request_keys, span) if span is not None else None
             if found is not None:
                 partial_key, kind, partial_blocks = found
                 run.append(partial_key)
@@ -222,7 +187,8 @@ class Lookup:
                 elif kind == PENDING:
                     pending = True
         if remote_tail is not None:
-            remote_tail = self._usable_remote_tail(
+            assert self.remote_hits is not None
+            remote_tail = self.remote_hits.usable_tail(
                 remote_tail, i + len(remote_chunks), block_limit, num_computed_tokens, partial_blocks)
         if remote_tail is not None:
             if partial_key is not None:  # a shorter tail here: the remote one serves more
@@ -241,6 +207,8 @@ class Lookup:
                 state, run, lower_chunks, remote_chunks, partial_key, first,
                 num_computed_tokens, run_end, request_keys)
         timed_out = False
+        settled = not (state.promote_deadline or lower_chunks or pending or remote_chunks) and (
+            self.remote_hits is None or state.remote_done)  # nothing read, nothing may still come
         if state.promote_deadline or lower_chunks or pending or remote_chunks:
             now = time.monotonic()
             timed_out = bool(state.promote_deadline) and now > state.promote_deadline
@@ -258,8 +226,14 @@ class Lookup:
         if not state.looked_up:
             # Counted once per request, when it gets its answer (not each "ask me later").
             state.looked_up = True
-            self.counters[Count.LOOKUPS] += 1
-            self.counters[Count.LOOKUP_TOKENS] += max(0, block_limit - num_computed_tokens)
+            # Two declared counts on every request's first answer, set by dict's own method:
+            # Counts' checked one costs a Python frame each on vLLM's hottest call, and these
+            # keys are members of the declared enum (an undeclared one is read, and raises,
+            # first).
+            counters = self.counters
+            _set_count(counters, _LOOKUPS, counters[_LOOKUPS] + 1)
+            _set_count(counters, _LOOKUP_TOKENS, counters[_LOOKUP_TOKENS]
+                       + max(0, block_limit - num_computed_tokens))
         if lower_chunks or pending or remote_chunks:
             # Only the leading READY host chunks can be promised.
             ready: list[bytes] = []
@@ -277,6 +251,11 @@ class Lookup:
         end = min(end_block * self.block_size, block_limit if partial else limit)
         hit = max(0, end - num_computed_tokens)
         if hit == 0:
+            if settled:
+                # Stamped from the second miss on: most requests are asked once and scheduled
+                # (the stamp would be wasted), one asked twice is waiting and asked each step.
+                state.miss_stamp = (() if stamp is None else
+                                    self._miss_stamp(request_keys, num_computed_tokens, num_tokens))
             return 0
         self.host.pin_all(ready)
         filled = state.filled
@@ -288,29 +267,14 @@ class Lookup:
         )
         return hit
 
-    def _served(self, keys, i: int, last: int, num_computed_tokens: int, block_limit: int) -> int:
-        """Tokens a remote hit could not add to: those computed, the whole chunks before ``i``
-        and, when only a tail can come from Redis (``i == last``), the blocks of chunk ``i`` an
-        entry here holds (asked only while a probe is out)."""
-        served = max(i * self.chunk_tokens, num_computed_tokens)
-        if i == last and getattr(keys, "block_granular", False):
-            held = self._partial(keys, i, num_computed_tokens, block_limit)
-            if held is not None:
-                served = max(served, (i * self.chunk_blocks + held[2]) * self.block_size)
-        return served
-
-    def _usable_remote_tail(
-        self, tail: tuple[bytes, int], chunk: int, block_limit: int, num_computed_tokens: int,
-        partial_blocks: int,
-    ) -> tuple[bytes, int] | None:
-        """The remote tail found in ``chunk``, when it serves more than the partial entry host
-        or disk hold there; a hybrid one only ending at its own end, past what was computed."""
-        usable = block_limit // self.block_size - chunk * self.chunk_blocks
-        if self.slot_rows is not None and (
-                tail[1] > usable
-                or (chunk * self.chunk_blocks + tail[1]) * self.block_size <= num_computed_tokens):
-            return None
-        return tail if min(tail[1], usable) > partial_blocks else None
+    def _miss_stamp(self, keys, num_computed_tokens: int, num_tokens: int) -> tuple:
+        """What a miss depends on: the request's position and length, its newest block hash
+        (a streaming session replaces them in place) and the entries that arrived in host or
+        the tier below so far (a fill for another request allocates a host slot too)."""
+        hashes = getattr(keys, "block_hashes", keys)
+        lower = self.lower
+        return (num_computed_tokens, num_tokens, hashes[-1] if hashes else None,
+                self.host.arrivals + (lower.arrivals if lower is not None else 0))
 
     def _affordable(
         self, state: RequestState, run: list[bytes], lower_chunks: list[bytes],
@@ -338,37 +302,6 @@ class Lookup:
         kept = set(run)
         return (run, [k for k in lower_chunks if k in kept], [k for k in remote_chunks if k in kept],
                 partial_key if partial_key in kept else None)
-
-    def _tail_keys(self, keys: Any, chunk: int, limit: int, computed: int) -> tuple[bytes, ...]:
-        """Where the remote tier may hold a tail of ``chunk`` that a hit ending by ``limit``
-        (a block boundary) can use (:func:`tail_keys`). Hybrid: a tail serves a hit ending
-        exactly at its end, so only the tails ending by ``limit`` and past ``computed`` (the
-        longest one every rank holds is the best; one past the limit would hide it)."""
-        if self.slot_rows is None:
-            return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size)
-        if not getattr(keys, "block_granular", False):
-            return ()
-        base, bs = chunk * self.chunk_blocks, self.block_size
-        end = min(limit // bs, keys.num_blocks, base + self.chunk_blocks - 1)
-        return keys.block_keys(base, end) if end > max(base, computed // bs) else ()
-
-    def _held_here(self, keys: Any, end_token: int) -> bool:
-        """Whether host or the lower tier holds the last block a hit ending by ``end_token``
-        could use (then its partial entry serves every block a remote tail could). Hybrid:
-        the entry ending exactly there (a longer one lacks the window before that end)."""
-        block = min(end_token, keys.num_blocks * self.block_size) // self.block_size - 1
-        if block < 0:
-            return False
-        key = keys.block_key(block)
-        if self.slot_rows is not None:
-            blocks = block % self.chunk_blocks + 1
-            return any(tier is not None and tier.is_ready(key)
-                       and getattr(tier.get(key), "blocks", 0) == blocks
-                       for tier in (self.host, self.lower))
-        if self.host.ready_holder(key) is not None:
-            return True
-        lower = self.lower
-        return lower is not None and lower.holds(key)
 
     # ------------------------------------------------------------------ hits -> loads
 

@@ -331,13 +331,14 @@ class Fill:
 
     # ------------------------------------------------------------------ sources of a partial chunk
 
-    def _usable_blocks(
+    def usable_blocks(
         self, keys, chunk: int, num_computed_tokens: int, limit: int
     ) -> tuple[int, int, int, bytes] | None:
         """``(base, lo, hi, first key)``: the blocks ``lo..hi`` of ``chunk`` a partial hit of
         this request could end after (past what it computed, before ``limit`` and the chunk's
         end), when some tier holds the first of them; None when no entry can serve (a miss
-        costs one key and a dict probe per tier)."""
+        costs one key and a dict probe per tier: the caller asks this first, and
+        :meth:`partial_source` or :meth:`tail_entry` only with its answer)."""
         C, bs = self.chunk_blocks, self.block_size
         base = chunk * C
         hi = min(C - 1, limit // bs - base, keys.num_blocks - base)
@@ -351,7 +352,7 @@ class Fill:
         return base, lo, hi, first_key
 
     def partial_source(
-        self, keys, chunk: int, num_computed_tokens: int, limit: int
+        self, keys, span: tuple[int, int, int, bytes]
     ) -> tuple[bytes, str, int] | None:
         """The entry holding the most leading blocks of ``chunk`` of this request (fewer than
         a whole chunk), as ``(entry key, HOST | PENDING | LOWER, blocks)``, or None.
@@ -360,11 +361,8 @@ class Fill:
         hashes), so "some entry holds block b" is true for the first blocks of a chunk and
         false after. The first block this request could use answers a miss (one key, a dict
         probe per tier); the last one a repeated prompt (its own tail); a binary search
-        between them anything else.
+        between them anything else. ``span``: :meth:`usable_blocks`'s answer.
         """
-        span = self._usable_blocks(keys, chunk, num_computed_tokens, limit)
-        if span is None:
-            return None
         base, lo, hi, first_key = span
         block_key = keys.block_key
         host = self.host
@@ -391,15 +389,12 @@ class Fill:
         return best[0], best[1], good
 
     def tail_entry(
-        self, keys, chunk: int, num_computed_tokens: int, limit: int
+        self, keys, span: tuple[int, int, int, bytes]
     ) -> tuple[bytes, str, int] | None:
         """Hybrid models: the longest prompt's tail stored in ``chunk`` of this request that
         ends by ``limit`` and past ``num_computed_tokens``, as ``(key, HOST | PENDING | LOWER,
         blocks)``, or None. Only an entry's own end serves a hit (its sliding rows end there),
-        so each end is probed (no entry holds the first usable block: one probe, a miss)."""
-        span = self._usable_blocks(keys, chunk, num_computed_tokens, limit)
-        if span is None:
-            return None
+        so each end is probed. ``span``: :meth:`usable_blocks`'s answer."""
         base, lo, hi, _ = span
         host, lower = self.host, self.lower
         for n in range(hi, lo - 1, -1):

@@ -121,6 +121,10 @@ class Planner:
             margin=config.cost_model_margin, enabled=config.cost_model,
             probe_timeout_s=config.remote_timeout_s, clock=clock,
         )
+        # vLLM scheduled a step of N tokens / that step's output came back: the cost model's
+        # prefill rate (its own methods, called every step: one frame less).
+        self.step_scheduled: Callable[[int], None] = self.cost.step_scheduled
+        self.step_done: Callable[[], None] = self.cost.step_done
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()
@@ -132,6 +136,14 @@ class Planner:
         self._placer = Placer(parts)
         fill = Fill(parts, placer=self._placer)
         self._lookup = Lookup(parts, placer=self._placer, fill=fill)
+        # Store every full chunk below ``storable_tokens`` not stored yet (and, with ``tail``,
+        # the full blocks past them): :meth:`Placer.plan_stores`, called for every scheduled
+        # request every step.
+        self.plan_stores: Callable[..., None] = self._placer.plan_stores
+        # Tokens beyond ``num_computed_tokens`` that can be loaded from the host tier; None
+        # while lower-tier chunks of the hit are being filled (:meth:`Lookup.lookup` itself:
+        # vLLM asks this for every waiting request every step, one frame less).
+        self.lookup: Callable[[str, Sequence[bytes], int, int], int | None] = self._lookup.lookup
         self._epoch = epoch
         self._ledger.set_handlers({
             Move.STORE: self._placer.complete_store,
@@ -174,13 +186,6 @@ class Planner:
             self._ledger.plan.fence_block_ids.extend(
                 b for ids in tables for b in ids if b in reading)
 
-    def lookup(
-        self, req_id: str, keys: Sequence[bytes], num_computed_tokens: int, num_tokens: int
-    ) -> int | None:
-        """Tokens beyond ``num_computed_tokens`` that can be loaded from the host tier; None
-        while disk chunks of the hit are being promoted (see :meth:`Lookup.lookup`)."""
-        return self._lookup.lookup(req_id, keys, num_computed_tokens, num_tokens)
-
     def prefetch_remote(self, req_id: str, keys: Sequence[bytes], num_tokens: int) -> None:
         """A request arrived: probe the remote tier for its prompt now (never waits)."""
         self._lookup.prefetch_remote(req_id, keys, num_tokens)
@@ -195,14 +200,6 @@ class Planner:
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         """The request's loaded tokens by the tier they came from."""
         return self._lookup.hit_tokens(req_id)
-
-    def plan_stores(
-        self, req_id: str, keys: Sequence[bytes], storable_tokens: int, tail: bool = False,
-        computed_tokens: int | None = None,
-    ) -> None:
-        """Store every full chunk below ``storable_tokens`` not stored yet (and, with ``tail``,
-        the full blocks past them); see :meth:`Placer.plan_stores`."""
-        self._placer.plan_stores(req_id, keys, storable_tokens, tail, computed_tokens)
 
     def finish_tail(self, req_id: str, keys: Sequence[bytes], storable_tokens: int) -> None:
         """A request finished normally: store what its last steps computed before its blocks
@@ -273,14 +270,6 @@ class Planner:
     def apply(self, results: Iterable[JobResult]) -> None:
         """Fold the ranks' reports in; a job completes once every rank has reported it."""
         self._ledger.apply(results)
-
-    def step_scheduled(self, tokens: int) -> None:
-        """vLLM scheduled a step of ``tokens`` tokens (the cost model's prefill rate)."""
-        self.cost.step_scheduled(tokens)
-
-    def step_done(self) -> None:
-        """That step's output came back (the cost model's prefill rate)."""
-        self.cost.step_done()
 
     # ------------------------------------------------------------------ metrics
 

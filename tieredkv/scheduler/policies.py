@@ -347,7 +347,10 @@ class CostModel:
         # scheduling schedules step k+1 before step k's output comes back, and outputs come
         # back in order, so each output is the oldest step's (pairing it with the latest
         # one would divide step k+1's tokens by step k's time).
-        self._steps: deque[tuple[float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
+        # Only steps of a chunk or more are timed (a decode step costs a count, no clock read);
+        # each is numbered, and output n is step n's.
+        self._steps: deque[tuple[int, float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
+        self._scheduled = self._reported = 0
         self._explored: dict[str, float] = {}
         self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
@@ -380,16 +383,24 @@ class CostModel:
 
     def step_scheduled(self, tokens: int) -> None:
         """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``)."""
-        self._steps.append((self._clock(), tokens))
+        self._scheduled += 1
+        if tokens >= self.chunk_tokens:
+            self._steps.append((self._scheduled, self._clock(), tokens))
 
     def step_done(self) -> None:
         """The oldest scheduled step's output came back (``update_connector_output``): a
         prefill-rate sample if it computed at least a chunk's tokens."""
-        if not self._steps:
+        if self._reported == self._scheduled:
+            return  # an output with no step scheduled (none timed, none owed)
+        self._reported += 1
+        steps = self._steps
+        while steps and steps[0][0] < self._reported:
+            steps.popleft()  # its output was never paired (a step dropped from the window)
+        if not steps or steps[0][0] != self._reported:
             return
-        started, tokens = self._steps.popleft()
+        _, started, tokens = steps.popleft()
         elapsed = self._clock() - started
-        if tokens >= self.chunk_tokens and elapsed > 0:
+        if elapsed > 0:
             self._rates.append(tokens / elapsed)
 
     # ------------------------------------------------------------------ estimates

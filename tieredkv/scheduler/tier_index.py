@@ -82,6 +82,9 @@ class TierIndex:
         self._ready = 0
         self._pinned = 0
         self.evictions = 0
+        # Bumped whenever an entry arrives or becomes READY (allocate, mark_ready, restore):
+        # a lookup's cached miss stays true while this and the other tiers' counts stand.
+        self.arrivals = 0
         self.listener: TierListener | None = None
 
     # ------------------------------------------------------------------ lookups
@@ -225,6 +228,7 @@ class TierIndex:
         self._entries[key] = Placement(slot, SlotState.WRITING, pins=1, aliases=aliases)
         self._link(key, aliases)
         self._pinned += 1
+        self.arrivals += 1
         self.policy.insert(key)
         return slot, evicted
 
@@ -242,6 +246,7 @@ class TierIndex:
         entry.pins = 0
         self._pinned -= 1
         self._ready += 1
+        self.arrivals += 1
         if self.listener is not None:
             self.listener.entry_ready(self.name, key, entry.aliases)
         return True
@@ -272,6 +277,7 @@ class TierIndex:
         self._entries[key] = Placement(slot, SlotState.READY, aliases=aliases)
         self._link(key, aliases)
         self._ready += 1
+        self.arrivals += 1
         self.policy.insert(key)
 
     # ------------------------------------------------------------------ reads
