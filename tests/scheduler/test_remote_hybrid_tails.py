@@ -258,6 +258,21 @@ def test_a_longer_entry_in_redis_keeps_the_hybrid_tail_that_ends_a_hit(make_repl
     assert c.lookup("l2", again) == 2 * C * BLOCK
 
 
+def test_a_repeat_of_a_block_aligned_prompt_hits_the_shorter_tail_not_the_one_past_its_limit(
+        make_replica):
+    """A prompt ending on a block boundary leaves two tails in Redis: its own (3 blocks) and
+    the one a block shorter, where a repeat's hit ends (vLLM never covers the last token).
+    The probe asks only for tails ending by that limit: the longer one, found too, would be
+    the longest and could not serve (its window ends a block later)."""
+    aligned = TURN1[:(C + 3) * BLOCK]
+    a = make_replica(5)
+    a.compute_and_store("a", aligned)
+    assert a.planner.counters["remote_written_chunks"] == 3  # the chunk and both tails
+    b = make_replica(9)
+    assert b.lookup("b", aligned) == (C + 2) * BLOCK
+    assert b.planner.counters["remote_read_chunks"] == 2
+
+
 # --- the probe's wait, weighed against what the tail saves (cost model on) ----------------------
 
 

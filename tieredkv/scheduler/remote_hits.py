@@ -139,16 +139,9 @@ class RemoteHits:
 
     def _tail_keys(self, keys: Any, chunk: int, limit: int, computed: int) -> tuple[bytes, ...]:
         """Where the remote tier may hold a tail of ``chunk`` that a hit ending by ``limit``
-        (a block boundary) can use (:func:`tail_keys`). Hybrid: a tail serves a hit ending
-        exactly at its end, so only the tails ending by ``limit`` and past ``computed`` (the
-        longest one every rank holds is the best; one past the limit would hide it)."""
-        if self.slot_rows is None:
-            return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size)
-        if not getattr(keys, "block_granular", False):
-            return ()
-        base, bs = chunk * self.chunk_blocks, self.block_size
-        end = min(limit // bs, keys.num_blocks, base + self.chunk_blocks - 1)
-        return keys.block_keys(base, end) if end > max(base, computed // bs) else ()
+        (a block boundary) can use (:func:`tail_keys`; hybrid: those ending by ``limit``)."""
+        return tail_keys(keys, chunk, limit, computed, self.chunk_blocks, self.block_size,
+                         one_past=self.slot_rows is None)
 
     def _held_here(self, keys: Any, end_token: int) -> bool:
         """Whether host or the lower tier holds the last block a hit ending by ``end_token``

@@ -298,19 +298,26 @@ class RemoteProbe:
 
 
 def tail_keys(keys: Any, chunk: int, limit: int, computed: int, chunk_blocks: int,
-              block_size: int) -> tuple[bytes, ...]:
+              block_size: int, *, one_past: bool = True) -> tuple[bytes, ...]:
     """The block keys of ``chunk`` in block order, from its first block to the block holding
     ``limit`` (a tail is keyed by its last block: one ending on a block boundary holds that
     block, which the hit never covers, and every block before it), never its last (the whole
     chunk's key): where the remote tier may hold a tail. Empty when no tail there could
-    serve a block past the ``computed`` tokens or keys are not block-granular."""
+    serve a block past the ``computed`` tokens or keys are not block-granular.
+
+    ``one_past=False`` (hybrid models): only the tails ending by ``limit``, since a hybrid
+    tail serves a hit ending exactly at its end (one past the limit would hide the longest
+    usable one)."""
     if not getattr(keys, "block_granular", False):
         return ()
     base = chunk * chunk_blocks
     usable_end = min(limit // block_size, base + chunk_blocks - 1)  # a hit's blocks end here
+    if not one_past:
+        usable_end = min(usable_end, keys.num_blocks)
     if usable_end <= max(base, computed // block_size):
         return ()
-    return keys.block_keys(base, min(usable_end + 1, keys.num_blocks, base + chunk_blocks - 1))
+    stop = usable_end + 1 if one_past else usable_end
+    return keys.block_keys(base, min(stop, keys.num_blocks, base + chunk_blocks - 1))
 
 
 WRITTEN_CAPACITY = 1 << 16  # chunk keys this engine remembers writing
