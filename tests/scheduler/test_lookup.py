@@ -129,6 +129,20 @@ def test_a_repeated_miss_turns_into_a_hit_as_soon_as_anything_arrives():
     assert r.lookup.lookup("w", streamed, 0, len(PROMPT)) == CHUNK_TOKENS
 
 
+def test_a_repeated_miss_ends_when_a_removed_host_entry_stops_hiding_its_disk_copy():
+    """A host entry removed while pinned (another request's hit on it, a load that failed)
+    stays present until its last pin goes, and hides its disk copy meanwhile: a request
+    waiting then misses. Once the pin goes, the disk copy is promoted, as a fresh lookup would."""
+    r = Rig()
+    r.on_disk(0)
+    r._ready(r.host, KEYS[0], KEYS.block_keys(0, CHUNK_BLOCKS - 1))
+    r.host.pin(KEYS[0])  # another request's hit
+    r.host.remove(KEYS[0])  # e.g. a failed load dropped it
+    assert r.ask("b") == 0 and r.ask("b") == 0 and r.ask("b") == 0
+    r.host.unpin(KEYS[0])  # its slot is freed: nothing arrived, yet disk's copy is reachable
+    assert r.ask("b") is None  # promoting from disk
+
+
 def test_the_hit_never_covers_the_last_token_and_ends_at_the_last_block_held():
     r = Rig()
     r.in_host(0, 1, 2, tail_blocks=1)

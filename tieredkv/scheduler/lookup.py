@@ -269,12 +269,13 @@ class Lookup:
 
     def _miss_stamp(self, keys, num_computed_tokens: int, num_tokens: int) -> tuple:
         """What a miss depends on: the request's position and length, its newest block hash
-        (a streaming session replaces them in place) and the entries that arrived in host or
-        the tier below so far (a fill for another request allocates a host slot too)."""
+        (a streaming session replaces them in place) and the changes in host and the tier
+        below so far (``TierIndex.changes``: an entry arrived, which a fill for another
+        request does too, or a removed one that hid a copy below it let go of its slot)."""
         hashes = getattr(keys, "block_hashes", keys)
         lower = self.lower
         return (num_computed_tokens, num_tokens, hashes[-1] if hashes else None,
-                self.host.arrivals + (lower.arrivals if lower is not None else 0))
+                self.host.changes + (lower.changes if lower is not None else 0))
 
     def _affordable(
         self, state: RequestState, run: list[bytes], lower_chunks: list[bytes],

@@ -82,9 +82,11 @@ class TierIndex:
         self._ready = 0
         self._pinned = 0
         self.evictions = 0
-        # Bumped whenever an entry arrives or becomes READY (allocate, mark_ready, restore):
-        # a lookup's cached miss stays true while this and the other tiers' counts stand.
-        self.arrivals = 0
+        # Bumped whenever something a miss could turn on changes: an entry arrives or becomes
+        # READY (allocate, mark_ready, restore), or a removed entry's slot is finally freed
+        # or its write aborted (a copy in the tier below is no longer hidden behind it). A
+        # lookup's cached miss stays true while this and the other tier's count stand.
+        self.changes = 0
         self.listener: TierListener | None = None
 
     # ------------------------------------------------------------------ lookups
@@ -228,7 +230,7 @@ class TierIndex:
         self._entries[key] = Placement(slot, SlotState.WRITING, pins=1, aliases=aliases)
         self._link(key, aliases)
         self._pinned += 1
-        self.arrivals += 1
+        self.changes += 1
         self.policy.insert(key)
         return slot, evicted
 
@@ -246,7 +248,7 @@ class TierIndex:
         entry.pins = 0
         self._pinned -= 1
         self._ready += 1
-        self.arrivals += 1
+        self.changes += 1
         if self.listener is not None:
             self.listener.entry_ready(self.name, key, entry.aliases)
         return True
@@ -262,6 +264,7 @@ class TierIndex:
         self.policy.remove(key, evicted=False)
         self._pinned -= 1
         self._free[entry.slot] = None
+        self.changes += 1
 
     def restore(self, key: bytes, slot: int, aliases: tuple[bytes, ...] = ()) -> None:
         """Insert a ``READY`` entry at ``slot`` (journal recovery)."""
@@ -277,7 +280,7 @@ class TierIndex:
         self._entries[key] = Placement(slot, SlotState.READY, aliases=aliases)
         self._link(key, aliases)
         self._ready += 1
-        self.arrivals += 1
+        self.changes += 1
         self.policy.insert(key)
 
     # ------------------------------------------------------------------ reads
@@ -421,3 +424,4 @@ class TierIndex:
         if self._doomed.get(key) is entry:
             del self._doomed[key]
             self._free[entry.slot] = None
+            self.changes += 1
