@@ -347,10 +347,11 @@ class CostModel:
         # scheduling schedules step k+1 before step k's output comes back, and outputs come
         # back in order, so each output is the oldest step's (pairing it with the latest
         # one would divide step k+1's tokens by step k's time).
-        # Only steps of a chunk or more are timed (a decode step costs a count, no clock read);
-        # each is numbered, and output n is step n's.
-        self._steps: deque[tuple[int, float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
-        self._scheduled = self._reported = 0
+        # A step of less than a chunk is never a sample: it is queued untimed (no clock read
+        # on a decode step). vLLM skips the output of a step that ran no forward and reported
+        # nothing, so the window stays short: a missed output shifts the pairing by at most
+        # its length, never for good.
+        self._steps: deque[tuple[float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
         self._explored: dict[str, float] = {}
         self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
@@ -383,22 +384,16 @@ class CostModel:
 
     def step_scheduled(self, tokens: int) -> None:
         """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``)."""
-        self._scheduled += 1
-        if tokens >= self.chunk_tokens:
-            self._steps.append((self._scheduled, self._clock(), tokens))
+        self._steps.append((self._clock() if tokens >= self.chunk_tokens else 0.0, tokens))
 
     def step_done(self) -> None:
         """The oldest scheduled step's output came back (``update_connector_output``): a
         prefill-rate sample if it computed at least a chunk's tokens."""
-        if self._reported == self._scheduled:
-            return  # an output with no step scheduled (none timed, none owed)
-        self._reported += 1
-        steps = self._steps
-        while steps and steps[0][0] < self._reported:
-            steps.popleft()  # its output was never paired (a step dropped from the window)
-        if not steps or steps[0][0] != self._reported:
+        if not self._steps:
             return
-        _, started, tokens = steps.popleft()
+        started, tokens = self._steps.popleft()
+        if tokens < self.chunk_tokens:
+            return
         elapsed = self._clock() - started
         if elapsed > 0:
             self._rates.append(tokens / elapsed)
