@@ -143,6 +143,17 @@ def test_a_repeated_miss_ends_when_a_removed_host_entry_stops_hiding_its_disk_co
     assert r.ask("b") is None  # promoting from disk
 
 
+def test_a_repeated_miss_ends_when_a_write_in_host_that_hid_a_disk_copy_aborts():
+    """A chunk being written to host is not loadable, and hides a disk copy of it: a
+    waiting request misses. When that write aborts, the disk copy is promoted."""
+    r = Rig()
+    r.on_disk(0)
+    assert r.host.allocate(KEYS[0], ()) is not None  # a write in flight
+    assert r.ask("b") == 0 and r.ask("b") == 0 and r.ask("b") == 0
+    r.host.abort(KEYS[0])
+    assert r.ask("b") is None  # promoting from disk
+
+
 def test_the_hit_never_covers_the_last_token_and_ends_at_the_last_block_held():
     r = Rig()
     r.in_host(0, 1, 2, tail_blocks=1)
