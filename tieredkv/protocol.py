@@ -203,10 +203,12 @@ class RemoteShard:
     hold a previous tenant's bytes; 0: unknown, refused); a read takes a value of exactly
     that many rows (0: a whole slot's). ``holes`` (writes): rows among them the entry leaves
     empty (hybrid: a sliding window's rows it does not keep), written as zeros, never as
-    what the slot held."""
+    what the slot held. ``supersedes`` (writes): keys of shorter tails of the entry's chunk,
+    replaced in the store by pointers to it once it is stored."""
 
     rows: int = 0
     holes: tuple[int, ...] = ()
+    supersedes: tuple[bytes, ...] = ()
     medium: ClassVar[Medium] = Medium.REMOTE
 
 
@@ -294,10 +296,11 @@ class Job:
 
     @classmethod
     def remote_write(cls, job_id: int, key: bytes, host_slot: int, rows: int = 0,
-                     holes: tuple[int, ...] = ()) -> Job:
+                     holes: tuple[int, ...] = (), supersedes: tuple[bytes, ...] = ()) -> Job:
         """Host slot -> shared store, through the store's bounded write queue (a full queue
         or a store that is down drops it: the engine never waits on the network)."""
-        return cls._made(Move.REMOTE_WRITE, job_id, HostSlot(host_slot), RemoteShard(rows, tuple(holes)), key)
+        shard = RemoteShard(rows, tuple(holes), tuple(supersedes))
+        return cls._made(Move.REMOTE_WRITE, job_id, HostSlot(host_slot), shard, key)
 
 
 @dataclass(frozen=True)

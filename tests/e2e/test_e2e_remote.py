@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.e2e.conftest import (
     BLOCK_SIZE,
@@ -31,6 +32,7 @@ from tests.e2e.conftest import (
     run_engine_with_options,
     tieredkv_config,
 )
+from tieredkv.remote.codec import POINTER_BYTES, POINTER_MAGIC
 from tieredkv.testing.redis_procs import RedisClusterProcs, RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -182,6 +184,33 @@ def test_a_chats_next_turn_on_a_fresh_engine_hits_the_previous_turns_tail(
     assert_hits(phases, 0, {"p1_next": hit}, tiers={"remote": hit})
     assert delta(phases, 0, "remote_read_chunks") == written_values("p1")
     assert_same_as_reference(phases[0], ["p1_next"], reference)
+
+
+def test_a_tail_superseded_in_redis_becomes_a_pointer_a_fresh_engine_hits_through(
+        tiny_model, redis_server, reference):
+    """Engine A serves p1 (its tail, two blocks past its last whole chunk, goes to Redis),
+    then p1_next, the next turn of p1's chat, whose whole chunk holds that tail's blocks: the
+    tail's value in Redis is replaced by a 120-byte pointer to that chunk (one copy of those
+    blocks, not two). A fresh engine B asking for p1 still hits as far as vLLM's prefix cache
+    would, the tail's blocks read through the pointer, with the reference's outputs."""
+    prefix = "sup"
+    assert has_tail("p1")
+    written = ok(run_engine(spec(tiny_model, [generate("p1"), generate("p1_next"), DRAIN],
+                                 redis_server.url, remote_key_prefix=prefix)))["phases"]
+    assert_same_as_reference(written[0], ["p1"], reference)
+    assert_same_as_reference(written[1], ["p1_next"], reference)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        values = {key: client.get(key) for key in client.scan_iter(match=f"{prefix}:*")}
+    finally:
+        client.close()
+    pointers = [v for v in values.values() if v is not None and v[:8] == POINTER_MAGIC]
+    new_chunks = whole_chunks("p1_next") - whole_chunks("p1")
+    assert len(values) == written_values("p1") + new_chunks, sorted(values)
+    assert [len(v) for v in pointers] == [POINTER_BYTES], [len(v) for v in pointers]
+    read = ok(run_engine(spec(tiny_model, [generate("p1")], redis_server.url,
+                              remote_key_prefix=prefix)))["phases"]
+    assert_served_from_remote(read, 0, ["p1"], reference)
 
 
 # ---------------------------------------------------------------- Redis Cluster

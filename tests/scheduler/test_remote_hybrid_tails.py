@@ -250,6 +250,7 @@ def test_a_longer_entry_in_redis_keeps_the_hybrid_tail_that_ends_a_hit(make_repl
     a.compute_and_store("a", TURN1)
     a.compute_and_store("long", longer)
     assert a.planner.counters["remote_written_chunks"] == 3  # chunk 0, the tail, chunk 1
+    assert a.jobs.store.stats().tails_superseded == 0  # the tail keeps its own value
     b = make_replica(9)
     turn2 = TURN1 + [50_000 + i for i in range(40)]
     assert b.lookup("t2", turn2) == TAIL_HIT

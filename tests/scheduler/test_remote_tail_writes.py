@@ -22,7 +22,7 @@ from tests.transfer.transfer_helpers import drain, layout_caches, run_step
 from tieredkv.config import TieredKVConfig
 from tieredkv.keys import LazyChunkKeys
 from tieredkv.protocol import FULL, SLIDING, FailureCause, Job, JobResult, KVGroup, SlotRows
-from tieredkv.remote.codec import Verified, decode, value_bytes
+from tieredkv.remote.codec import Pointer, Verified, decode, decode_pointer, value_bytes
 from tieredkv.remote.threaded import ThreadedRemoteStore
 from tieredkv.remote_url import parse_remote_url
 from tieredkv.scheduler.planner import Planner
@@ -178,12 +178,12 @@ def test_a_tail_is_written_as_its_own_rows_whatever_its_length(
         value_bytes(n * row_bytes) for n in (tail_blocks, CHUNK_BLOCKS))
 
 
-def test_a_longer_entry_written_keeps_the_tail_it_grew_from(
+def test_a_longer_entry_written_turns_the_tail_it_grew_from_into_a_pointer(
     harness: Harness, redis_server, prefix: str,
 ) -> None:
-    """A chat's next turn grows the tail into a whole chunk: both stay in Redis. Redis has no
-    aliases: a prompt ending at the tail asks for its own block keys only, so deleting the
-    tail would cut that prompt's hit on every other replica to its whole chunks."""
+    """A chat's next turn grows the tail into a whole chunk: Redis keeps one copy of the
+    tail's rows. Its key stays (a prompt ending at the tail asks for its own block keys
+    only), but its value becomes a pointer naming the whole chunk."""
     short = list(range(CHUNK_TOKENS + 2 * BLOCK + 3))  # chunk 0 and a two-block tail
     longer = list(range(2 * CHUNK_TOKENS + 1))  # the same prefix, now two whole chunks
     harness.compute_and_store("a", short, A_BLOCKS, salt="a")
@@ -191,7 +191,11 @@ def test_a_longer_entry_written_keeps_the_tail_it_grew_from(
     tail_key = keys.block_key(CHUNK_BLOCKS + 1)
     assert set(_written(redis_server, prefix)) == {keys[0], tail_key}
     harness.compute_and_store("b", longer, A_BLOCKS + [6, 7], salt="a")
-    assert set(_written(redis_server, prefix)) == {keys[0], tail_key, keys[1]}
+    written = _written(redis_server, prefix)
+    assert set(written) == {keys[0], tail_key, keys[1]}
+    pointer = decode_pointer(written[tail_key], fingerprint=FINGERPRINT, key=tail_key, rank=0)
+    assert pointer == Pointer(keys[1], CHUNK_BLOCKS)
+    assert harness.jobs.store.stats().tails_superseded == 1
 
 
 def test_whole_chunks_under_keys_that_name_no_blocks_are_still_written(

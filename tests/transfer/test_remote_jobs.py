@@ -81,9 +81,9 @@ def payload(i: int, rank: int = 0) -> bytes:
     return (seed * (PAYLOAD // 64 + 1))[:PAYLOAD]
 
 
-def whole(items: list[tuple[int, bytes, int]]) -> list[tuple[int, bytes, int, int, tuple]]:
+def whole(items: list[tuple[int, bytes, int]]) -> list[tuple[int, bytes, int, int, tuple, tuple]]:
     """Writes of entries that hold every row of their slots, none of them empty."""
-    return [(job_id, key, slot, ROWS, ()) for job_id, key, slot in items]
+    return [(job_id, key, slot, ROWS, (), ()) for job_id, key, slot in items]
 
 
 def fill(host: HostPool, slot: int, data: bytes) -> None:
@@ -465,11 +465,11 @@ def test_a_write_that_does_not_cover_its_slot_or_cannot_blank_its_holes_is_refus
     fill(host, 0, payload(70))
     key = make_key(70)
     results = jobs.write([
-        (1, key, 0, ROWS - 1, ()),  # a tail, but where its rows lie is not known
-        (2, key, 0, ROWS, (1,)),  # an empty row, but where rows lie is not known
+        (1, key, 0, ROWS - 1, (), ()),  # a tail, but where its rows lie is not known
+        (2, key, 0, ROWS, (1,), ()),  # an empty row, but where rows lie is not known
     ])
     jobs.row_spans = ((0, PAYLOAD // ROWS),)
-    results += jobs.write([(3, key, 0, ROWS, (ROWS,))])  # a row the slot does not have
+    results += jobs.write([(3, key, 0, ROWS, (ROWS,), ())])  # a row the slot does not have
     assert results == [JobResult.fail(i, FailureCause.WRONG_KEY) for i in (1, 2, 3)]
     assert jobs.flush_writes(5)
     assert store.batch_exists([remote_key(FINGERPRINT, 0, key, jobs.prefix)]).result(5).values == [False]
@@ -484,7 +484,7 @@ def test_an_entrys_empty_rows_are_written_as_zeros(
     jobs.row_spans = ((0, row),)  # one layer of ROWS rows (the 5000-byte payload's last bytes
     fill(host, 0, payload(71))    # past 4 rows are outside every row and stay as they are)
     key = make_key(71)
-    assert jobs.write([(1, key, 0, ROWS, (0, 2))]) == [JobResult.done(1)]
+    assert jobs.write([(1, key, 0, ROWS, (0, 2), ())]) == [JobResult.done(1)]
     assert slot_bytes(host, 0)[:PAYLOAD] == payload(71)  # zeros in the value, not the slot
     assert jobs.flush_writes(5)
     host.buffer.fill_(SENTINEL)
@@ -507,7 +507,7 @@ def test_a_tail_is_written_as_only_its_rows_and_read_back_into_them(
     jobs.row_spans = ((0, row), (2500, row))  # two layers of ROWS rows each
     fill(host, 0, payload(72))
     key, whole = make_key(72), make_key(73)
-    assert jobs.write([(1, key, 0, 2, ()), (2, whole, 0, ROWS, ())]) == [
+    assert jobs.write([(1, key, 0, 2, (), ()), (2, whole, 0, ROWS, (), ())]) == [
         JobResult.done(1), JobResult.done(2)]
     assert jobs.flush_writes(5)
     value = store.batch_get([remote_key(FINGERPRINT, 0, key, jobs.prefix)]).result(5).values[0]

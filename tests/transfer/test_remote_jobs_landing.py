@@ -185,7 +185,7 @@ def test_a_slot_stays_busy_until_its_value_has_landed(
     jobs.start_reads([(30, keys[0], 0, 0)])
     assert host.reached.wait(HANG_S)  # slot 0's value is landing now
     assert 0 in busy(jobs) and 30 not in answers.results
-    assert jobs.write([(31, keys[1], 0, 4, ())]) == [JobResult.fail(31, FailureCause.COPY_ERROR)]
+    assert jobs.write([(31, keys[1], 0, 4, (), ())]) == [JobResult.fail(31, FailureCause.COPY_ERROR)]
     jobs.start_reads([(32, keys[2], 0, 0), (33, keys[1], 1, 0)])
     host.gate.set()
     results = answers.wait(3)
@@ -194,7 +194,7 @@ def test_a_slot_stays_busy_until_its_value_has_landed(
     assert bytes(host.slot_memoryview(0))[:PAYLOAD] == payload(0)
     assert bytes(host.slot_memoryview(1))[:PAYLOAD] == payload(1)
     assert busy(jobs) == frozenset()
-    assert jobs.write([(34, keys[0], 0, 4, ())]) == [JobResult.done(34)]
+    assert jobs.write([(34, keys[0], 0, 4, (), ())]) == [JobResult.done(34)]
 
 
 def test_close_while_a_batch_lands_answers_every_job_once_and_frees_every_slot(

@@ -22,6 +22,23 @@ Value format (little-endian)::
 Unlike a disk slot the header is not padded to 4 KiB: Redis memory is paid per byte, and
 values are not read with O_DIRECT.
 
+A pointer replaces a prompt's tail once a longer entry of its chunk (the whole chunk, or a
+longer tail) is stored: Redis then holds one copy of those blocks, and a prompt ending at the
+tail still finds them, one more round trip away. A pointer is never a value's payload; it is
+told apart by its magic, is as strictly checked, and names only a key of its own namespace
+and rank. Pointer format (little-endian)::
+
+    offset size  field
+         0    8  magic              b"TKVREMP1"
+         8    2  format version     FORMAT_VERSION
+        10    2  flags              0 (reserved)
+        12    4  TP rank
+        16   32  namespace fingerprint
+        48   32  key                the tail's key (its last block's)
+        80   32  target key         the longer entry's key, in the same chunk
+       112    4  target rows        rows of every layer the target value holds (0: a whole slot)
+       116    4  header checksum    crc32 of bytes 0..115
+
 Redis key: ``{prefix}:{fingerprint[:8] hex}:r{rank}:{{{key hex}}}``. The braces are a Redis
 Cluster hash tag on the chunk key: every rank's shard of one chunk lands in the same slot
 (one node can answer "do all ranks have it?"), while different chunks spread over the
@@ -41,6 +58,7 @@ from tieredkv.protocol import FailureCause
 from tieredkv.remote_url import DEFAULT_KEY_PREFIX, check_prefix
 
 MAGIC = b"TKVREMT1"
+POINTER_MAGIC = b"TKVREMP1"
 FORMAT_VERSION = 1
 DEFAULT_PREFIX = DEFAULT_KEY_PREFIX
 NAMESPACE_HEX_CHARS = 16  # 8 bytes of the fingerprint in the key name; all 32 in the header
@@ -48,6 +66,8 @@ NAMESPACE_HEX_CHARS = 16  # 8 bytes of the fingerprint in the key name; all 32 i
 _FIELDS = struct.Struct(f"<8sHHI{FINGERPRINT_BYTES}s{KEY_BYTES}sQQ")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _FIELDS.size + _CRC.size
+_POINTER = struct.Struct(f"<8sHHI{FINGERPRINT_BYTES}s{KEY_BYTES}s{KEY_BYTES}sI")
+POINTER_BYTES = _POINTER.size + _CRC.size
 _MAX_RANK = 2**32 - 1
 
 
@@ -75,6 +95,15 @@ class Rejected:
 
 
 Decoded = Verified | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class Pointer:
+    """A tail's key now names ``target``, a longer entry of its chunk holding ``rows`` rows of
+    every layer (0: a whole slot); the tail's rows are its leading ones."""
+
+    target: bytes
+    rows: int
 
 
 def _check_ids(fingerprint: bytes, key: bytes, rank: int) -> None:
@@ -185,3 +214,44 @@ def decode(
     if payload_checksum(payload) != checksum:
         return Rejected(FailureCause.CHECKSUM, "payload checksum mismatch")
     return Verified(payload)
+
+
+def encode_pointer(*, fingerprint: bytes, key: bytes, rank: int, target: bytes, rows: int) -> bytes:
+    """The value that replaces tail ``key`` once ``target`` (``rows`` rows, 0: whole) holds
+    its blocks."""
+    _check_ids(fingerprint, key, rank)
+    _check_ids(fingerprint, target, rank)
+    if not 0 <= rows <= _MAX_RANK or target == key:
+        raise ValueError(f"a pointer must name another entry and 0.. rows, got {rows}")
+    head = _POINTER.pack(POINTER_MAGIC, FORMAT_VERSION, 0, rank, fingerprint, key, target, rows)
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def is_pointer(value: bytes | bytearray | memoryview | None) -> bool:
+    """Whether ``value`` claims to be a pointer (its magic; :func:`decode_pointer` checks it)."""
+    return value is not None and bytes(memoryview(value)[:8]) == POINTER_MAGIC
+
+
+def decode_pointer(
+    value: bytes | bytearray | memoryview, *, fingerprint: bytes, key: bytes, rank: int,
+    value_len: int | None = None,
+) -> Pointer | Rejected:
+    """Verify a pointer read under ``key``; never raises on bad data. Causes as
+    :func:`decode`'s (a pointer naming itself is ``wrong_key``)."""
+    view = memoryview(value).cast("B")
+    total = len(view) if value_len is None else max(len(view), value_len)
+    if total != POINTER_BYTES or len(view) < POINTER_BYTES:
+        return Rejected(FailureCause.CHECKSUM, f"pointer of {total} bytes, not {POINTER_BYTES}")
+    magic, version, _flags, v_rank, v_fp, v_key, target, rows = _POINTER.unpack_from(view)
+    (stored_crc,) = _CRC.unpack_from(view, _POINTER.size)
+    if magic != POINTER_MAGIC or zlib.crc32(view[: _POINTER.size]) != stored_crc:
+        return Rejected(FailureCause.CHECKSUM, "pointer checksum mismatch")
+    if version != FORMAT_VERSION:
+        return Rejected(
+            FailureCause.WRONG_NAMESPACE, f"format version {version}, expected {FORMAT_VERSION}"
+        )
+    if v_fp != fingerprint:
+        return Rejected(FailureCause.WRONG_NAMESPACE, "pointer belongs to another namespace")
+    if v_key != key or v_rank != rank or target == key:
+        return Rejected(FailureCause.WRONG_KEY, "pointer of another key or rank")
+    return Pointer(bytes(target), rows)

@@ -51,6 +51,7 @@ class RemoteStats:
     writes_dropped: int = 0       # queue full or store closing
     writes_done: int = 0
     writes_failed: int = 0
+    tails_superseded: int = 0     # tails replaced by a pointer to a longer entry (WriteEntry.then)
     queue_items: int = 0
     queue_bytes: int = 0
     probe_latency_s: tuple[float, ...] = ()  # recent successful batch_exists round trips

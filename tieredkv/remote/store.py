@@ -37,7 +37,7 @@ from tieredkv.remote.bounded_read import BUFFER_IDLE_S, ReadBuffers, exists_each
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
 from tieredkv.remote.results import BatchResult, RemoteStats
-from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry
+from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry, WriteItem
 from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ class RemoteStore:
                 writes_dropped=self._writes["dropped"],
                 writes_done=self._writes["done"],
                 writes_failed=self._writes["failed"],
+                tails_superseded=self._writes["superseded"],
                 queue_items=len(self._queue),
                 queue_bytes=self._queue.nbytes,
                 probe_latency_s=tuple(self._probe_latency),
@@ -303,11 +304,12 @@ class RemoteStore:
         )
 
     async def _set_entries(
-        self, op: str, entries: Sequence[WriteEntry], timeout_s: float | None
+        self, op: str, entries: Sequence[WriteEntry], timeout_s: float | None, xx: bool = False
     ) -> BatchResult[bool]:
+        """``xx``: set each only where its key exists (a pointer never creates a key)."""
         def fill(pipe: Any) -> None:
             for entry in entries:
-                pipe.set(entry.key, entry.value, px=_ttl_ms(entry.ttl_s))
+                pipe.set(entry.key, entry.value, px=_ttl_ms(entry.ttl_s), xx=xx)
 
         return await self._batch(op, len(entries), fill, _exists, False, timeout_s)
 
@@ -411,13 +413,14 @@ class RemoteStore:
 
     # -- background writes -------------------------------------------------------------------
 
-    def submit_writes(self, items: Iterable[tuple[bytes, bytes]], ttl_s: float | None = None) -> int:
-        """Queue ``(key, value)`` writes from any thread; return how many were accepted.
+    def submit_writes(self, items: Iterable[WriteItem], ttl_s: float | None = None) -> int:
+        """Queue ``(key, value)`` or ``(key, value, then)`` writes from any thread (``then``:
+        see :class:`WriteEntry`); return how many were accepted.
 
         Never blocks: what does not fit the queue, or arrives while the store is down or
         closing, is dropped and counted (``writes_dropped``).
         """
-        entries = [WriteEntry(k, v, ttl_s) for k, v in items]
+        entries = [WriteEntry(item[0], item[1], ttl_s, *item[2:]) for item in items]
         if not entries:
             return 0
         if self.up and not self._closing:
@@ -450,13 +453,25 @@ class RemoteStore:
                 continue
             self._inflight_writes += len(batch)
             try:
-                result = await self._set_entries("write", batch, self._options.write_timeout_s)
+                await self._write(batch)
             finally:
                 self._inflight_writes -= len(batch)
-            done = sum(result.values)
+
+    async def _write(self, batch: list[WriteEntry]) -> None:
+        """Store one batch, then the pointers of the entries that stuck: a pointer must never
+        name a value that is not stored."""
+        timeout_s = self._options.write_timeout_s
+        result = await self._set_entries("write", batch, timeout_s)
+        done = sum(result.values)
+        with self._lock:
+            self._writes["done"] += done
+            self._writes["failed"] += len(batch) - done
+        then = [WriteEntry(key, value, entry.ttl_s) for entry, stored in
+                zip(batch, result.values, strict=True) if stored for key, value in entry.then]
+        if then:
+            replaced = await self._set_entries("supersede", then, timeout_s, xx=True)
             with self._lock:
-                self._writes["done"] += done
-                self._writes["failed"] += len(batch) - done
+                self._writes["superseded"] += sum(replaced.values)
 
     def _wake(self, event: asyncio.Event) -> None:
         """Set ``event`` from whichever thread we are on."""

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from tieredkv.protocol import FailureCause
 from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.store import Head, RemoteStore
+from tieredkv.remote.write_queue import WriteItem
 from tieredkv.remote_url import RemoteURL
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class ThreadedRemoteStore:
         items = list(items)
         return self._call(lambda: call(items, timeout_s=timeout_s), len(items), default)
 
-    def submit_writes(self, items: Iterable[tuple[bytes, bytes]], ttl_s: float | None = None) -> int:
+    def submit_writes(self, items: Iterable[WriteItem], ttl_s: float | None = None) -> int:
         """Queue writes without waiting; returns how many were accepted (the rest: dropped)."""
         return self._store.submit_writes(items, ttl_s)
 

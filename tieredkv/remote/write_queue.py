@@ -14,11 +14,19 @@ from typing import NamedTuple
 
 
 class WriteEntry(NamedTuple):
-    """One value to store: Redis key, encoded value, optional time-to-live in seconds."""
+    """One value to store: Redis key, encoded value, optional time-to-live in seconds.
+
+    ``then``: ``(key, value)`` pairs to set once this value is stored, each only where its key
+    exists (``SET XX``): the pointers that replace the shorter tails it supersedes."""
 
     key: bytes
     value: bytes
     ttl_s: float | None = None
+    then: tuple[tuple[bytes, bytes], ...] = ()
+
+
+# What a writer offers: ``(key, value)``, or ``(key, value, then)`` (see WriteEntry).
+WriteItem = tuple[bytes, bytes] | tuple[bytes, bytes, tuple[tuple[bytes, bytes], ...]]
 
 
 class BoundedWriteQueue:

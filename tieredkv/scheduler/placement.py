@@ -268,8 +268,11 @@ class Placer:
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(Move.REMOTE_WRITE, (key,), None)
             rows, holes = self._value_rows(placement.blocks)
-            self._ledger.plan.jobs.append(
-                Job.remote_write(job_id, key, placement.slot, rows=rows, holes=holes))
+            # One group: the shorter tails of its chunk (two blocks or more; a one-block tail
+            # is never in Redis) become pointers to it. Hybrid: each keeps its own window.
+            supersedes = placement.aliases[1:] if self.slot_rows is None else ()
+            self._ledger.plan.jobs.append(Job.remote_write(
+                job_id, key, placement.slot, rows=rows, holes=holes, supersedes=supersedes))
 
     def complete_remote_write(self, job: JobRecord, outcome: JobResult) -> None:
         (key,) = job.keys

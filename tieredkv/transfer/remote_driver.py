@@ -78,14 +78,14 @@ class RemoteDriver:
                 continue
             by_id[job.job_id] = entry
             shard = job.dst
-            writes.append((job.job_id, job.key, job.host_slot,
-                           shard.rows, shard.holes))  # type: ignore[union-attr]
+            writes.append((job.job_id, job.key, job.host_slot, shard.rows,  # type: ignore[union-attr]
+                           shard.holes, shard.supersedes))  # type: ignore[union-attr]
         if not writes:
             return
         try:
             results = self.jobs.write(writes)
         finally:
-            for _, _, slot, _, _ in writes:
+            for _, _, slot, *_ in writes:
                 self._guard.release(slot, write=False)
         for result in results:
             if result.ok:

@@ -15,13 +15,18 @@ it to a new tenant that the late answer would overwrite. With ``on_answer`` set,
 landed on a thread of this object's own (then ``on_answer`` polls there), never on the
 store's: landing on its event loop would stop it receiving the next batch meanwhile. A prompt's tail is a value of only its own
 rows (rows 0..n-1 of every layer): its read expects exactly that length and lands those rows.
+A tail that a longer entry of its chunk superseded is a pointer to that entry: the read is
+sent again for the entry (the slot stays busy), which is verified as any value and lands only
+the tail's rows. One hop: a pointer reached through a pointer is a miss.
 
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
 and offered to the store's bounded write queue. What does not fit, or arrives while the
 store is down or closing, is dropped and counted: the shared tier is a bonus, never a
 reason for the engine to wait on the network. A value holds only its entry's rows: a tail
 (fewer rows than a slot) is written as just its rows of every layer, never the slot's others,
-which hold a previous tenant's bytes.
+which hold a previous tenant's bytes. An entry that supersedes shorter tails of its chunk has
+them replaced by pointers to it, only once it is stored and only where they exist (``SET XX``),
+so Redis keeps one copy of those blocks.
 """
 
 from __future__ import annotations
@@ -33,14 +38,15 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from tieredkv.protocol import FailureCause, JobResult
-from tieredkv.remote.codec import Rejected, RemoteKeyNames, decode, encode, value_bytes
+from tieredkv.remote import codec
 from tieredkv.remote.results import BatchResult
 from tieredkv.transfer.host_pool import HostPool
+from tieredkv.transfer.remote_rows import entry_payload, land_rows, rows_bytes
 
 if TYPE_CHECKING:
     from tieredkv.remote.store import Head
@@ -50,9 +56,9 @@ logger = logging.getLogger(__name__)
 
 # (job id, chunk key, host slot, rows the value holds; 0: a whole slot): one read.
 SlotJob = tuple[int, bytes, int, int]
-# (job id, chunk key, host slot, rows of the slot the entry holds, rows it leaves empty):
-# one write from a slot.
-WriteJob = tuple[int, bytes, int, int, tuple[int, ...]]
+# (job id, chunk key, host slot, rows of the slot the entry holds, rows it leaves empty, keys
+# of the shorter tails of its chunk it supersedes): one write from a slot.
+WriteJob = tuple[int, bytes, int, int, tuple[int, ...], tuple[bytes, ...]]
 # Bytes of values one rank's reads hold at once (in flight or arrived, not yet landed).
 READ_BATCH_BYTES = 128 << 20
 # Bytes of values one read batch (one pipelined call) asks for at most: a prompt's reads go as
@@ -77,11 +83,21 @@ class RemoteJobStats:
     bytes_written: int = 0
 
 
+class _Read(NamedTuple):
+    """One read: ``rows`` its value holds, ``land`` the rows it lands (fewer: via a pointer)."""
+
+    job_id: int
+    key: bytes
+    slot: int
+    rows: int
+    land: int
+
+
 @dataclass
 class _Batch:
     """One bounded read: its jobs and Redis names in key order; ``future`` once sent."""
 
-    jobs: list[SlotJob]
+    jobs: list[_Read]
     names: list[bytes]
     future: Future[BatchResult[Head | None]] | None = None
 
@@ -109,7 +125,7 @@ class RemoteJobs:
             raise ValueError(f"remote read timeout must be positive, got {timeout_s}")
         if read_batch_bytes <= 0:
             raise ValueError(f"remote read batch bytes must be positive, got {read_batch_bytes}")
-        self._redis_name = RemoteKeyNames(fingerprint, rank, prefix)  # checks the ids once
+        self._redis_name = codec.RemoteKeyNames(fingerprint, rank, prefix)  # checks the ids once
         self.store = store
         self.host = host
         self.fingerprint = fingerprint
@@ -124,7 +140,7 @@ class RemoteJobs:
         # rows lie, to send only a tail's rows and blank empty ones (set by the driver; ():
         # tails and holes are refused).
         self.row_spans: tuple[tuple[int, int], ...] = ()
-        self.value_len = value_bytes(host.payload_bytes)  # the longest value a read accepts
+        self.value_len = codec.value_bytes(host.payload_bytes)  # the longest value a read accepts
         self._budget = read_batch_bytes
         # Two batches fit the budget (one lands while the next is read), and a prompt's reads
         # are several batches, not one that lands only once all of it arrived.
@@ -170,7 +186,7 @@ class RemoteJobs:
         fails ``copy_error``;
         a malformed key fails ``unknown`` (a bug upstream, logged). Results come from ``poll``.
         """
-        jobs: list[SlotJob] = []
+        jobs: list[_Read] = []
         names: list[bytes] = []
         with self._lock:
             for job_id, key, slot, rows in reads:
@@ -184,16 +200,18 @@ class RemoteJobs:
                     self._ready.append(self._read_failed(job_id, FailureCause.UNKNOWN))
                     continue
                 self._busy.add(slot)
-                jobs.append((job_id, key, slot, rows))
-            step = self._batch_keys
-            for at in range(0, len(jobs), step):
-                self._unsent.append(_Batch(jobs[at:at + step], names[at:at + step]))
+                jobs.append(_Read(job_id, key, slot, rows, rows))
+            self._unsent.extend(self._cut(jobs, names))
             sent = self._send_locked()
             answered = bool(self._ready)
         callback = self.on_answer  # called outside the lock: it polls
         if callback is not None and answered:
             callback()
         self._watch(sent)
+
+    def _cut(self, jobs: list[_Read], names: list[bytes]) -> list[_Batch]:
+        step = self._batch_keys
+        return [_Batch(jobs[at:at + step], names[at:at + step]) for at in range(0, len(jobs), step)]
 
     def _send_locked(self) -> list[Future[BatchResult[Head | None]]]:
         """Send batches in order while the values out (sent, not yet landed) fit in
@@ -295,115 +313,130 @@ class RemoteJobs:
         except Exception:  # noqa: BLE001 - the store answers one value per key; this is a bug
             logger.exception("tieredkv remote tier: a read batch went wrong")
             values, cause = [None] * len(batch.jobs), FailureCause.UNKNOWN
-        landed: list[tuple[JobResult, int]] = []
+        landed: list[tuple[JobResult, int] | _Read] = []
         try:
-            for (job_id, key, slot, rows), value in zip(batch.jobs, values, strict=True):
-                landed.append(self._land(job_id, key, slot, rows, value, cause))
+            for read, value in zip(batch.jobs, values, strict=True):
+                landed.append(self._land(read, value, cause))
         except Exception:  # noqa: BLE001 - a bug in landing: the rest are misses, never lost
             logger.exception("tieredkv remote tier: landing a read batch went wrong")
-            for job_id, _, _, _ in batch.jobs[len(landed):]:
-                landed.append((JobResult.fail(job_id, FailureCause.UNKNOWN), 0))
+            for read in batch.jobs[len(landed):]:
+                landed.append((JobResult.fail(read.job_id, FailureCause.UNKNOWN), 0))
         batch.future = None  # its values' buffers go back to the store's pool
         del values, result
+        out: list[JobResult] = []
+        follows = [item for item in landed if isinstance(item, _Read)]
         with self._lock:
-            for (_, _, slot, _), (result, size) in zip(batch.jobs, landed, strict=True):
-                self._busy.discard(slot)
-                if result.ok:
+            for read, item in zip(batch.jobs, landed, strict=True):
+                if isinstance(item, _Read):
+                    continue  # its slot stays busy: the entry it points to is read next
+                self._busy.discard(read.slot)
+                job_result, size = item
+                out.append(job_result)
+                if job_result.ok:
                     self._reads_ok += 1
                     self._bytes_read += size
                 else:
-                    self._reads_failed[(result.failure or FailureCause.UNKNOWN).value] += 1
+                    self._reads_failed[(job_result.failure or FailureCause.UNKNOWN).value] += 1
             self._landing -= len(batch.jobs)
+            if follows:  # ahead of reads not sent yet: these requests waited a round trip
+                names = [self._redis_name(read.key) for read in follows]
+                self._unsent.extendleft(reversed(self._cut(follows, names)))
             self._landed.notify_all()
             sent = self._send_locked()
         self._watch(sent)  # a poll after this one lands what is answered already
-        return [result for result, _ in landed]
+        return out
 
     def _rows_bytes(self, rows: int) -> int | None:
-        """Payload bytes of a value holding rows 0..rows-1 of every layer (0 or every row: a
-        whole slot); None when no slot has that many rows or the row spans are unknown."""
-        if rows == 0 or rows == self.slot_rows:
-            return self.host.payload_bytes
-        if not self.row_spans or not 0 < rows < (self.slot_rows or 0):
-            return None
-        return rows * sum(row_bytes for _, row_bytes in self.row_spans)
+        return rows_bytes(rows, self.slot_rows, self.row_spans, self.host.payload_bytes)
 
     def _land(
-        self, job_id: int, key: bytes, slot: int, rows: int, value: Head | None,
-        cause: FailureCause | None,
-    ) -> tuple[JobResult, int]:
-        """Verify one value and copy it into its slot, or fail with the reason it is unusable;
-        the result and the payload bytes landed (counted by the caller, under the lock)."""
+        self, read: _Read, value: Head | None, cause: FailureCause | None,
+    ) -> tuple[JobResult, int] | _Read:
+        """Verify one value and copy its rows into the slot, or fail with the reason it is
+        unusable: the result and the payload bytes landed (counted by the caller, under the
+        lock), or the read to send next when a tail's key holds a pointer."""
+        job_id = read.job_id
         if value is None and cause is not None:
             # The call (or its item) failed: a miss by the call's cause, not ``missing``.
             return JobResult.fail(job_id, cause), 0
-        size = self._rows_bytes(rows)
-        assert size is not None  # start_reads refused the others
-        decoded = decode(
-            None if value is None else value.data, fingerprint=self.fingerprint, key=key,
+        size = self._rows_bytes(read.rows)
+        assert size is not None  # start_reads and _follow refused the others
+        if value is not None and codec.is_pointer(value.data):
+            return self._follow(read, value)
+        decoded = codec.decode(
+            None if value is None else value.data, fingerprint=self.fingerprint, key=read.key,
             rank=self.rank, expected_len=size, value_len=None if value is None else value.length,
         )
-        if isinstance(decoded, Rejected):
+        if isinstance(decoded, codec.Rejected):
             logger.debug("tieredkv remote read %d rejected: %s", job_id, decoded.detail)
             return JobResult.fail(job_id, decoded.cause), 0
         if len(decoded.payload) != size:  # decode checked it; never copy more than a slot
             return JobResult.fail(job_id, FailureCause.SHORT_READ), 0
-        # numpy copies without the GIL (a memoryview assignment holds it): the store's thread
-        # keeps receiving the next batch meanwhile.
-        target = np.frombuffer(self.host.slot_memoryview(slot), dtype=np.uint8)
+        target = np.frombuffer(self.host.slot_memoryview(read.slot), dtype=np.uint8)
         source = np.frombuffer(decoded.payload, dtype=np.uint8)
-        if size == self.host.payload_bytes:
+        if read.land == read.rows and size == self.host.payload_bytes:
             np.copyto(target[:size], source)
-        else:  # a tail: its rows of each layer, in layer order
-            at = 0
-            for offset, row_bytes in self.row_spans:
-                n = rows * row_bytes
-                np.copyto(target[offset:offset + n], source[at:at + n])
-                at += n
-        return JobResult.done(job_id), size
+        else:  # a tail's rows of each layer, from a tail's packed value or a whole slot's
+            land_rows(target, source, read.land,
+                      None if size == self.host.payload_bytes else read.rows, self.row_spans)
+        return JobResult.done(job_id), self._rows_bytes(read.land) or size
+
+    def _follow(self, read: _Read, value: Head) -> tuple[JobResult, int] | _Read:
+        """A tail's key holds a pointer: the read of the longer entry it names, or a miss
+        (a whole chunk's key never holds one; a pointer is followed once)."""
+        pointer = codec.decode_pointer(value.data, fingerprint=self.fingerprint, key=read.key,
+                                       rank=self.rank, value_len=value.length)
+        if isinstance(pointer, codec.Pointer):
+            if (read.land == read.rows and 0 < read.rows < (self.slot_rows or 0)
+                    and (pointer.rows in (0, self.slot_rows) or pointer.rows > read.rows)
+                    and self._rows_bytes(pointer.rows) is not None):
+                return _Read(read.job_id, pointer.target, read.slot, pointer.rows, read.land)
+            pointer = codec.Rejected(FailureCause.MISSING, f"a pointer to {pointer.rows} rows")
+        logger.debug("tieredkv remote read %d rejected: %s", read.job_id, pointer.detail)
+        return JobResult.fail(read.job_id, pointer.cause), 0
 
     # -- writes ------------------------------------------------------------------------------
 
     def write(self, writes: Sequence[WriteJob]) -> list[JobResult]:
-        """Queue each ``(job_id, key, slot, rows, holes)``'s payload for the store; never
-        blocks.
+        """Queue each ``(job_id, key, slot, rows, holes, supersedes)``'s payload for the
+        store; never blocks.
 
         Accepted: ``done`` (queued, not yet stored); no room or store down/closing: ``dropped``.
         A slot out of range or still being read into fails ``copy_error``. Every row of a
         value is the entry's own: an entry that holds fewer than all ``slot_rows`` rows (a
         prompt's tail) sends only those rows of each layer (its slot's other rows hold
         whatever the slot held before), the rows it leaves empty (``holes``) are written as
-        zeros, and a write naming rows the value cannot hold fails ``wrong_key``.
+        zeros, and a write naming rows the value cannot hold fails ``wrong_key``. Once the
+        value is stored, each of ``supersedes`` (keys of shorter tails of its chunk) that
+        Redis holds becomes a pointer to it.
         """
         size = self.host.payload_bytes
         out: list[JobResult] = []
-        queued: list[tuple[int, bytes, bytes]] = []
+        queued: list[tuple[int, bytes, bytes, tuple[tuple[bytes, bytes], ...]]] = []
         payload_bytes: list[int] = []
         with self._lock:
-            for job_id, key, slot, rows, holes in writes:
+            for job_id, key, slot, rows, holes, supersedes in writes:
                 if not self._usable(slot):
                     self._writes_failed[FailureCause.COPY_ERROR.value] += 1
                     out.append(JobResult.fail(job_id, FailureCause.COPY_ERROR))
                     continue
-                tail = self.slot_rows is not None and 0 < rows < self.slot_rows
-                if (self._rows_bytes(rows) is None or rows == 0
-                        or (holes and (tail or not self._blankable(holes)))):
-                    logger.error(
-                        "tieredkv remote write %d refused: its entry holds %d of the slot's %s "
-                        "rows (%d empty); the others are not its own", job_id, rows,
-                        self.slot_rows, len(holes),
-                    )
-                    self._writes_failed[FailureCause.WRONG_KEY.value] += 1
-                    out.append(JobResult.fail(job_id, FailureCause.WRONG_KEY))
-                    continue
                 try:
-                    payload = self.host.slot_memoryview(slot)[:size]
-                    if holes:
-                        payload = self._blanked(payload, holes)
-                    elif tail:
-                        payload = self._rows_of(payload, rows)
-                    value = encode(payload, fingerprint=self.fingerprint, key=key, rank=self.rank)
-                    queued.append((job_id, self._redis_name(key), value))
+                    payload = entry_payload(self.host.slot_memoryview(slot)[:size], rows, holes,
+                                            self.slot_rows, self.row_spans)
+                    if payload is None:
+                        logger.error(
+                            "tieredkv remote write %d refused: its entry holds %d of the slot's "
+                            "%s rows (%d empty); the others are not its own", job_id, rows,
+                            self.slot_rows, len(holes))
+                        self._writes_failed[FailureCause.WRONG_KEY.value] += 1
+                        out.append(JobResult.fail(job_id, FailureCause.WRONG_KEY))
+                        continue
+                    value = codec.encode(payload, fingerprint=self.fingerprint, key=key, rank=self.rank)
+                    pointers = tuple(
+                        (self._redis_name(old), codec.encode_pointer(
+                            fingerprint=self.fingerprint, key=old, rank=self.rank, target=key,
+                            rows=rows)) for old in supersedes)
+                    queued.append((job_id, self._redis_name(key), value, pointers))
                     payload_bytes.append(len(payload))
                 except ValueError as exc:
                     logger.error("tieredkv remote write %d: %s", job_id, exc)
@@ -411,35 +444,14 @@ class RemoteJobs:
                     out.append(JobResult.fail(job_id, FailureCause.UNKNOWN))
         accepted = 0
         if queued:
-            accepted = self.store.submit_writes([(n, v) for _, n, v in queued], self.ttl_s)
+            accepted = self.store.submit_writes([(n, v, p) for _, n, v, p in queued], self.ttl_s)
         with self._lock:
             self._writes_ok += accepted
             self._bytes_written += sum(payload_bytes[:accepted])
             self._writes_dropped += len(queued) - accepted
         # The queue keeps a prefix of each offer: the first ``accepted`` went in.
-        out += [JobResult.done(j) for j, _, _ in queued[:accepted]]
-        out += [JobResult.fail(j, FailureCause.DROPPED) for j, _, _ in queued[accepted:]]
-        return out
-
-    def _blankable(self, holes: tuple[int, ...]) -> bool:
-        """Whether the rows ``holes`` can be blanked: rows of this slot, spans known."""
-        rows = self.slot_rows or 0
-        return bool(self.row_spans) and all(0 <= row < rows for row in holes)
-
-    def _rows_of(self, payload: memoryview, rows: int) -> bytearray:
-        """Rows 0..rows-1 of every layer of ``payload``, in layer order (a tail's value)."""
-        out = bytearray()
-        for offset, row_bytes in self.row_spans:
-            out += payload[offset:offset + rows * row_bytes]
-        return out
-
-    def _blanked(self, payload: memoryview, holes: tuple[int, ...]) -> bytearray:
-        """A copy of ``payload`` with every layer's bytes of rows ``holes`` zeroed."""
-        out = bytearray(payload)
-        for offset, row_bytes in self.row_spans:
-            for row in holes:
-                start = offset + row * row_bytes
-                out[start:start + row_bytes] = bytes(row_bytes)
+        out += [JobResult.done(j) for j, *_ in queued[:accepted]]
+        out += [JobResult.fail(j, FailureCause.DROPPED) for j, *_ in queued[accepted:]]
         return out
 
     def flush_writes(self, timeout_s: float) -> bool:
