@@ -184,6 +184,19 @@ def test_an_allocated_hit_becomes_one_load_of_exactly_its_blocks():
     assert r.host.pinned_count == 0  # the load completed: nothing pinned
 
 
+def test_a_prompt_vllm_holds_to_its_limit_fills_nothing_from_disk():
+    """A chunk-aligned prompt whose computed tokens already reach the last block a hit could
+    end at: its last chunk on disk would be promoted for a hit clipped to 0 tokens."""
+    r = Rig()
+    r.in_host(0, 1)
+    r.on_disk(2)
+    aligned = 3 * CHUNK_TOKENS  # KEYS' first three chunks are this prompt's
+    assert r.lookup.lookup("r", KEYS, aligned - BLOCK, aligned) == 0
+    assert r.ledger.take_plan().of(Move.PROMOTE) == []
+    assert r.counters[Count.PROMOTED_CHUNKS] == 0 and r.host.pinned_count == 0
+    assert (r.counters[Count.LOOKUPS], r.counters[Count.LOOKUP_TOKENS]) == (1, 0)
+
+
 def test_disk_chunks_are_filled_into_host_before_they_are_promised():
     r = Rig()
     r.in_host(0)

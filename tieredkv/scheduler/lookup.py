@@ -117,9 +117,14 @@ class Lookup:
             if stamp == self._miss_stamp(keys, num_computed_tokens, num_tokens):
                 return 0  # asked again, nothing arrived in any tier since: still a miss
             state.miss_stamp = ()  # missed before: a miss now is stamped again
+        block_limit = (num_tokens - 1) // self.block_size * self.block_size  # a tail's limit
+        if num_computed_tokens >= block_limit:  # vLLM holds every block a hit could end in
+            if not state.looked_up:  # counted, as any first answer (no tokens to look up)
+                state.looked_up = True
+                _set_count(self.counters, _LOOKUPS, self.counters[_LOOKUPS] + 1)
+            return 0
         unit = self.unit
         limit = (num_tokens - 1) // unit * unit
-        block_limit = (num_tokens - 1) // self.block_size * self.block_size  # a tail's limit
         first = num_computed_tokens // self.chunk_tokens
         host_ready = self.host.is_ready
         lower_ready = self.lower.is_ready if self.lower is not None else None
