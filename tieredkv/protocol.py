@@ -203,8 +203,7 @@ class RemoteShard:
     hold a previous tenant's bytes; 0: unknown, refused); a read takes a value of exactly
     that many rows (0: a whole slot's). ``holes`` (writes): rows among them the entry leaves
     empty (hybrid: a sliding window's rows it does not keep), written as zeros, never as
-    what the slot held. ``supersedes`` (writes): keys of shorter tails of the entry's chunk,
-    replaced in the store by pointers to it once it is stored."""
+    what the slot held. ``supersedes`` (writes): shorter tails of its chunk, to point to it."""
 
     rows: int = 0
     holes: tuple[int, ...] = ()
@@ -363,6 +362,7 @@ class StepPlan:
     # The step computes no tokens (requests only wait for loads): the worker may sleep on
     # its own in-flight jobs instead of letting vLLM spin through empty steps.
     compute_idle: bool = False
+    step: int = 0  # the scheduler's number, echoed in every worker's output (prefill rate)
 
     def of(self, move: Move) -> list[Job]:
         """This step's jobs of one move, in the order they were planned."""

@@ -136,6 +136,25 @@ def test_the_rate_pairs_each_output_with_its_own_step_under_async_scheduling():
     assert cost.prefill_tokens_per_s == pytest.approx(2 * CHUNK_TOKENS / 0.201)
 
 
+def test_an_output_is_paired_with_the_step_whose_number_it_echoes():
+    """A step that ran no forward has no output when nothing is reported, so pairing by age
+    would time a later prefill from an older, idle step: its rate would be several steps'
+    time too low. The workers echo each step's number: every prefill is timed alone."""
+    clock = Clock()
+    cost = model(clock)
+    for _ in range(MIN_SAMPLES):
+        idle = cost.step_scheduled(0)  # requests wait for their loads: no forward
+        clock.now += 0.5
+        prefill = cost.step_scheduled(2 * CHUNK_TOKENS)
+        assert prefill == idle + 1
+        clock.now += 0.2
+        cost.step_done(prefill)  # the idle step's output never came
+    assert cost.prefill_tokens_per_s == pytest.approx(2 * CHUNK_TOKENS / 0.2)
+    cost.step_done(prefill)  # reported twice, or a step already dropped: no sample
+    cost.step_done(idle)
+    assert cost.prefill_tokens_per_s == pytest.approx(2 * CHUNK_TOKENS / 0.2)
+
+
 def test_a_slow_tier_is_declined_once_per_request_and_explored_in_the_background():
     clock = Clock()
     counters = Counts()

@@ -358,3 +358,17 @@ def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monke
     collect_until(w, lambda s, r, m: "big" in r, after=reported)
     load = Job.load(3, "idle", (LoadChunk(b"u" * 32, 4, 0, (52, 53)),))
     assert step(w, StepPlan(jobs=[load], compute_idle=True))[1] == {"idle"}  # idle: inline
+
+
+def test_every_numbered_step_reports_its_number_even_with_nothing_else_to_say(worker):
+    """vLLM delivers a step's output to the scheduler only when it carries something; the
+    step number makes every step's output arrive, so the prefill rate is timed per step.
+    Ranks agree on it when their outputs are merged."""
+    w, _ = worker
+    step(w, StepPlan(step=41))
+    meta = w.build_worker_meta()
+    assert meta is not None and (meta.results, meta.step) == ({}, 41)
+    step(w, StepPlan(step=42))
+    other = TieredKVWorkerMetadata(step=42)
+    merged = w.build_worker_meta().aggregate(other)
+    assert (merged.results, merged.step) == ({}, 42)

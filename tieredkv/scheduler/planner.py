@@ -123,8 +123,8 @@ class Planner:
         )
         # vLLM scheduled a step of N tokens / that step's output came back: the cost model's
         # prefill rate (its own methods, called every step: one frame less).
-        self.step_scheduled: Callable[[int], None] = self.cost.step_scheduled
-        self.step_done: Callable[[], None] = self.cost.step_done
+        self.step_scheduled: Callable[[int], int] = self.cost.step_scheduled
+        self.step_done: Callable[[int | None], None] = self.cost.step_done
         self._requests = RequestTable()
         self._ledger = JobLedger(world_size, self._requests)
         epoch = HitEpoch()

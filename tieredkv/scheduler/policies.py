@@ -26,8 +26,8 @@ each fill (:meth:`CostModel.affordable`):
   slopes, then the median intercept): medians, so one stalled or lucky round moves nothing.
   Rounds of one size only: the slope is the median ``T / n`` and the latency 0.
 * **The engine's prefill rate** (tokens/s), from vLLM's steps: a step's scheduled tokens over
-  the time from :meth:`step_scheduled` (``build_connector_meta``) to :meth:`step_done`
-  (``update_connector_output``), i.e. the forward pass that computed them. Only steps of at
+  the time from :meth:`step_scheduled` (``build_connector_meta``) to :meth:`step_done` (its
+  own ``update_connector_output``, by number), the forward that computed them. Only steps of at
   least a chunk's tokens count (decode steps measure latency, not prefill throughput); the
   median of the last :data:`RATE_WINDOW`. Biases err towards loading: a step's time also holds
   its loads and decode tokens, so the rate is if anything low and recomputing looks slower.
@@ -343,15 +343,12 @@ class CostModel:
         self._reads: dict[str, ReadEstimate] = {}
         self._rounds: dict[int, _Round] = {}
         self._rates: deque[float] = deque(maxlen=RATE_WINDOW)
-        # Steps scheduled, not yet reported: (time, tokens), oldest first. vLLM's async
-        # scheduling schedules step k+1 before step k's output comes back, and outputs come
-        # back in order, so each output is the oldest step's (pairing it with the latest
-        # one would divide step k+1's tokens by step k's time).
-        # A step of less than a chunk is never a sample: it is queued untimed (no clock read
-        # on a decode step). vLLM skips the output of a step that ran no forward and reported
-        # nothing, so the window stays short: a missed output shifts the pairing by at most
-        # its length, never for good.
-        self._steps: deque[tuple[float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
+        # Steps scheduled, not yet reported: (number, time, tokens), oldest first. An output
+        # (async scheduling: step k+1 is scheduled before k's comes back) is paired with the
+        # step whose number the workers echo in it, else the oldest. A step of less than a
+        # chunk is never a sample: queued untimed (no clock read on a decode step).
+        self._steps: deque[tuple[int, float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
+        self._step = 0  # the last step's number
         self._explored: dict[str, float] = {}
         self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
@@ -382,16 +379,22 @@ class CostModel:
                 elapsed = round_.worker_s
             self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
 
-    def step_scheduled(self, tokens: int) -> None:
-        """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``)."""
-        self._steps.append((self._clock() if tokens >= self.chunk_tokens else 0.0, tokens))
+    def step_scheduled(self, tokens: int) -> int:
+        """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``); its number."""
+        self._step += 1
+        self._steps.append((self._step, self._clock() if tokens >= self.chunk_tokens else 0.0,
+                            tokens))
+        return self._step
 
-    def step_done(self) -> None:
-        """The oldest scheduled step's output came back (``update_connector_output``): a
-        prefill-rate sample if it computed at least a chunk's tokens."""
-        if not self._steps:
+    def step_done(self, step: int | None = None) -> None:
+        """Step ``step``'s output came back (None: the oldest's): a prefill-rate sample if it
+        computed a chunk's tokens or more. Older steps with no output are dropped."""
+        steps = self._steps
+        while step is not None and steps and steps[0][0] < step:
+            steps.popleft()
+        if not steps or (step is not None and steps[0][0] != step):
             return
-        started, tokens = self._steps.popleft()
+        _, started, tokens = steps.popleft()
         if tokens < self.chunk_tokens:
             return
         elapsed = self._clock() - started

@@ -24,11 +24,14 @@ class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler: job results of this step, merged over ranks by ``aggregate``.
 
     Ranks may finish one job in different steps; the scheduler keeps counting across steps.
+    ``step``: the plan's number (:attr:`StepPlan.step`) of the step this output ends. Sent
+    every step, so vLLM delivers every step's output, which times the prefill rate exactly.
     """
 
     results: dict[int, JobResult] = field(default_factory=dict)
+    step: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
         merged = merge_results(dict(self.results), other.results.values())
-        return TieredKVWorkerMetadata(results=merged)
+        return TieredKVWorkerMetadata(results=merged, step=max(self.step, other.step))

@@ -321,13 +321,14 @@ class SchedulerHalf:
             self._record_events(plan)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         plan.compute_idle = not scheduled_tokens
-        planner.step_scheduled(scheduled_tokens)  # timed to its output: the prefill rate
+        plan.step = planner.step_scheduled(scheduled_tokens)  # timed to its output: prefill rate
         return TieredKVMetadata(plan=plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.planner.step_done()
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, TieredKVWorkerMetadata) and meta.results:
+        ours = isinstance(meta, TieredKVWorkerMetadata)
+        self.planner.step_done(meta.step if ours and meta.step else None)
+        if ours and meta.results:
             self.planner.apply(meta.results.values())
         worker_stats = getattr(connector_output, "kv_connector_stats", None)
         if self._exporter is not None and worker_stats is not None:

@@ -81,6 +81,7 @@ class WorkerHalf:
         # reported as a failed request (failed_recving) and recomputed whole.
         self._errors_by_request = self.geometry.slot_rows.hybrid
         self._results: dict[int, JobResult] = {}
+        self._step = 0  # the plan number of the step being run
         self._awaited: set[int] = set()  # loads and fills in flight: someone waits on them
         self._compute_idle = False
         # Host-tier loads copied inline in start_load_kv (CPU caches; set at registration).
@@ -174,6 +175,7 @@ class WorkerHalf:
 
     def start_jobs(self, metadata: TieredKVMetadata) -> None:
         plan = metadata.plan
+        self._step = plan.step  # echoed in this step's output (build_worker_meta)
         if self.engine is None:
             return
         self._compute_idle = plan.compute_idle
@@ -280,10 +282,13 @@ class WorkerHalf:
         return errors
 
     def build_worker_meta(self) -> TieredKVWorkerMetadata | None:
-        if not self._results:
+        """This step's results, and its number: sent every step, even with no result, so
+        vLLM delivers every step's output (it skips an empty one) and the scheduler pairs
+        each with its own step (the prefill rate). None only for a step never numbered."""
+        if not self._results and not self._step:
             return None
         results, self._results = self._results, {}
-        return TieredKVWorkerMetadata(results=results)
+        return TieredKVWorkerMetadata(results=results, step=self._step)
 
     def stats_snapshot(self) -> dict:
         """This rank's transfer counters since the last call (see TransferEngine.take_stats)."""
