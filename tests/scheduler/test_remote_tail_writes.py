@@ -198,6 +198,29 @@ def test_a_longer_entry_written_turns_the_tail_it_grew_from_into_a_pointer(
     assert harness.jobs.store.stats().tails_superseded == 1
 
 
+def test_a_longer_entry_names_only_the_tails_this_engine_knows_are_in_redis(
+    harness: Harness, redis_server, prefix: str,
+) -> None:
+    """A tail another engine wrote and this one never read is not named: asking Redis about
+    every shorter tail of every chunk written would cost a command each, nearly all for
+    keys that were never written. That tail stays a copy of its own (and still serves)."""
+    short = list(range(CHUNK_TOKENS + 2 * BLOCK + 3))
+    longer = list(range(2 * CHUNK_TOKENS + 1))
+    harness.compute_and_store("a", short, A_BLOCKS, salt="a")
+    other = Harness(redis_server.url, prefix)
+    try:
+        other.compute_and_store("b", longer, A_BLOCKS + [6, 7], salt="a")
+        keys = keys_for(longer, "a")
+        tail_key = keys.block_key(CHUNK_BLOCKS + 1)
+        written = _written(redis_server, prefix)
+        assert set(written) == {keys[0], tail_key, keys[1]}
+        assert isinstance(decode(written[tail_key], fingerprint=FINGERPRINT, key=tail_key, rank=0,
+                                 expected_len=2 * sum(harness.kv.block_bytes)), Verified)
+        assert other.jobs.store.stats().tails_superseded == 0
+    finally:
+        other.close()
+
+
 def test_whole_chunks_under_keys_that_name_no_blocks_are_still_written(
     harness: Harness, redis_server, prefix: str,
 ) -> None:

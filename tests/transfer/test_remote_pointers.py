@@ -30,9 +30,9 @@ from tieredkv.transfer.remote_jobs import RemoteJobs
 
 FINGERPRINT = hashlib.sha256(b"tieredkv tests/transfer remote pointers").digest()
 ROWS = 4  # rows of a slot
-ROW = 500  # bytes per row of each of the two layers
-SPANS = ((0, ROW), (ROWS * ROW, ROW))
-PAYLOAD = 2 * ROWS * ROW
+SPANS = ((0, 500), (2000, 300))  # two layers of ROWS rows, of 500 and 300 bytes
+PAYLOAD = 2000 + ROWS * 300
+ROW_BYTES = 500 + 300  # one row of every layer
 SENTINEL = 0xAB
 
 Make = Callable[..., tuple[RemoteJobs, ThreadedRemoteStore]]
@@ -51,11 +51,11 @@ def make(host: HostPool) -> Iterator[Make]:
     made: list[RemoteJobs] = []
     prefix = f"p{uuid.uuid4().hex[:10]}"
 
-    def build(url: str, *, fingerprint: bytes = FINGERPRINT) -> tuple[RemoteJobs, ThreadedRemoteStore]:
+    def build(url: str, *, writes: bool = True) -> tuple[RemoteJobs, ThreadedRemoteStore]:
         store = ThreadedRemoteStore(parse_remote_url(url), **FAST)
         assert wait_up(store, 10), store.stats()
-        jobs = RemoteJobs(store, host, fingerprint=fingerprint, rank=0, prefix=prefix,
-                          ttl_s=60.0, timeout_s=2.0, slot_rows=ROWS)
+        jobs = RemoteJobs(store, host, fingerprint=FINGERPRINT, rank=0, prefix=prefix,
+                          ttl_s=60.0, timeout_s=2.0, slot_rows=ROWS, writes=writes)
         jobs.row_spans = SPANS
         made.append(jobs)
         return jobs, store
@@ -158,85 +158,132 @@ def test_a_pointer_is_written_only_once_its_target_is_stored(
 # -- the read side --------------------------------------------------------------------------
 
 
+def _plant(store: ThreadedRemoteStore, jobs: RemoteJobs, key: bytes, value: bytes) -> None:
+    name = remote_key(FINGERPRINT, 0, key, jobs.prefix)
+    assert store.batch_set([(name, value)]).result(5).values == [True]
+
+
+def _pointer(key: bytes, target: bytes, rows: int, fingerprint: bytes = FINGERPRINT) -> bytes:
+    return encode_pointer(fingerprint=fingerprint, key=key, rank=0, target=target, rows=rows)
+
+
 def test_a_tails_read_follows_its_pointer_and_lands_only_its_rows(
     redis_deployment: RedisServer | RedisClusterProcs, host: HostPool, make: Make,
 ) -> None:
-    """Tail of 2 rows superseded by a tail of 3 rows, itself superseded by the whole chunk:
-    reading the 2-row tail lands rows 0..1 of every layer from the whole chunk's value, the
-    3-row one rows 0..2, and nothing else of the slots changes."""
+    """Tails of 2 and 3 rows, then their whole chunk written from another slot (other bytes,
+    to tell which value landed): each tail's read lands the chunk's leading rows of every
+    layer (layers of different row sizes), and nothing else of its slot changes."""
     jobs, _ = make(redis_deployment.url)
-    fill(host, 0, payload(3))
+    fill(host, 0, payload(30))
     blocks = [make_key(30 + i) for i in range(ROWS)]
-    assert jobs.write([(1, blocks[1], 0, 2, (), ()), (2, blocks[2], 0, 3, (), (blocks[1],))]) == [
+    assert jobs.write([(1, blocks[1], 0, 2, (), ()), (2, blocks[2], 0, 3, (), ())]) == [
         JobResult.done(1), JobResult.done(2)]
     assert jobs.flush_writes(5)
-    fill(host, 1, payload(3))  # the chunk's own payload: rows past the tails differ from SENTINEL
+    fill(host, 1, payload(31))
     assert jobs.write([(3, blocks[3], 1, ROWS, (), (blocks[1], blocks[2]))]) == [JobResult.done(3)]
     assert jobs.flush_writes(5)
     host.buffer.fill_(SENTINEL)
     jobs.take_stats()
     jobs.start_reads([(4, blocks[1], 2, 2), (5, blocks[2], 3, 3)])
     assert settle(jobs, 2) == {4: JobResult.done(4), 5: JobResult.done(5)}
-    assert slot_payload(host, 2) == leading_rows(payload(3), 2)
-    assert slot_payload(host, 3) == leading_rows(payload(3), 3)
+    assert slot_payload(host, 2) == leading_rows(payload(31), 2)
+    assert slot_payload(host, 3) == leading_rows(payload(31), 3)
     stats = jobs.take_stats()
-    assert (stats.reads_ok, stats.bytes_read) == (2, 2 * 2 * ROW + 3 * 2 * ROW)
+    assert (stats.reads_ok, stats.bytes_read) == (2, 2 * ROW_BYTES + 3 * ROW_BYTES)
 
 
 def test_a_pointer_to_a_longer_tail_lands_from_its_packed_rows(
     redis_server: RedisServer, host: HostPool, make: Make,
 ) -> None:
     jobs, _ = make(redis_server.url)
-    fill(host, 0, payload(4))
+    fill(host, 0, payload(40))
     blocks = [make_key(40 + i) for i in range(ROWS)]
     assert jobs.write([(1, blocks[1], 0, 2, (), ())]) == [JobResult.done(1)]
     assert jobs.flush_writes(5)
+    fill(host, 0, payload(41))
     assert jobs.write([(2, blocks[2], 0, 3, (), (blocks[1],))]) == [JobResult.done(2)]
     assert jobs.flush_writes(5)
     host.buffer.fill_(SENTINEL)
     jobs.start_reads([(3, blocks[1], 1, 2)])
     assert settle(jobs, 1) == {3: JobResult.done(3)}
-    assert slot_payload(host, 1) == leading_rows(payload(4), 2)
+    assert slot_payload(host, 1) == leading_rows(payload(41), 2)
 
 
-def _plant(store: ThreadedRemoteStore, jobs: RemoteJobs, key: bytes, value: bytes) -> None:
-    name = remote_key(FINGERPRINT, 0, key, jobs.prefix)
-    assert store.batch_set([(name, value)]).result(5).values == [True]
+def test_a_chain_left_by_two_writers_racing_is_followed_while_it_grows(
+    redis_server: RedisServer, host: HostPool, make: Make,
+) -> None:
+    """Writer A's pointers (2 rows -> the 3-row tail) land after writer B's (3 rows -> the
+    whole chunk): the 2-row tail's read follows both and lands the chunk's rows."""
+    jobs, store = make(redis_server.url)
+    fill(host, 0, payload(50))
+    blocks = [make_key(50 + i) for i in range(ROWS)]
+    assert jobs.write([(1, blocks[2], 0, 3, (), ())]) == [JobResult.done(1)]
+    assert jobs.flush_writes(5)
+    fill(host, 0, payload(51))
+    assert jobs.write([(2, blocks[3], 0, ROWS, (), (blocks[2],))]) == [JobResult.done(2)]
+    assert jobs.flush_writes(5)
+    _plant(store, jobs, blocks[1], _pointer(blocks[1], blocks[2], 3))  # A's, late
+    host.buffer.fill_(SENTINEL)
+    jobs.start_reads([(3, blocks[1], 1, 2)])
+    assert settle(jobs, 1) == {3: JobResult.done(3)}
+    assert slot_payload(host, 1) == leading_rows(payload(51), 2)
+
+
+def _gone(store: ThreadedRemoteStore, jobs: RemoteJobs, key: bytes) -> bool:
+    deadline = time.monotonic() + HANG_S
+    while get(store, jobs, key) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_a_pointer_whose_entry_is_gone_is_a_miss_and_deleted_unless_read_only(
+    redis_server: RedisServer, host: HostPool, make: Make, writes: bool,
+) -> None:
+    """Redis evicted the whole chunk, not the pointer: the probe would see the tail present
+    and every read would miss after two round trips, on every replica, for good. A reader
+    that may write deletes it; a read-only replica (``remote_writes: false``) leaves it."""
+    jobs, store = make(redis_server.url, writes=writes)
+    tail, chunk = make_key(60), make_key(61)
+    _plant(store, jobs, tail, _pointer(tail, chunk, ROWS))
+    jobs.start_reads([(1, tail, 1, 2)])
+    assert settle(jobs, 1) == {1: JobResult.fail(1, FailureCause.MISSING)}
+    assert slot_payload(host, 1) == bytes([SENTINEL]) * PAYLOAD
+    if writes:
+        assert _gone(store, jobs, tail)
+    else:
+        assert jobs.flush_writes(5) and get(store, jobs, tail) is not None
 
 
 def test_pointers_that_cannot_serve_are_misses_that_leave_the_slot_alone(
     redis_server: RedisServer, host: HostPool, make: Make,
 ) -> None:
-    """A pointer followed once only, a pointer to fewer rows than the tail, one of another
-    namespace, one with a flipped byte, one under a whole chunk's key, and one to a key that
-    is gone: each a miss with its cause, the slot untouched."""
+    """A chain whose rows do not grow, a pointer to fewer rows than the tail, one of another
+    namespace, one with a flipped byte, one under a whole chunk's key: each a miss with its
+    cause, the slot untouched; a good pointer beside them lands (the control)."""
     jobs, store = make(redis_server.url)
-    fill(host, 0, payload(5))
-    k = [make_key(50 + i) for i in range(12)]
-
-    def pointer(key: bytes, target: bytes, rows: int, fingerprint: bytes = FINGERPRINT) -> bytes:
-        return encode_pointer(fingerprint=fingerprint, key=key, rank=0, target=target, rows=rows)
-
-    flipped = bytearray(pointer(k[6], k[7], ROWS))
+    k = [make_key(70 + i) for i in range(12)]
+    flipped = bytearray(_pointer(k[6], k[7], ROWS))
     flipped[90] ^= 1
-    whole_value = encode(payload(5), fingerprint=FINGERPRINT, key=k[11], rank=0)
-    _plant(store, jobs, k[0], pointer(k[0], k[1], 3))  # -> another pointer
-    _plant(store, jobs, k[1], pointer(k[1], k[11], ROWS))
-    _plant(store, jobs, k[11], whole_value)
-    _plant(store, jobs, k[2], pointer(k[2], k[11], 1))  # fewer rows than the tail's 2
-    _plant(store, jobs, k[3], pointer(k[3], k[11], ROWS, OTHER_FINGERPRINT))
+    _plant(store, jobs, k[11], encode(payload(70), fingerprint=FINGERPRINT, key=k[11], rank=0))
+    _plant(store, jobs, k[0], _pointer(k[0], k[1], 3))  # -> a pointer to 2 rows: shrinks
+    _plant(store, jobs, k[1], _pointer(k[1], k[4], 2))
+    _plant(store, jobs, k[2], _pointer(k[2], k[11], 1))  # fewer rows than the tail's 2
+    _plant(store, jobs, k[3], _pointer(k[3], k[11], ROWS, OTHER_FINGERPRINT))
     _plant(store, jobs, k[6], bytes(flipped))
-    _plant(store, jobs, k[8], pointer(k[8], k[11], ROWS))  # under a whole chunk's read
-    _plant(store, jobs, k[9], pointer(k[9], k[10], ROWS))  # k[10] was never stored
+    _plant(store, jobs, k[8], _pointer(k[8], k[11], ROWS))  # asked as a whole chunk
+    _plant(store, jobs, k[9], _pointer(k[9], k[11], ROWS))
     host.buffer.fill_(SENTINEL)
     jobs.start_reads([(1, k[0], 1, 2), (2, k[2], 2, 2), (3, k[3], 3, 2), (4, k[6], 4, 2),
-                      (5, k[8], 5, 0), (6, k[9], 6, 2), (7, k[1], 7, 3)])
-    results = settle(jobs, 7)
+                      (5, k[8], 5, 0), (6, k[9], 6, 3)])
+    results = settle(jobs, 6)
     assert {j: r.failure for j, r in results.items()} == {
         1: FailureCause.MISSING, 2: FailureCause.MISSING, 3: FailureCause.WRONG_NAMESPACE,
-        4: FailureCause.CHECKSUM, 5: FailureCause.MISSING, 6: FailureCause.MISSING, 7: None}
-    for slot in range(1, 7):
+        4: FailureCause.CHECKSUM, 5: FailureCause.MISSING, 6: None}
+    for slot in range(1, 6):
         assert slot_payload(host, slot) == bytes([SENTINEL]) * PAYLOAD, slot
-    assert slot_payload(host, 7) == leading_rows(payload(5), 3)  # the control: it does land
+    assert slot_payload(host, 6) == leading_rows(payload(70), 3)
     with jobs._lock:
         assert not jobs._busy

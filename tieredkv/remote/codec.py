@@ -69,6 +69,7 @@ HEADER_BYTES = _FIELDS.size + _CRC.size
 _POINTER = struct.Struct(f"<8sHHI{FINGERPRINT_BYTES}s{KEY_BYTES}s{KEY_BYTES}sI")
 POINTER_BYTES = _POINTER.size + _CRC.size
 _MAX_RANK = 2**32 - 1
+_MAX_ROWS = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +222,7 @@ def encode_pointer(*, fingerprint: bytes, key: bytes, rank: int, target: bytes, 
     its blocks."""
     _check_ids(fingerprint, key, rank)
     _check_ids(fingerprint, target, rank)
-    if not 0 <= rows <= _MAX_RANK or target == key:
+    if not 0 <= rows <= _MAX_ROWS or target == key:
         raise ValueError(f"a pointer must name another entry and 0.. rows, got {rows}")
     head = _POINTER.pack(POINTER_MAGIC, FORMAT_VERSION, 0, rank, fingerprint, key, target, rows)
     return head + _CRC.pack(zlib.crc32(head))
@@ -242,11 +243,11 @@ def decode_pointer(
     total = len(view) if value_len is None else max(len(view), value_len)
     if total != POINTER_BYTES or len(view) < POINTER_BYTES:
         return Rejected(FailureCause.CHECKSUM, f"pointer of {total} bytes, not {POINTER_BYTES}")
-    magic, version, _flags, v_rank, v_fp, v_key, target, rows = _POINTER.unpack_from(view)
+    magic, version, flags, v_rank, v_fp, v_key, target, rows = _POINTER.unpack_from(view)
     (stored_crc,) = _CRC.unpack_from(view, _POINTER.size)
     if magic != POINTER_MAGIC or zlib.crc32(view[: _POINTER.size]) != stored_crc:
         return Rejected(FailureCause.CHECKSUM, "pointer checksum mismatch")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or flags:
         return Rejected(
             FailureCause.WRONG_NAMESPACE, f"format version {version}, expected {FORMAT_VERSION}"
         )
@@ -255,3 +256,21 @@ def decode_pointer(
     if v_key != key or v_rank != rank or target == key:
         return Rejected(FailureCause.WRONG_KEY, "pointer of another key or rank")
     return Pointer(bytes(target), rows)
+
+
+def next_hop(
+    value: bytes | bytearray | memoryview, *, fingerprint: bytes, key: bytes, rank: int,
+    rows: int, slot_rows: int, value_len: int | None = None,
+) -> Pointer | Rejected:
+    """The entry to read next where a tail of ``rows`` rows (of a slot's ``slot_rows``) was
+    asked for and a pointer came back, or why it cannot serve (``missing``: a whole chunk's
+    key, or a pointer to no more rows). Rows grow strictly along a chain, so it ends: two
+    writers racing may leave a tail pointing at a tail that a whole chunk superseded since."""
+    pointer = decode_pointer(value, fingerprint=fingerprint, key=key, rank=rank,
+                             value_len=value_len)
+    if isinstance(pointer, Rejected):
+        return pointer
+    if not 0 < rows < slot_rows or not (
+            pointer.rows in (0, slot_rows) or rows < pointer.rows < slot_rows):
+        return Rejected(FailureCause.MISSING, f"a pointer to {pointer.rows} rows for {rows}")
+    return pointer

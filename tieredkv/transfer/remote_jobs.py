@@ -15,18 +15,17 @@ it to a new tenant that the late answer would overwrite. With ``on_answer`` set,
 landed on a thread of this object's own (then ``on_answer`` polls there), never on the
 store's: landing on its event loop would stop it receiving the next batch meanwhile. A prompt's tail is a value of only its own
 rows (rows 0..n-1 of every layer): its read expects exactly that length and lands those rows.
-A tail that a longer entry of its chunk superseded is a pointer to that entry: the read is
-sent again for the entry (the slot stays busy), which is verified as any value and lands only
-the tail's rows. One hop: a pointer reached through a pointer is a miss.
+A superseded tail's key holds a pointer to a longer entry (``codec.next_hop``): the read is
+sent again for it (the slot stays busy), verified as any value, and lands the tail's rows; a
+pointer whose entry is gone is deleted (unless this rank must not write).
 
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
 and offered to the store's bounded write queue. What does not fit, or arrives while the
 store is down or closing, is dropped and counted: the shared tier is a bonus, never a
 reason for the engine to wait on the network. A value holds only its entry's rows: a tail
 (fewer rows than a slot) is written as just its rows of every layer, never the slot's others,
-which hold a previous tenant's bytes. An entry that supersedes shorter tails of its chunk has
-them replaced by pointers to it, only once it is stored and only where they exist (``SET XX``),
-so Redis keeps one copy of those blocks.
+which hold a previous tenant's bytes. The shorter tails an entry supersedes become pointers
+to it, once it is stored and only where they exist (``SET XX``).
 """
 
 from __future__ import annotations
@@ -84,13 +83,14 @@ class RemoteJobStats:
 
 
 class _Read(NamedTuple):
-    """One read: ``rows`` its value holds, ``land`` the rows it lands (fewer: via a pointer)."""
+    """One read: ``rows`` its value holds, ``land`` those it lands (fewer: ``via`` a pointer)."""
 
     job_id: int
     key: bytes
     slot: int
     rows: int
     land: int
+    via: bytes | None = None
 
 
 @dataclass
@@ -120,6 +120,7 @@ class RemoteJobs:
         timeout_s: float,
         slot_rows: int | None = None,
         read_batch_bytes: int = READ_BATCH_BYTES,
+        writes: bool = True,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"remote read timeout must be positive, got {timeout_s}")
@@ -133,6 +134,7 @@ class RemoteJobs:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
+        self.writes = writes  # False: a read-only replica, which deletes no dangling pointer
         # Rows of a host slot (the engine's geometry; set by its driver). None: not known,
         # every write is refused.
         self.slot_rows = slot_rows
@@ -210,6 +212,7 @@ class RemoteJobs:
         self._watch(sent)
 
     def _cut(self, jobs: list[_Read], names: list[bytes]) -> list[_Batch]:
+        """Reads as batches of at most ``_batch_keys`` values, in order."""
         step = self._batch_keys
         return [_Batch(jobs[at:at + step], names[at:at + step]) for at in range(0, len(jobs), step)]
 
@@ -359,6 +362,8 @@ class RemoteJobs:
         if value is None and cause is not None:
             # The call (or its item) failed: a miss by the call's cause, not ``missing``.
             return JobResult.fail(job_id, cause), 0
+        if value is None and read.via is not None and self.writes:  # a dangling pointer
+            self.store.batch_delete([self._redis_name(read.via)])
         size = self._rows_bytes(read.rows)
         assert size is not None  # start_reads and _follow refused the others
         if value is not None and codec.is_pointer(value.data):
@@ -382,18 +387,14 @@ class RemoteJobs:
         return JobResult.done(job_id), self._rows_bytes(read.land) or size
 
     def _follow(self, read: _Read, value: Head) -> tuple[JobResult, int] | _Read:
-        """A tail's key holds a pointer: the read of the longer entry it names, or a miss
-        (a whole chunk's key never holds one; a pointer is followed once)."""
-        pointer = codec.decode_pointer(value.data, fingerprint=self.fingerprint, key=read.key,
-                                       rank=self.rank, value_len=value.length)
-        if isinstance(pointer, codec.Pointer):
-            if (read.land == read.rows and 0 < read.rows < (self.slot_rows or 0)
-                    and (pointer.rows in (0, self.slot_rows) or pointer.rows > read.rows)
-                    and self._rows_bytes(pointer.rows) is not None):
-                return _Read(read.job_id, pointer.target, read.slot, pointer.rows, read.land)
-            pointer = codec.Rejected(FailureCause.MISSING, f"a pointer to {pointer.rows} rows")
-        logger.debug("tieredkv remote read %d rejected: %s", read.job_id, pointer.detail)
-        return JobResult.fail(read.job_id, pointer.cause), 0
+        """A tail's key holds a pointer: the read of the longer entry it names, or a miss."""
+        hop = codec.next_hop(value.data, fingerprint=self.fingerprint, key=read.key,
+                             rank=self.rank, rows=read.rows, slot_rows=self.slot_rows or 0,
+                             value_len=value.length)
+        if isinstance(hop, codec.Pointer):
+            return _Read(read.job_id, hop.target, read.slot, hop.rows, read.land, read.key)
+        logger.debug("tieredkv remote read %d rejected: %s", read.job_id, hop.detail)
+        return JobResult.fail(read.job_id, hop.cause), 0
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -163,7 +163,7 @@ class WorkerHalf:
         return RemoteJobs(
             store, self.host, fingerprint=self.geometry.fingerprint, rank=self.rank,
             prefix=config.remote_key_prefix, ttl_s=config.remote_ttl_s or None,
-            timeout_s=config.remote_timeout_s,
+            timeout_s=config.remote_timeout_s, writes=config.remote_writes,
         )
 
     # ------------------------------------------------------------------ steps
