@@ -177,6 +177,32 @@ async def test_replies_arriving_in_odd_pieces_read_the_same_values(
         server.close()
 
 
+@pytest.mark.parametrize("piece", [1, 7, 1 << 20], ids=["bytewise", "7", "whole"])
+async def test_error_lines_longer_than_a_value_leave_the_values_after_them_whole(
+    piece: int, open_store: OpenStore,
+) -> None:
+    """A batch's replies share one buffer with room for each to be the longest value the
+    bound allows; error lines far longer than that (they take later replies' room) still
+    leave every value after them exactly as sent, cut anywhere."""
+    size = 40
+    values = [bytes([65 + i]) * size for i in range(4)]
+    replies = (b"-ERR " + b"a" * 300 + b"\r\n" + b"-ERR " + b"b" * 300 + b"\r\n"
+               + _bulk(values[0]) + _bulk(values[1]) + b"-ERR " + b"c" * 5000 + b"\r\n"
+               + _bulk(values[2]) + _bulk(b"") + _bulk(values[3]))
+    url, server = await _answer_server(replies, piece)
+    try:
+        store = await open_store(url, timeout_s=60.0)
+        keys = [b"k%d" % i for i in range(8)]
+        for _ in range(2):
+            got = await asyncio.wait_for(store.batch_get_bounded(keys, size), 30.0)
+            assert got.failed == 3
+            assert got.values == [None, None, Head(values[0], size), Head(values[1], size),
+                                  None, Head(values[2], size), None, Head(values[3], size)]
+        assert store.stats().went_down == 0
+    finally:
+        server.close()
+
+
 async def test_bytes_after_the_last_reply_are_never_the_next_reads_replies(
     fake: Callable[..., Awaitable[str]], open_store: OpenStore,
 ) -> None:

@@ -20,6 +20,7 @@ from tests.remote.remote_helpers import (
     payload_for,
 )
 from tieredkv.protocol import FailureCause
+from tieredkv.remote import bounded_read
 from tieredkv.remote.codec import Rejected, Verified, decode, encode, remote_key
 
 OpenStore = Callable[..., Awaitable[Any]]
@@ -27,18 +28,25 @@ OpenStore = Callable[..., Awaitable[Any]]
 
 @pytest.fixture
 def count_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts pipelined writes to sockets (``pack_commands``: one per pipeline per node).
+    """Counts pipelined writes to sockets: redis-py's pipelines (``pack_commands``) and the
+    bounded reader's (its ops' ``pack``), one per pipeline per node.
 
     Single commands (a new connection's CLIENT SETNAME and the like) are not counted.
     """
     sends = [0]
-    original = Connection.pack_commands
 
-    def counting(self: Connection, commands: Any) -> Any:
-        sends[0] += 1
-        return original(self, commands)
+    def counted(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
 
-    monkeypatch.setattr(Connection, "pack_commands", counting)
+        def counting(self: Any, commands: Any) -> Any:
+            sends[0] += 1
+            return original(self, commands)
+
+        monkeypatch.setattr(owner, name, counting)
+
+    counted(Connection, "pack_commands")
+    counted(bounded_read._Getrange, "pack")  # noqa: SLF001 - the reader's own pipeline
+    counted(bounded_read._Exists, "pack")  # noqa: SLF001
     return sends
 
 

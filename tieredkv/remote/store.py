@@ -36,6 +36,7 @@ from tieredkv.protocol import FailureCause
 from tieredkv.remote.bounded_read import BUFFER_IDLE_S, ReadBuffers, exists_each, read_bounded
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
+from tieredkv.remote.read_turns import READ_BYTES_PER_NODE, ReadTurns
 from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry, WriteItem
 from tieredkv.remote_url import RemoteURL
@@ -132,6 +133,7 @@ class RemoteStore:
         self.timeout_s = opts.timeout_s
         self._queue = BoundedWriteQueue(opts.write_queue_items, opts.write_queue_bytes)
         self._read_buffers = ReadBuffers()  # values land in reused buffers (bounded_read)
+        self._read_turns = ReadTurns(READ_BYTES_PER_NODE)  # bounded reads on the wire per node
 
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -277,7 +279,8 @@ class RemoteStore:
             raise ValueError(f"max_len must be positive, got {max_len}")
         return await self._batch(
             "get", len(keys), None, _bounded_head(max_len), None, timeout_s,
-            run=lambda client: read_bounded(client, keys, max_len, self._read_buffers),
+            run=lambda client: read_bounded(client, keys, max_len, self._read_buffers,
+                                            self._read_turns),
         )
 
     async def batch_set(
