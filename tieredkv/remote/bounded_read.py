@@ -62,7 +62,8 @@ class BoundExceeded(rex.InvalidResponse):
 
 
 class ReadBuffers:
-    """Receive buffers for bounded reads, each reused once every view of its value is gone.
+    """Receive buffers for bounded reads (one per batch), each reused once every view of the
+    values it holds is gone.
 
     A value is a view of the buffer the socket wrote it into, and its reader holds it until
     the value has landed; a fresh buffer per value would cost its page faults on every read.
