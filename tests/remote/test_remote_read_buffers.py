@@ -1,4 +1,4 @@
-"""The bounded read's receive buffers (tieredkv.remote.bounded_read.ReadBuffers): reused only
+"""The bounded read's receive buffers (tieredkv.remote.read_buffers.ReadBuffers): reused only
 once nothing refers to the value they hold, kept up to a bound, freed when reads stop."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ctypes
 import gc
 import time
 
-from tieredkv.remote.bounded_read import ReadBuffers
+from tieredkv.remote.read_buffers import ReadBuffers
 
 SIZE = 1 << 16
 
@@ -48,3 +48,26 @@ def test_kept_buffers_are_freed_once_reads_stop() -> None:
     assert pool.release_if_idle(60.0) == 0 and pool.idle_bytes == SIZE  # read a moment ago
     time.sleep(0.02)
     assert pool.release_if_idle(0.01) == SIZE and pool.idle_bytes == 0
+
+
+def test_batches_of_many_sizes_keep_no_more_than_was_lent_at_once() -> None:
+    """A batch's buffer holds all its values, so buffers come in many sizes (a prompt's last
+    batch, each Cluster node's share). A smaller read reuses a slice of a bigger kept buffer,
+    and the kept total never exceeds the most ever lent at once: one read at a time keeps one
+    buffer, the biggest, whatever the sizes."""
+    pool = ReadBuffers()
+    big = pool.take(4 * SIZE)
+    where = _address(big)
+    del big
+    for size in (3 * SIZE, SIZE, 4 * SIZE, 2 * SIZE + 7, 5):
+        lent = pool.take(size)
+        assert len(lent) == size and _address(lent) == where  # no new buffer
+        del lent
+        assert pool.idle_bytes == 4 * SIZE
+    bigger = pool.take(6 * SIZE)  # a new one; the smaller kept one is freed for it
+    assert _address(bigger) != where
+    del bigger
+    assert pool.idle_bytes == 6 * SIZE
+    two = [pool.take(6 * SIZE), pool.take(6 * SIZE)]  # lent at once: both may be kept
+    del two
+    assert pool.idle_bytes == 12 * SIZE

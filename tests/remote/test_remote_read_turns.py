@@ -10,8 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from redis import exceptions as rex
 
 from tests.remote.remote_helpers import RedisServer, chunk_items
+from tieredkv.remote import bounded_read as br
 from tieredkv.remote.read_turns import READ_BYTES_PER_NODE, ReadTurns
 from tieredkv.remote.store import Head
 
@@ -133,3 +135,51 @@ async def test_a_stores_reads_of_one_node_go_two_batches_at_a_time(
         *(store.batch_get_bounded([name], len(value)) for _ in range(6))), 60.0)
     assert all(result.ok and result.values == [Head(value, len(value))] for result in got)
     assert _clients(redis_server) - before <= 2
+
+
+# -- a Cluster read whose node fails ----------------------------------------------------------
+
+
+class _Node:
+    def __init__(self, name):
+        self.name = name
+
+    def acquire_connection(self):
+        return self
+
+    def release(self, conn):
+        pass
+
+
+class _Manager:
+    nodes = {b"a": _Node("a:1"), b"b": _Node("b:1")}
+
+    def get_node_from_slot(self, slot):
+        return self.nodes[slot]
+
+
+class _Cluster:
+    nodes_manager = _Manager()
+
+    def keyslot(self, key):
+        return key[:1]
+
+
+@pytest.mark.asyncio
+async def test_a_node_failing_ends_the_other_nodes_parts_and_their_turns(monkeypatch) -> None:
+    """On a Cluster one node's part failing fails the read; the other nodes' parts must end
+    with it: left running they would hold their node's turn past every deadline."""
+    hang = asyncio.Event()
+
+    async def fake_read_on(conn, keys, op):
+        if conn.name == "a:1":
+            raise rex.ConnectionError("node a reset")
+        await hang.wait()  # node b: a server that does not answer (no deadline in here)
+        return [b""] * len(keys)
+
+    monkeypatch.setattr(br, "_read_on", fake_read_on)
+    turns = ReadTurns(10_000)
+    op = br._Getrange(999, br.ReadBuffers(0), turns)  # 1,000 bytes a value
+    with pytest.raises(rex.ConnectionError):
+        await asyncio.wait_for(br._run_cluster(_Cluster(), [b"a1", b"b1", b"b2", b"b3"], op), 5.0)
+    assert turns.asked("b:1") == 0, f"node b still has {turns.asked('b:1')} bytes asked by an abandoned read"

@@ -155,6 +155,22 @@ def test_an_output_is_paired_with_the_step_whose_number_it_echoes():
     assert cost.prefill_tokens_per_s == pytest.approx(2 * CHUNK_TOKENS / 0.2)
 
 
+@pytest.mark.parametrize("in_flight", [1, 2, 5, 9])
+def test_the_rate_is_learnt_with_many_steps_in_flight(in_flight: int) -> None:
+    """Pipeline parallelism keeps up to pp + 1 steps in flight (vLLM's batch queue): the
+    output of the oldest comes back only then, ``in_flight`` steps of 0.1 s after it was
+    scheduled. Each is still paired with its own step."""
+    clock = Clock()
+    cost = model(clock)
+    pending: list[int] = []
+    for _ in range(in_flight + 40):  # the window's median then holds steady-state steps only
+        pending.append(cost.step_scheduled(10 * CHUNK_TOKENS))
+        if len(pending) == in_flight:
+            clock.now += 0.1
+            cost.step_done(pending.pop(0))
+    assert cost.prefill_tokens_per_s == pytest.approx(10 * CHUNK_TOKENS / (0.1 * in_flight))
+
+
 def test_a_slow_tier_is_declined_once_per_request_and_explored_in_the_background():
     clock = Clock()
     counters = Counts()

@@ -31,10 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import mmap
-import threading
-import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,76 +40,18 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection, SSLConnection
 
 from tieredkv.remote.client import RemoteClient
+from tieredkv.remote.read_buffers import ReadBuffers
 from tieredkv.remote.read_turns import ReadTurns
 
 Reply = bytes | memoryview | BaseException
 _REDIRECTS = (rex.MovedError, rex.AskError, rex.TryAgainError)
 LINE_LIMIT = 1 << 16  # the longest reply line (an error's text) taken, as asyncio's streams do
 _SNIFF = 32  # a bulk header line ($ + 20 digits + CRLF) fits in this many bytes
-# Receive buffers kept for reuse, at most. The pool never holds more than the reads once held
-# at the same time (the transfer layer's: 128 MiB of values out, plus the batch landing).
-IDLE_BUFFER_BYTES = 512 << 20
-BUFFER_IDLE_S = 60.0  # no read for this long: the kept buffers are freed
 
 
 class BoundExceeded(rex.InvalidResponse):
     """The server announced a reply longer than the read asked for: the connection is not
     trusted further (it is dropped)."""
-
-
-class ReadBuffers:
-    """Receive buffers for bounded reads (one per batch), each reused once every view of the
-    values it holds is gone.
-
-    A value is a view of the buffer the socket wrote it into, and its reader holds it until
-    the value has landed; a fresh buffer per value would cost its page faults on every read.
-    A buffer is lent as a numpy view of a kept array: when the last memoryview derived from
-    that view is released, the view dies and the array comes back here (up to ``idle_bytes``
-    kept; the rest are freed; all of them once reads stop for a while,
-    :meth:`release_if_idle`). New buffers are anonymous mappings, not ``np.empty``: numpy
-    advises huge pages for large arrays, and a huge-page fault can stall in compaction (300 ms
-    for 128 MiB seen here); a mapping also goes back to the system the moment it is freed.
-    """
-
-    def __init__(self, idle_bytes: int = IDLE_BUFFER_BYTES) -> None:
-        self._idle_limit = idle_bytes
-        self._idle: dict[int, list[np.ndarray]] = {}
-        self._idle_bytes = 0
-        self._last_take = time.monotonic()
-        self._lock = threading.RLock()  # given back on whichever thread drops the last view
-
-    @property
-    def idle_bytes(self) -> int:
-        return self._idle_bytes
-
-    def take(self, size: int) -> memoryview:
-        """``size`` writable bytes (not zeroed: the socket writes them)."""
-        with self._lock:
-            self._last_take = time.monotonic()
-            free = self._idle.get(size)
-            kept = free.pop() if free else None
-            if kept is not None:
-                self._idle_bytes -= size
-        if kept is None:
-            kept = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
-        lent = kept[:]
-        weakref.finalize(lent, self._give_back, kept).atexit = False
-        return memoryview(lent)
-
-    def release_if_idle(self, idle_s: float) -> int:
-        """Free the kept buffers if none was taken for ``idle_s`` seconds (a tier that stopped
-        reading gives its memory back); the bytes freed."""
-        with self._lock:
-            if time.monotonic() - self._last_take < idle_s:
-                return 0
-            freed, self._idle, self._idle_bytes = self._idle_bytes, {}, 0
-        return freed
-
-    def _give_back(self, kept: np.ndarray) -> None:
-        with self._lock:
-            if self._idle_bytes + kept.nbytes <= self._idle_limit:
-                self._idle.setdefault(kept.nbytes, []).append(kept)
-                self._idle_bytes += kept.nbytes
 
 
 async def read_bounded(client: RemoteClient, keys: Sequence[bytes], max_len: int,
@@ -207,7 +145,14 @@ async def _run_cluster(client: RedisCluster, keys: Sequence[bytes], op: _Getrang
         for i, reply in zip(indices, got, strict=True):
             replies[i] = reply
 
-    await asyncio.gather(*(one(node, indices) for node, indices in nodes.values()))
+    parts = [asyncio.ensure_future(one(node, indices)) for node, indices in nodes.values()]
+    try:
+        await asyncio.gather(*parts)
+    except BaseException:  # one node failed: the others' parts end too (and give their turns back)
+        for part in parts:
+            part.cancel()
+        await asyncio.gather(*parts, return_exceptions=True)
+        raise
     moved = [i for i, reply in enumerate(replies) if isinstance(reply, _REDIRECTS)]
     if moved:  # redis-py follows the redirections and refreshes its slot map
         async with client.pipeline(transaction=False) as pipe:

@@ -33,9 +33,10 @@ from typing import Any, NamedTuple, TypeVar
 from redis.exceptions import ResponseError
 
 from tieredkv.protocol import FailureCause
-from tieredkv.remote.bounded_read import BUFFER_IDLE_S, ReadBuffers, exists_each, read_bounded
+from tieredkv.remote.bounded_read import exists_each, read_bounded
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
+from tieredkv.remote.read_buffers import BUFFER_IDLE_S, ReadBuffers
 from tieredkv.remote.read_turns import READ_BYTES_PER_NODE, ReadTurns
 from tieredkv.remote.results import BatchResult, RemoteStats
 from tieredkv.remote.write_queue import BoundedWriteQueue, WriteEntry, WriteItem

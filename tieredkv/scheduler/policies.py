@@ -268,7 +268,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 
 WINDOW = 8  # fill rounds per tier the fit looks at: a recovered tier counts after ~5 rounds
 RATE_WINDOW = 16  # prefill steps the rate's median looks at
-STEPS_IN_FLIGHT = 4  # steps scheduled ahead of their output (async scheduling runs 1 ahead)
+STEPS_IN_FLIGHT = 64  # steps scheduled ahead of their output (pipeline parallel: up to pp + 1)
 MIN_SAMPLES = 3  # below this, no estimate: every fill is allowed
 EXPLORE_INTERVAL_S = 5.0  # while a tier is declined, one chunk read this often
 DEFAULT_MARGIN = 0.2
