@@ -52,16 +52,17 @@ def test_kept_buffers_are_freed_once_reads_stop() -> None:
 
 def test_batches_of_many_sizes_keep_no_more_than_was_lent_at_once() -> None:
     """A batch's buffer holds all its values, so buffers come in many sizes (a prompt's last
-    batch, each Cluster node's share). A smaller read reuses a slice of a bigger kept buffer,
-    and the kept total never exceeds the most ever lent at once: one read at a time keeps one
-    buffer, the biggest, whatever the sizes."""
+    batch, each Cluster node's share). A read reuses a slice of a kept buffer up to twice its
+    size, and the kept total never exceeds the most bytes ever asked at once: one read at a
+    time keeps one buffer, the biggest, whatever the sizes."""
     pool = ReadBuffers()
     big = pool.take(4 * SIZE)
     where = _address(big)
     del big
-    for size in (3 * SIZE, SIZE, 4 * SIZE, 2 * SIZE + 7, 5):
+    for size, reused in ((3 * SIZE, True), (SIZE, False), (4 * SIZE, True),
+                         (2 * SIZE + 7, True), (5, False)):
         lent = pool.take(size)
-        assert len(lent) == size and _address(lent) == where  # no new buffer
+        assert len(lent) == size and (_address(lent) == where) is reused
         del lent
         assert pool.idle_bytes == 4 * SIZE
     bigger = pool.take(6 * SIZE)  # a new one; the smaller kept one is freed for it
@@ -71,3 +72,17 @@ def test_batches_of_many_sizes_keep_no_more_than_was_lent_at_once() -> None:
     two = [pool.take(6 * SIZE), pool.take(6 * SIZE)]  # lent at once: both may be kept
     del two
     assert pool.idle_bytes == 12 * SIZE
+
+
+def test_small_reads_taking_big_buffers_do_not_ratchet_the_kept_total() -> None:
+    """Small batches beside a big one, round after round: what is kept never exceeds the most
+    bytes the reads asked for at once (a small read is not lent a buffer over twice its size,
+    which would make the big read beside it allocate a new one every round)."""
+    pool = ReadBuffers()
+    most = 0
+    for k in range(1, 6):
+        lent = [pool.take(SIZE) for _ in range(k)] + [pool.take(64 * SIZE)]
+        most = max(most, k * SIZE + 64 * SIZE)
+        del lent
+        gc.collect()
+        assert pool.idle_bytes <= most, (pool.idle_bytes, most)

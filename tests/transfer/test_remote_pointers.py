@@ -240,12 +240,12 @@ def _gone(store: ThreadedRemoteStore, jobs: RemoteJobs, key: bytes) -> bool:
 
 @pytest.mark.parametrize("writes", [True, False])
 def test_a_pointer_whose_entry_is_gone_is_a_miss_and_deleted_unless_read_only(
-    redis_server: RedisServer, host: HostPool, make: Make, writes: bool,
+    redis_deployment: RedisServer | RedisClusterProcs, host: HostPool, make: Make, writes: bool,
 ) -> None:
     """Redis evicted the whole chunk, not the pointer: the probe would see the tail present
     and every read would miss after two round trips, on every replica, for good. A reader
     that may write deletes it; a read-only replica (``remote_writes: false``) leaves it."""
-    jobs, store = make(redis_server.url, writes=writes)
+    jobs, store = make(redis_deployment.url, writes=writes)
     tail, chunk = make_key(60), make_key(61)
     _plant(store, jobs, tail, _pointer(tail, chunk, ROWS))
     jobs.start_reads([(1, tail, 1, 2)])
@@ -287,3 +287,31 @@ def test_pointers_that_cannot_serve_are_misses_that_leave_the_slot_alone(
     assert slot_payload(host, 6) == leading_rows(payload(70), 3)
     with jobs._lock:
         assert not jobs._busy
+
+
+def test_a_value_another_writer_put_under_a_dangling_pointers_key_is_not_deleted(
+    redis_server: RedisServer, host: HostPool, make: Make,
+) -> None:
+    """Between the reader's GET of a pointer and its finding the entry gone, another replica
+    wrote the tail again as a value of its own: the delete compares before it deletes."""
+    jobs, store = make(redis_server.url)
+    tail, chunk = make_key(80), make_key(81)
+    _plant(store, jobs, tail, _pointer(tail, chunk, ROWS))  # the chunk was evicted
+    fresh = encode(payload(80)[:2 * ROW_BYTES], fingerprint=FINGERPRINT, key=tail, rank=0)
+    land, delete = jobs._land, store.batch_delete
+    deletes: list = []
+
+    def racing_land(read, value, cause):  # the real landing, after the other writer's SET
+        if read.via is not None:
+            _plant(store, jobs, tail, fresh)
+        return land(read, value, cause)
+
+    def recorded_delete(*args, **kwargs):
+        deletes.append(delete(*args, **kwargs))
+        return deletes[-1]
+
+    jobs._land, store.batch_delete = racing_land, recorded_delete  # type: ignore[method-assign]
+    jobs.start_reads([(1, tail, 1, 2)])
+    assert settle(jobs, 1) == {1: JobResult.fail(1, FailureCause.MISSING)}
+    assert len(deletes) == 1 and deletes[0].result(HANG_S).values == [False]
+    assert get(store, jobs, tail) == fresh

@@ -38,8 +38,8 @@ class ReadBuffers:
         self._idle_limit = idle_bytes
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
-        self._lent = 0  # bytes of the buffers lent now
-        self._peak = 0  # the most ever lent at once: the kept total never exceeds it
+        self._lent = 0  # bytes asked for by the reads holding a buffer now
+        self._peak = 0  # the most ever asked at once (since idle): the kept total's bound
         self._last_take = time.monotonic()
         self._lock = threading.RLock()  # given back on whichever thread drops the last view
 
@@ -49,21 +49,20 @@ class ReadBuffers:
 
     def take(self, size: int) -> memoryview:
         """``size`` writable bytes (not zeroed: the socket writes them): a slice of the
-        smallest kept buffer that holds them, else of a new one (batches differ in size: a
-        prompt's last, a Cluster node's share)."""
+        smallest kept buffer that holds them and is at most twice as big (batches differ in
+        size: a prompt's last, a Cluster node's share), else of a new one."""
         with self._lock:
             self._last_take = time.monotonic()
-            fits = [n for n, free in self._idle.items() if free and n >= size]
+            fits = [n for n, free in self._idle.items() if free and size <= n <= 2 * size]
             kept = self._idle[min(fits)].pop() if fits else None
             if kept is not None:
                 self._idle_bytes -= kept.nbytes
+            self._lent += size
+            self._peak = max(self._peak, self._lent)
         if kept is None:
             kept = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
-        with self._lock:
-            self._lent += kept.nbytes
-            self._peak = max(self._peak, self._lent)
         lent = kept[:size]
-        weakref.finalize(lent, self._give_back, kept).atexit = False
+        weakref.finalize(lent, self._give_back, kept, size).atexit = False
         return memoryview(lent)
 
     def release_if_idle(self, idle_s: float) -> int:
@@ -73,15 +72,15 @@ class ReadBuffers:
             if time.monotonic() - self._last_take < idle_s:
                 return 0
             freed, self._idle, self._idle_bytes = self._idle_bytes, {}, 0
+            self._peak = self._lent
         return freed
 
-    def _give_back(self, kept: np.ndarray) -> None:
-        """Kept for reuse while the kept total stays within the most ever lent at once (and
-        ``idle_bytes``), smaller kept buffers freed first to make room: a big buffer serves
-        any smaller read, not the other way round."""
+    def _give_back(self, kept: np.ndarray, size: int) -> None:
+        """Kept for reuse while the kept total stays within the most bytes reads ever asked
+        for at once (and ``idle_bytes``), smaller kept buffers freed first to make room."""
         n = kept.nbytes
         with self._lock:
-            self._lent -= n
+            self._lent -= size
             limit = min(self._idle_limit, self._peak)
             while self._idle_bytes + n > limit:
                 smaller = [size for size, free in self._idle.items() if free and size < n]

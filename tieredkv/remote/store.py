@@ -10,10 +10,8 @@ and comes up once a handshake succeeds, reconnecting with capped backoff. A call
 out or loses its connection marks the store down; while down, calls answer at once with
 ``unavailable`` instead of spending their deadline on a server known to be gone.
 
-Writes come in two kinds: :meth:`RemoteStore.batch_set` (awaited, for tests and tools) and
-:meth:`RemoteStore.submit_writes` (fire and forget, from any thread): a bounded queue
-drained by background writer tasks, which drops and counts when full or when the store is
-down.
+Writes: :meth:`RemoteStore.batch_set` (awaited, for tests and tools), :meth:`submit_writes`
+(fire and forget, any thread: a bounded queue drained by writer tasks; drops and counts).
 
 Everything here runs on one event loop; :mod:`tieredkv.remote.threaded` gives it a thread of
 its own and hands out ``concurrent.futures.Future`` objects to synchronous callers.
@@ -51,6 +49,9 @@ Run = Callable[[RemoteClient], Awaitable[list[Any]]]  # sends a batch, returns o
 
 def _exists(reply: Any) -> bool:
     return bool(reply)
+
+
+_DELETE_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def _value(reply: Any) -> bytes | None:
@@ -296,16 +297,20 @@ class RemoteStore:
         return await self._set_entries("set", entries, timeout_s)
 
     async def batch_delete(
-        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+        self, keys: Sequence[bytes], *, if_equal: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
     ) -> BatchResult[bool]:
-        """Delete keys in one round trip; ``values[i]`` is True if the key existed.
+        """Delete keys in one round trip (one command per key: a Cluster never sees a
+        cross-slot one); ``values[i]``: it was deleted. ``if_equal``: only a key that still
+        holds that value (a one-key Lua compare-and-delete: another writer's value stays)."""
+        def fill(pipe: Any) -> None:
+            for i, key in enumerate(keys):
+                if if_equal is None:
+                    pipe.delete(key)
+                else:
+                    pipe.eval(_DELETE_IF_EQUAL, 1, key, if_equal[i])
 
-        One DEL per key, so a Cluster never sees a cross-slot multi-key command.
-        """
-        return await self._batch(
-            "delete", len(keys), lambda pipe: [pipe.delete(k) for k in keys], _exists, False,
-            timeout_s,
-        )
+        return await self._batch("delete", len(keys), fill, _exists, False, timeout_s)
 
     async def _set_entries(
         self, op: str, entries: Sequence[WriteEntry], timeout_s: float | None, xx: bool = False

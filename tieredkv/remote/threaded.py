@@ -116,9 +116,12 @@ class ThreadedRemoteStore:
         return self._batch(partial(self._store.batch_set, ttl_s=ttl_s), items, timeout_s, False)
 
     def batch_delete(
-        self, keys: Sequence[bytes], *, timeout_s: float | None = None
+        self, keys: Sequence[bytes], *, if_equal: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
     ) -> Future[BatchResult[bool]]:
-        return self._batch(self._store.batch_delete, keys, timeout_s, False)
+        expected = None if if_equal is None else list(if_equal)
+        return self._batch(partial(self._store.batch_delete, if_equal=expected), keys,
+                           timeout_s, False)
 
     def _batch(
         self, call: Callable[..., Awaitable[BatchResult[T]]], items: Sequence[Any],

@@ -268,8 +268,8 @@ class Placer:
             remote.remember(key)  # one write per chunk, even before the ranks report
             job_id = self._ledger.issue(Move.REMOTE_WRITE, (key,), None)
             rows, holes = self._value_rows(placement.blocks)
-            # One group: the shorter tails of its chunk this engine knows are in Redis (it
-            # wrote or read them) become pointers to it: no command for a tail never written
+            # One group: the shorter tails of its chunk this engine's hints hold (it wrote,
+            # read or probed them, recently) become pointers to it: no command for a tail never written
             # (a one-block tail never is). Hybrid: each tail keeps its own window.
             supersedes = tuple(k for k in placement.aliases[1:] if remote.holds_hint(k)) if (
                 self.slot_rows is None) else ()

@@ -15,9 +15,8 @@ it to a new tenant that the late answer would overwrite. With ``on_answer`` set,
 landed on a thread of this object's own (then ``on_answer`` polls there), never on the
 store's: landing on its event loop would stop it receiving the next batch meanwhile. A prompt's tail is a value of only its own
 rows (rows 0..n-1 of every layer): its read expects exactly that length and lands those rows.
-A superseded tail's key holds a pointer to a longer entry (``codec.next_hop``): the read is
-sent again for it (the slot stays busy), verified as any value, and lands the tail's rows; a
-pointer whose entry is gone is deleted (unless this rank must not write).
+A superseded tail's key may hold a pointer (``codec.next_hop``): its entry is read (slot still
+busy) and verified, the tail's rows land; a pointer to nothing is deleted (if this rank writes).
 
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
 and offered to the store's bounded write queue. What does not fit, or arrives while the
@@ -90,7 +89,7 @@ class _Read(NamedTuple):
     slot: int
     rows: int
     land: int
-    via: bytes | None = None
+    via: tuple[bytes, bytes] | None = None  # (the pointer's key, its value)
 
 
 @dataclass
@@ -213,8 +212,8 @@ class RemoteJobs:
 
     def _cut(self, jobs: list[_Read], names: list[bytes]) -> list[_Batch]:
         """Reads as batches of at most ``_batch_keys`` values, in order."""
-        step = self._batch_keys
-        return [_Batch(jobs[at:at + step], names[at:at + step]) for at in range(0, len(jobs), step)]
+        n = self._batch_keys
+        return [_Batch(jobs[i:i + n], names[i:i + n]) for i in range(0, len(jobs), n)]
 
     def _send_locked(self) -> list[Future[BatchResult[Head | None]]]:
         """Send batches in order while the values out (sent, not yet landed) fit in
@@ -244,8 +243,7 @@ class RemoteJobs:
         return False
 
     def _wake_lander(self, _answered: object = None) -> None:
-        """Have ``on_answer`` called on the landing thread (started on first use); runs on
-        the store's thread, so it only signals."""
+        """Have ``on_answer`` called on the landing thread (started at first); only signals."""
         with self._lock:
             self._woken = True
             if self._lander is None and not self._stopping:
@@ -362,8 +360,9 @@ class RemoteJobs:
         if value is None and cause is not None:
             # The call (or its item) failed: a miss by the call's cause, not ``missing``.
             return JobResult.fail(job_id, cause), 0
-        if value is None and read.via is not None and self.writes:  # a dangling pointer
-            self.store.batch_delete([self._redis_name(read.via)])
+        if value is None and read.via is not None and self.writes:  # a dangling pointer (kept
+            self.store.batch_delete(  # if another writer replaced it since)
+                [self._redis_name(read.via[0])], if_equal=[read.via[1]])
         size = self._rows_bytes(read.rows)
         assert size is not None  # start_reads and _follow refused the others
         if value is not None and codec.is_pointer(value.data):
@@ -392,7 +391,8 @@ class RemoteJobs:
                              rank=self.rank, rows=read.rows, slot_rows=self.slot_rows or 0,
                              value_len=value.length)
         if isinstance(hop, codec.Pointer):
-            return _Read(read.job_id, hop.target, read.slot, hop.rows, read.land, read.key)
+            return _Read(read.job_id, hop.target, read.slot, hop.rows, read.land,
+                         (read.key, bytes(value.data[:codec.POINTER_BYTES])))
         logger.debug("tieredkv remote read %d rejected: %s", read.job_id, hop.detail)
         return JobResult.fail(read.job_id, hop.cause), 0
 
