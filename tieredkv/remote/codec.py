@@ -248,9 +248,8 @@ def decode_pointer(
     if magic != POINTER_MAGIC or zlib.crc32(view[: _POINTER.size]) != stored_crc:
         return Rejected(FailureCause.CHECKSUM, "pointer checksum mismatch")
     if version != FORMAT_VERSION or flags:
-        return Rejected(
-            FailureCause.WRONG_NAMESPACE, f"format version {version}, expected {FORMAT_VERSION}"
-        )
+        return Rejected(FailureCause.WRONG_NAMESPACE, f"pointer format version {version} "
+                        f"flags {flags}, expected {FORMAT_VERSION} and 0")
     if v_fp != fingerprint:
         return Rejected(FailureCause.WRONG_NAMESPACE, "pointer belongs to another namespace")
     if v_key != key or v_rank != rank or target == key:
