@@ -145,6 +145,9 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
         # 16-20: one chunk explored in the background (read fast: the estimate starts over;
         # the drain lets that read end first), then hits return.
         RESET_ALL, generate("p3"), DRAIN, RESET_ALL, generate("p1"),
+        # 21-26: one more interval, explored again if need be (below), then a hit.
+        {"kind": "sleep", "seconds": EXPLORE_INTERVAL_S + 0.5},
+        RESET_ALL, generate("p2"), DRAIN, RESET_ALL, generate("p1"),
     ]
     try:
         result = run_engine({
@@ -152,7 +155,7 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
             "kv_transfer_config": tieredkv_config(
                 host_bytes="256MiB", remote_url=f"redis://127.0.0.1:{proxy.port}/0",
                 remote_timeout_s=30, cost_model=True),
-        })
+        }, log=True)
     finally:
         proxy.close()
     assert "startup_error" not in result, result.get("startup_traceback")
@@ -161,20 +164,31 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
         if phase["kind"] == "generate":
             assert_same_as_reference(phase, phase["names"], reference)
 
+    # The cost model's own account (a warning when Redis turns slow, one when it is fast again)
+    # says, when an assertion fails, which estimate or probe wait declined.
+    said = "\n".join(line for line in result["log"].splitlines() if "tieredkv: remote" in line)
+
     def declined(index: int) -> int:
         return sum(counter_delta(phases, index, name) for name in REMOTE_DECLINED)
 
     full = expected_hit_tokens(len(PROMPTS["p1"]))
     for index in (5, 7, 9):  # nothing known: every remote hit is taken, whole
-        assert declined(index) == 0, index
-        assert counter_delta(phases, index, "hit_tokens_remote") == full, index
+        assert declined(index) == 0, (index, said)
+        assert counter_delta(phases, index, "hit_tokens_remote") == full, (index, said)
     # Known slow: each request's remote hit is declined once and counted (at the probe, or
     # once it answered); the explored chunk is read aside, never waited for.
     for index in (11, 13):
-        assert declined(index) == 1, index
+        assert declined(index) == 1, (index, said)
         assert sum(cached_tokens(phases[index]).values()) < full, index
-    assert counter_delta(phases, 11, REMOTE_DECLINED[0]) == 1  # the exploration: one chunk
-    # The throttle removed: the exploration reads fast, and the next remote hit is whole.
-    assert declined(17) == 1
-    assert declined(20) == 0
-    assert counter_delta(phases, 20, "hit_tokens_remote") == full
+    assert counter_delta(phases, 11, REMOTE_DECLINED[0]) == 1, said  # explored: one chunk
+    assert "its hits are declined" in said
+    # The throttle removed: the exploration at 17 reads fast and the next remote hit (20) is
+    # whole. One stall of the engine's process (0.1 s on a loaded 2-core box) can make that
+    # one read, or its probe, look slow; then the tier is explored again at 23, and 26 hits.
+    # Either way the tier is used again, and stays used, within two exploration intervals.
+    assert declined(17) == 1, said
+    recovered = 20 if declined(20) == 0 else 26
+    for index in range(recovered, 27, 6):
+        assert declined(index) == 0, (index, said)
+        assert counter_delta(phases, index, "hit_tokens_remote") == full, (index, said)
+    assert "its hits are taken again" in said

@@ -276,6 +276,32 @@ def test_a_recovered_tier_is_used_again_after_one_fast_exploration():
     assert keep(cost, "a") == len(RUN)
 
 
+def test_a_tier_turning_slow_and_fast_again_is_logged_once_each_way(caplog):
+    """An operator sees why hits stopped, and that they came back: one warning each way, not
+    one per declined request or per exploration that found the tier still slow."""
+    clock = Clock()
+    cost = model(clock)
+    learn_rate(cost, clock, 64_000)
+    learn_reads(cost, clock, DISK, 1.0)
+    with caplog.at_level("WARNING", logger="tieredkv.scheduler.policies"):
+        assert keep(cost, "a") == 1 and keep(cost, "b") == 1
+        learn_reads(cost, clock, DISK, 0.9, chunks=2, rounds=1)  # explored: still slow
+        clock.now += EXPLORE_INTERVAL_S
+        assert keep(cost, "c") == 1
+        assert [r.getMessage() for r in caplog.records] == [
+            "tieredkv: disk reads are predicted slower than recomputing (2 chunk(s) in 1.000 s, "
+            "recomputing 0.004 s): its hits are declined, one chunk read every 5 s to measure "
+            "it again"]
+        learn_reads(cost, clock, DISK, 0.001, chunks=1, rounds=1)  # explored: fast
+        learn_reads(cost, clock, DISK, 0.001, chunks=1, rounds=1)
+        assert keep(cost, "d") == len(RUN)
+        assert len(caplog.records) == 2
+        assert caplog.records[1].getMessage().startswith(
+            "tieredkv: disk read 1 chunk(s) in 0.001 s (predicted ")
+        assert caplog.records[1].getMessage().endswith(
+            "its estimate starts over, its hits are taken again")
+
+
 def test_the_probe_wait_is_bounded_by_what_the_remote_hit_could_save():
     clock = Clock()
     counters = Counts()

@@ -1,16 +1,11 @@
 """The scheduler's two policies: which resident key a full tier gives up next (eviction), and
 whether a lower tier's hit is worth reading at all (the cost model). Both decide from what the
-tier index and the planner tell them and never touch bytes.
+tier index and the planner tell them and never touch bytes; neither is thread-safe (the
+scheduler half owns them, on one thread).
 
-Eviction. Eviction policies: which resident key a full tier gives up next.
-
-A policy only orders opaque keys; it never allocates, frees or touches bytes. The tier index
-tells it what became resident, what was hit and what left, and asks it for a victim among
-the keys it may evict (pinned keys are skipped, not removed). Every operation is O(1) except
-``victim``, which walks from the cold end and stops at the first evictable key, so it costs
-O(1 + number of pinned keys it has to step over).
-
-Policies are not thread-safe: the scheduler half owns them and runs on one thread.
+Eviction: a policy orders opaque keys. The tier index tells it what became resident, was hit
+and left, and asks for a victim among the keys it may evict (pinned keys are skipped, not
+removed). All O(1) but ``victim``: O(1 + pinned keys it steps over from the cold end).
 
 The cost model: load a lower-tier hit only when it beats recomputing it.
 
@@ -25,12 +20,11 @@ each fill (:meth:`CostModel.affordable`):
   ``T = latency + n * chunk_bytes / bandwidth``, fitted by Theil-Sen (the median of pairwise
   slopes, then the median intercept): medians, so one stalled or lucky round moves nothing.
   Rounds of one size only: the slope is the median ``T / n`` and the latency 0.
-* **The engine's prefill rate** (tokens/s), from vLLM's steps: a step's scheduled tokens over
-  the time from :meth:`step_scheduled` (``build_connector_meta``) to :meth:`step_done` (its
-  own ``update_connector_output``, by number), the forward that computed them. Only steps of at
-  least a chunk's tokens count (decode steps measure latency, not prefill throughput); the
-  median of the last :data:`RATE_WINDOW`. Biases err towards loading: a step's time also holds
-  its loads and decode tokens, so the rate is if anything low and recomputing looks slower.
+* **The engine's prefill rate** (tokens/s): a step's scheduled tokens over the time from
+  :meth:`step_scheduled` (``build_connector_meta``) to :meth:`step_done` (its own output, by
+  number). Only steps of a chunk's tokens or more count (decode steps measure latency); the
+  median of the last :data:`RATE_WINDOW`. A step's time also holds its loads and decode
+  tokens, so the rate is if anything low: the bias errs towards loading.
 
 The decision: the chunks of a tier in a lookup's run are filled only when their predicted read
 time, times ``1 + margin``, is at most the time to recompute the tokens from the first of
@@ -40,7 +34,8 @@ tier. A request's decline sticks (asked again, it gets the same answer). Until a
 the rate both have :data:`MIN_SAMPLES` samples, every fill is allowed (optimistic). While a
 tier is declined, one chunk is still read every :data:`EXPLORE_INTERVAL_S` (exploration), so
 that a tier that recovers is measured, and used, again: a round much faster than predicted
-starts its estimate over (optimistic again until it has the samples).
+starts its estimate over (optimistic again until it has the samples). A tier turning slow,
+and fast again, is logged once (a warning each way).
 
 The remote probe: a request waits for its probe (:meth:`may_wait_for_probe`) no longer than
 what the remote hit could save (recomputing the rest of the prompt minus reading it), never
@@ -53,6 +48,7 @@ time alone, and the lookup explores one chunk).
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -63,10 +59,10 @@ from statistics import median
 from tieredkv.metrics.specs import Count, Counts
 from tieredkv.protocol import PolicyName
 
+logger = logging.getLogger(__name__)
 
-def _first_evictable(
-    keys: Iterable[bytes], can_evict: Callable[[bytes], bool]
-) -> bytes | None:
+
+def _first_evictable(keys: Iterable[bytes], can_evict: Callable[[bytes], bool]) -> bytes | None:
     for key in keys:
         if can_evict(key):
             return key
@@ -74,11 +70,8 @@ def _first_evictable(
 
 
 class EvictionPolicy(ABC):
-    """Orders resident keys for eviction.
-
-    ``can_evict`` passed to :meth:`victim` must not change the policy (it is called while the
-    policy iterates its own lists).
-    """
+    """Orders resident keys for eviction. :meth:`victim`'s ``can_evict`` must not change the
+    policy (it is called while the policy iterates its own lists)."""
 
     @abstractmethod
     def insert(self, key: bytes) -> None:
@@ -90,12 +83,9 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, key: bytes, *, evicted: bool = True) -> None:
-        """``key`` is no longer resident; a no-op when it is absent.
-
-        ``evicted`` says the key left because it was chosen as a victim: policies that learn
-        from their own mistakes (ARC) remember it. Pass False for departures that say nothing
-        about the policy's choices (an aborted write, a failed read, a cache reset).
-        """
+        """``key`` is no longer resident (absent: a no-op). ``evicted``: it was chosen as a
+        victim, and a policy that learns from its mistakes (ARC) remembers it; False for a
+        departure that says nothing of its choices (an aborted write, a failed read, a reset)."""
 
     @abstractmethod
     def victim(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
@@ -118,8 +108,7 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first: one ordered dict, coldest key at the front."""
 
     def __init__(self, capacity: int = 0) -> None:
-        # The capacity is not needed by LRU; accepted so every policy is built the same way.
-        self.capacity = capacity
+        self.capacity = capacity  # unused by LRU: every policy is built the same way
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def insert(self, key: bytes) -> None:
@@ -149,16 +138,14 @@ class LRUPolicy(EvictionPolicy):
 class ARCPolicy(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003).
 
-    Resident keys live in T1 (seen once recently) or T2 (seen at least twice). Keys evicted
-    from them are remembered, without data, in the ghost lists B1 and B2. A key that comes
-    back while remembered in B1 says T1 was too small, so the target size ``p`` of T1 grows;
-    one back from B2 makes it shrink. Either way the key returns to T2. A one-time scan only
-    ever churns T1, so keys hit more than once survive it, which plain LRU cannot promise.
-
-    The tier index, not the policy, decides when to evict: :meth:`victim` applies ARC's
-    REPLACE rule (T1's coldest key when ``|T1| > p``, else T2's) and falls back to the other
-    list when every key of the preferred one is pinned. The ghost lists keep ARC's bounds:
-    ``|T1| + |B1| <= capacity`` and ``|T1| + |T2| + |B1| + |B2| <= 2 * capacity``.
+    Resident keys live in T1 (seen once recently) or T2 (seen at least twice); keys evicted
+    from them are remembered, without data, in ghost lists B1 and B2. A key back from B1 grows
+    T1's target size ``p``, one back from B2 shrinks it; either returns to T2. A one-time scan
+    only churns T1, so keys hit more than once survive it (plain LRU cannot promise that).
+    The tier index decides when to evict; :meth:`victim` applies ARC's REPLACE rule (T1's
+    coldest key when ``|T1| > p``, else T2's), falling back to the other list when the
+    preferred one is all pinned. Ghosts keep ARC's bounds: ``|T1| + |B1| <= capacity`` and
+    ``|T1| + |T2| + |B1| + |B2| <= 2 * capacity``.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -292,16 +279,19 @@ class ReadEstimate:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float] | None = None
 
-    def add(self, chunks: int, seconds: float) -> None:
+    def add(self, chunks: int, seconds: float) -> float | None:
         """One round; one under :data:`RECOVERED` of the prediction starts the window over (a
         tier that recovered, found by exploration, is trusted again at once, not after the
-        slow rounds age out of the window)."""
+        slow rounds age out of the window): then the prediction it beat, else None."""
+        beaten = None
         if chunks <= 0 or seconds < 0:
-            return
+            return beaten
         if len(self._samples) >= MIN_SAMPLES and seconds < RECOVERED * self.predict(chunks):
+            beaten = self.predict(chunks)
             self._samples.clear()
         self._samples.append((chunks, seconds))
         self._fit = None
+        return beaten
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -352,6 +342,7 @@ class CostModel:
         self._explored: dict[str, float] = {}
         self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
+        self._slow: set[str] = set()  # tiers declined since last logged (one line a change)
         self._probe_waits: dict[str, float] = {}
 
     # ------------------------------------------------------------------ observations
@@ -377,7 +368,12 @@ class CostModel:
             elapsed = self._clock() - round_.started
             if round_.background and round_.worker_s > 0:
                 elapsed = round_.worker_s
-            self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
+            beaten = self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
+            if beaten is not None and round_.tier in self._slow:
+                self._slow.discard(round_.tier)
+                logger.warning("tieredkv: %s read %d chunk(s) in %.3f s (predicted %.3f s): its "
+                               "estimate starts over, its hits are taken again", round_.tier,
+                               round_.chunks, elapsed, beaten)
 
     def step_scheduled(self, tokens: int) -> int:
         """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``); its number."""
@@ -460,6 +456,12 @@ class CostModel:
             return chunks
         self._declined.setdefault(req_id, set()).add(tier)
         self._counters[Count.HITS_DECLINED_SLOWER, tier] += 1
+        if tier not in self._slow:
+            self._slow.add(tier)
+            logger.warning("tieredkv: %s reads are predicted slower than recomputing (%d chunk(s) "
+                           "in %.3f s, recomputing %.3f s): its hits are declined, one chunk read "
+                           "every %.0f s to measure it again", tier, chunks, read, recompute,
+                           EXPLORE_INTERVAL_S)
         now = self._clock()
         if now - self._explored.get(tier, float("-inf")) >= EXPLORE_INTERVAL_S:
             self._explored[tier] = now
