@@ -136,6 +136,32 @@ def test_a_stalled_server_gets_ask_again_then_nothing_at_the_deadline(
     assert not stats.failures
 
 
+def test_an_idle_step_sleeps_until_a_probe_answers_and_never_past_its_bound(
+    fresh_server: Callable[..., RedisServer], open_threaded: OpenThreaded, prefix: str
+) -> None:
+    """What the scheduler does on a step that computes nothing (rather than spin, holding the
+    GIL the store's thread needs): wait returns once a probe is answered, at once with none in
+    flight, and at its bound on a stalled server, the probe still pending."""
+    server = fresh_server()
+    store = open_threaded(server.url, health_interval_s=600.0)
+    assert wait_up(store, 10)
+    keys = write_chunks(store, prefix, 12)
+    probe = make_probe(store, prefix, FakeClock(), store_timeout_s=60.0)
+    assert probe.wait(0.001) is False  # nothing in flight
+    assert probe.poll("a", keys) is None
+    assert probe.wait(30.0) is True
+    assert probe.poll("a", keys) == 12  # answered by the time wait returned
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        assert probe.poll("b", keys[:6] + [b"\x01" * 32]) is None
+        assert probe.wait(0.05) is False
+        assert probe.in_flight("b")
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert probe.wait(30.0) is True and not probe.in_flight("b")
+
+
 def test_a_killed_or_absent_server_answers_nothing_with_the_cause_counted(
     fresh_server: Callable[..., RedisServer], open_threaded: OpenThreaded, prefix: str
 ) -> None:

@@ -190,6 +190,12 @@ class Planner:
         """A request arrived: probe the remote tier for its prompt now (never waits)."""
         self._lookup.prefetch_remote(req_id, keys, num_tokens)
 
+    def wait_idle(self, timeout_s: float) -> None:
+        """A step computes nothing: sleep until a remote probe in flight answers (``timeout_s``
+        at most) instead of letting vLLM spin on empty steps while it is sent and received."""
+        if self.remote is not None:
+            self.remote.probe.wait(timeout_s)
+
     def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
         """vLLM allocated device blocks (a list; hybrid models: one per group): turn the
         pending hit into a load job."""

@@ -14,8 +14,7 @@ replicas write and Redis evicts at any moment), so it keeps no index of it, only
   last block's key), is queued for the remote tier once admitted (``remote_admission``
   sightings), unless it is known to be there already (read from it, written before, or seen
   by a probe).
-* **Reset.** ``reset_cache`` forgets the hints, never the shared data: other replicas may be
-  serving from it.
+* **Reset.** ``reset_cache`` forgets the hints, never the shared data (replicas serve it).
 
 **The probe** (:class:`RemoteProbe`): ask, never wait. A lookup runs on vLLM's scheduler
 thread, where a network round trip would stall every request. So :meth:`RemoteProbe.poll`
@@ -46,9 +45,10 @@ since such a tail serves a hit ending exactly at its end.
 
 Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
 call whose keys extend the earlier ones re-probes only the new keys, and only if every
-earlier key was present (a hole already ends the prefix). Keys that do not extend the
-earlier ones (the prompt changed) start the request over. One probe per request is in
-flight at a time; the scheduler thread alone calls the probe (no locking).
+earlier key was present (a hole already ends the prefix); keys that do not extend them (the
+prompt changed) start the request over. One probe per request is in flight at a time; the
+scheduler thread alone calls the probe (no locking), and on a step that computes nothing it
+sleeps on the probes in flight (:meth:`RemoteProbe.wait`) rather than spin.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,13 +80,10 @@ class ExistsStore(Protocol):
 
 @dataclass(frozen=True)
 class ProbeStats:
-    """Counters since the last :meth:`RemoteProbe.take_stats` (for metrics).
-
-    ``keys_probed`` counts chunk keys sent (each is ``world_size`` Redis keys);
-    ``known_hits`` chunk keys skipped because they were known present; ``timeouts`` probes
-    given up at ``deadline_s``; ``failures`` probes that resolved with a failure, by cause;
-    ``latency_s`` the store's round trip of each answered probe.
-    """
+    """Counters since the last :meth:`RemoteProbe.take_stats` (for metrics): ``keys_probed``
+    chunk keys sent (each is ``world_size`` Redis keys); ``known_hits`` chunk keys skipped,
+    known present; ``timeouts`` probes given up at ``deadline_s``; ``failures`` probes that
+    resolved with a failure, by cause; ``latency_s`` each answered probe's round trip."""
 
     probes: int = 0
     keys_probed: int = 0
@@ -180,6 +178,12 @@ class RemoteProbe:
     def names(self, key: bytes) -> list[bytes]:
         """Every rank's Redis key of ``key``."""
         return [name(key) for name in self._names]
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep (GIL released) until a probe in flight is answered, ``timeout_s`` at most."""
+        pending = [req.probe.future for req in self._requests.values()
+                   if req.probe is not None and not req.probe.future.done()]
+        return bool(pending) and bool(wait_futures(pending, timeout_s, FIRST_COMPLETED).done)
 
     def in_flight(self, req_id: str) -> bool:
         """True while ``req_id``'s probe is sent and unanswered (the store's future not done)."""

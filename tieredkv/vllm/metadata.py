@@ -11,6 +11,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tieredkv.protocol import JobResult, StepPlan, merge_results
 
+# In a step that computes nothing, how long either half may sleep on its own transfers (the
+# scheduler on remote probes, a worker on its loads and fills) before returning. vLLM would
+# otherwise run empty steps back to back, holding the GIL (and a core) that every transfer
+# thread needs for each hand-off (up to 5 ms per hand-off). New requests wait at most this
+# long to be scheduled; the sleep ends with the first answer.
+IDLE_WAIT_S = 0.005
+
 
 @dataclass
 class TieredKVMetadata(KVConnectorMetadata):

@@ -17,7 +17,7 @@ from tieredkv.metrics.specs import Count
 from tieredkv.protocol import Move, StepPlan
 from tieredkv.scheduler.planner import Planner
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
-from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.vllm.metadata import IDLE_WAIT_S, TieredKVMetadata, TieredKVWorkerMetadata
 
 logger = logging.getLogger("tieredkv")
 
@@ -321,6 +321,8 @@ class SchedulerHalf:
             self._record_events(plan)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         plan.compute_idle = not scheduled_tokens
+        if plan.compute_idle:
+            planner.wait_idle(IDLE_WAIT_S)
         plan.step = planner.step_scheduled(scheduled_tokens)  # timed to its output: prefill rate
         return TieredKVMetadata(plan=plan)
 

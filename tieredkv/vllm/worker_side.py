@@ -30,15 +30,9 @@ from tieredkv.disk.format import slot_counts
 from tieredkv.protocol import JobResult, Medium, Move, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm.geometry import engine_geometry
-from tieredkv.vllm.metadata import TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.vllm.metadata import IDLE_WAIT_S, TieredKVMetadata, TieredKVWorkerMetadata
 
 logger = logging.getLogger("tieredkv")
-
-# In a step that computes nothing, how long get_finished may sleep on the worker's own loads
-# and promotions before returning. vLLM would otherwise run empty steps back to back, holding
-# the GIL that every transfer thread needs for each hand-off (up to 5 ms per hand-off). New
-# requests wait at most this long to be scheduled; the sleep ends with the first result.
-IDLE_WAIT_S = 0.005
 
 # On CPU, a host-tier load up to this size is copied inline even in a step that computed
 # something (~3 ms at memory speed): it is reported a whole step earlier. A bigger one goes to
