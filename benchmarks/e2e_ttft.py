@@ -253,6 +253,9 @@ def parent_main(args) -> int:
     rows = judge_rows(results, expected_hit, expected_remote, expected_hybrid, lmcache_info)
     if args.only:
         print_partial(rows, expected_hit, remote_info, lmcache_info)
+        for config in (c for c in results if args.trace and c.startswith("tieredkv")):
+            for record in (r for r in results[config]["records"] if r.get("trace")):
+                print(f"\n{config} {record['label']}:", *record["trace"], sep="\n  ")
         return 0
     floor = rows["vllm_prefix"]["median_s"]
     import vllm

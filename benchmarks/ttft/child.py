@@ -107,16 +107,50 @@ class _Trace:
         wrap(TieredKVConnector, "get_transfer_results", lambda a, r: (
             f"recving={sorted(r.finished_recving)}" if r.finished_recving else ""))
 
-        original_promote = DiskJobs.promote
+        original_promote = DiskJobs._promote
 
-        async def promote(self, seq, job, *args):
-            trace.mark("engine_promote:start", f"job={job.job_id}")
+        async def promote(self, entry):
+            trace.mark("engine_promote:start", f"job={entry.job.job_id}")
             try:
-                return await original_promote(self, seq, job, *args)
+                return await original_promote(self, entry)
             finally:
-                trace.mark("engine_promote:end", f"job={job.job_id}")
+                trace.mark("engine_promote:end", f"job={entry.job.job_id}")
 
-        DiskJobs.promote = promote
+        DiskJobs._promote = promote
+
+        from tieredkv.transfer.device_jobs import DeviceJobs
+
+        original_run_load = DeviceJobs._run_load
+
+        def run_load(self, entry, on_lane):
+            start = time.perf_counter()
+            original_run_load(self, entry, on_lane)
+            trace.events.append((start, "load", f"job={entry.job.job_id} lane={on_lane} "
+                                 f"{self.load_bytes(entry.job) >> 20} MiB "
+                                 f"[{(time.perf_counter() - start) * 1e3:.2f} ms]"))
+
+        DeviceJobs._run_load = run_load
+
+        from tieredkv.remote.threaded import ThreadedRemoteStore
+        from tieredkv.transfer.remote_jobs import RemoteJobs
+
+        def timed_future(cls, name: str):
+            original = getattr(cls, name)
+
+            def call(self, keys, *args, **kwargs):
+                start = time.perf_counter()
+                future = original(self, keys, *args, **kwargs)
+                future.add_done_callback(lambda _f: trace.events.append(
+                    (start, name, f"{len(keys)} keys, answered "
+                     f"[{(time.perf_counter() - start) * 1e3:.2f} ms]")))
+                return future
+
+            setattr(cls, name, call)
+
+        timed_future(ThreadedRemoteStore, "batch_exists")
+        timed_future(ThreadedRemoteStore, "batch_get_bounded")
+        wrap(RemoteJobs, "start_reads", lambda a, r: f"{len(a[0])} reads")
+        wrap(RemoteJobs, "_finish", lambda a, r: f"landed {len(r)} [verify + copy]")
 
         from tieredkv.transfer.lanes import CopyLane
 
