@@ -357,8 +357,27 @@ def remote_markdown(payload: dict[str, Any]) -> str:
         "↳ host-tier row under it is the same prompt hit again in replica B's host tier "
         "(tail included) right after."),
         "",
+        raw_get_markdown(remote.get("raw_get"), p.get("kv_bytes", 0), floor_row["median_s"]),
+        "",
         "\n".join(table),
     ])
+
+
+def raw_get_markdown(raw: dict[str, Any] | None, kv_bytes: int, floor_s: float) -> str:
+    """What Redis delivers a hit's bytes at on this machine, as a bound on row 6's ratio."""
+    if not raw or not raw.get("gb_per_s") or not kv_bytes:
+        return "**What Redis itself allows**: not measured."
+    read_s = kv_bytes / (raw["gb_per_s"] * 1e9)
+    bound = (floor_s + read_s) / floor_s
+    return (
+        "**What Redis itself allows.** Plain redis-py GETs of the "
+        f"{raw['keys']} values replica A wrote ({raw['bytes'] / MiB:.1f} MiB; one connection, "
+        f"one after another, by a client doing nothing else; median of {len(raw['samples_s'])}): "
+        f"**{raw['gb_per_s']:.2f} GB/s**. A hit's KV ({kv_bytes / MiB:.1f} MiB) takes "
+        f"{read_s * 1e3:.1f} ms at that rate, so a hit that only read it, loading nothing and "
+        f"with no probe, would be {bound:.2f} x the floor ({fmt_ms(floor_s)} ms)"
+        + (": above the 1.5 x target before anything else is counted." if bound > 1.5 else ".")
+    )
 
 
 def lmcache_markdown(payload: dict[str, Any]) -> str:

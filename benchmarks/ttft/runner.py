@@ -192,6 +192,27 @@ def wait_for_keys(redis, prefix: str, expected: int, timeout_s: float = 15.0) ->
         time.sleep(0.2)
 
 
+def raw_redis_get(redis, prefix: str, repeats: int = 5) -> dict[str, Any]:
+    """Plain redis-py GETs of every value under ``prefix`` (what replica A wrote), one after
+    another on one connection, by a client doing nothing else: the rate Redis delivers these
+    values at on this machine, so ``KV / it`` is what no remote hit's read can beat."""
+    import redis as redis_py
+
+    client = redis_py.Redis(host="127.0.0.1", port=redis.port)
+    try:
+        keys = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+        samples, total = [], 0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            total = sum(len(client.get(key) or b"") for key in keys)
+            samples.append(time.perf_counter() - start)
+    finally:
+        client.close()
+    seconds = statistics.median(samples)
+    return {"keys": len(keys), "bytes": total, "median_s": seconds, "samples_s": samples,
+            "gb_per_s": total / seconds / 1e9 if seconds > 0 else None}
+
+
 def start_redis(work: Path, remote_info: dict[str, Any]) -> Any:
     """Row 6's redis-server on loopback; None, the reason in ``remote_info``, where there is none."""
     try:
@@ -311,6 +332,7 @@ def measure(specs: dict[str, dict[str, Any]], env: dict[str, str], progress, *, 
             remote_info["writer"] = writer_summary(writer)
             remote_info["keys_after_writer"] = wait_for_keys(
                 redis, REMOTE_KEY_PREFIX, remote_info["expected_keys"])
+            remote_info["raw_get"] = raw_redis_get(redis, REMOTE_KEY_PREFIX)
 
         def rounds(configs: list[str], offset: int) -> None:
             for i in range(reps if configs else 0):  # --only may leave none

@@ -159,3 +159,29 @@ def test_report_states_the_shorter_hit_and_a_missing_row():
     missing = {k: v for k, v in rows.items() if k != "tieredkv_remote"}
     assert "not run**: no redis-server" in report.remote_markdown(
         {**payload, "rows": missing, "remote": {"skipped": "no redis-server"}})
+
+
+def test_the_report_bounds_the_remote_row_by_what_plain_gets_deliver():
+    raw = {"keys": 17, "bytes": 56 << 20, "median_s": 0.035, "samples_s": [0.035] * 5,
+           "gb_per_s": 1.6}
+    text = report.raw_get_markdown(raw, 31 << 20, 0.034)
+    assert "Plain redis-py GETs of the 17 values replica A wrote (56.0 MiB" in text
+    assert "median of 5): **1.60 GB/s**" in text
+    assert "A hit's KV (31.0 MiB) takes 20.3 ms" in text
+    assert "would be 1.60 x the floor (34.0 ms): above the 1.5 x target" in text
+    assert "target" not in report.raw_get_markdown({**raw, "gb_per_s": 100.0}, 31 << 20, 0.034)
+    assert "not measured" in report.raw_get_markdown(None, 31 << 20, 0.034)
+
+
+def test_raw_gets_read_every_value_under_the_prefix(fresh_server):
+    import redis as redis_py
+
+    server = fresh_server()
+    client = redis_py.Redis(host="127.0.0.1", port=server.port)
+    for i in range(3):
+        client.set(f"e2e:{i}", bytes(1000 * (i + 1)))
+    client.set("other:0", bytes(5000))
+    client.close()
+    raw = runner.raw_redis_get(server, "e2e", repeats=3)
+    assert (raw["keys"], raw["bytes"], len(raw["samples_s"])) == (3, 6000, 3)
+    assert raw["gb_per_s"] > 0
