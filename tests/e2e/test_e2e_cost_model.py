@@ -181,7 +181,7 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
         assert declined(index) == 1, (index, said)
         assert sum(cached_tokens(phases[index]).values()) < full, index
     assert counter_delta(phases, 11, REMOTE_DECLINED[0]) == 1, said  # explored: one chunk
-    assert "its hits are declined" in said
+    assert "hits predicted slower than recomputing them are declined" in said
     # The throttle removed: the exploration at 17 reads fast and the next remote hit (20) is
     # whole. One stall of the engine's process (0.1 s on a loaded 2-core box) can make that
     # one read, or its probe, look slow; then the tier is explored again at 23, and 26 hits.
@@ -191,4 +191,4 @@ def test_a_slow_redis_is_declined_counted_and_used_again_once_fast(tiny_model, r
     for index in range(recovered, 27, 6):
         assert declined(index) == 0, (index, said)
         assert counter_delta(phases, index, "hit_tokens_remote") == full, (index, said)
-    assert "its hits are taken again" in said
+    assert "hits are taken again" in said

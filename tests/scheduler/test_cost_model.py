@@ -289,17 +289,39 @@ def test_a_tier_turning_slow_and_fast_again_is_logged_once_each_way(caplog):
         clock.now += EXPLORE_INTERVAL_S
         assert keep(cost, "c") == 1
         assert [r.getMessage() for r in caplog.records] == [
-            "tieredkv: disk reads are predicted slower than recomputing (2 chunk(s) in 1.000 s, "
-            "recomputing 0.004 s): its hits are declined, one chunk read every 5 s to measure "
-            "it again"]
+            "tieredkv: disk hits predicted slower than recomputing them are declined; one chunk "
+            "is read every 5 s to measure the tier again (a 2-chunk read predicted 1.000 s, "
+            "recomputing 0.004 s)"]
         learn_reads(cost, clock, DISK, 0.001, chunks=1, rounds=1)  # explored: fast
         learn_reads(cost, clock, DISK, 0.001, chunks=1, rounds=1)
-        assert keep(cost, "d") == len(RUN)
-        assert len(caplog.records) == 2
-        assert caplog.records[1].getMessage().startswith(
-            "tieredkv: disk read 1 chunk(s) in 0.001 s (predicted ")
-        assert caplog.records[1].getMessage().endswith(
-            "its estimate starts over, its hits are taken again")
+        assert keep(cost, "d") == len(RUN) and keep(cost, "e") == len(RUN)
+        assert [r.getMessage() for r in caplog.records][1:] == [
+            "tieredkv: disk hits are taken again (a 2-chunk read predicted n/a, recomputing "
+            "0.004 s)"]
+
+
+def test_a_tier_taken_again_without_an_exploration_is_logged_too(caplog):
+    """The prefill rate fell (a bigger model, a busier engine): the same reads are now worth
+    it, with no exploration round to say so; the turn is still logged, and the next turn to
+    slow again is logged as well."""
+    clock = Clock()
+    cost = model(clock)
+    learn_rate(cost, clock, 64_000)
+    learn_reads(cost, clock, DISK, 1.0)
+    with caplog.at_level("WARNING", logger="tieredkv.scheduler.policies"):
+        assert keep(cost, "a") == 1
+        for _ in range(5):  # the rate's median moves: recomputing 256 tokens takes 2.56 s
+            learn_rate(cost, clock, 100)
+        assert keep(cost, "b") == len(RUN)
+        for _ in range(6):
+            learn_rate(cost, clock, 64_000)
+        assert keep(cost, "c") == 1
+    turns = [r.getMessage().split(" (")[0] for r in caplog.records]
+    assert turns == ["tieredkv: disk hits predicted slower than recomputing them are declined; "
+                     "one chunk is read every 5 s to measure the tier again",
+                     "tieredkv: disk hits are taken again",
+                     "tieredkv: disk hits predicted slower than recomputing them are declined; "
+                     "one chunk is read every 5 s to measure the tier again"]
 
 
 def test_the_probe_wait_is_bounded_by_what_the_remote_hit_could_save():

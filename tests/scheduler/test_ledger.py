@@ -116,3 +116,15 @@ def test_sliding_sources_count_the_stores_reading_each_block_until_they_complete
     assert dict(ledger.sliding_sources) == {6: 1, 7: 1}  # the other store still reads 6
     ledger.apply([JobResult.fail(second, "cancelled")])
     assert not ledger.sliding_sources
+
+
+@pytest.mark.parametrize("move", [Move.LOAD, Move.PROMOTE, Move.REMOTE_READ])
+def test_bytes_a_request_waits_for_are_in_flight_until_their_job_completes(move):
+    ledger, _, _ = ledger_with_log()
+    for quiet in (Move.STORE, Move.SPILL, Move.REMOTE_WRITE):
+        ledger.issue(quiet, (b"q",), None)
+    assert not ledger.bringing_up()  # stores, spills and writes: nobody waits on them
+    job_id = ledger.issue(move, (b"k",), "r")
+    assert ledger.bringing_up()
+    ledger.apply([JobResult(job_id, ok=1)])
+    assert not ledger.bringing_up()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) 
     from tieredkv.scheduler.remote_tier import RemoteTier
 
 logger = logging.getLogger(__name__)
+_BRINGING_UP = frozenset({Move.LOAD, Move.PROMOTE, Move.REMOTE_READ})
 
 
 @dataclass(slots=True)
@@ -191,6 +192,10 @@ class JobLedger:
 
     def __len__(self) -> int:
         return len(self._jobs)
+
+    def bringing_up(self) -> bool:
+        """Whether a load, promotion or remote read (bytes a request waits for) is in flight."""
+        return any(job.move in _BRINGING_UP for job in self._jobs.values())
 
     # ------------------------------------------------------------------ results
 

@@ -191,9 +191,13 @@ class Planner:
         self._lookup.prefetch_remote(req_id, keys, num_tokens)
 
     def wait_idle(self, timeout_s: float) -> None:
-        """A step computes nothing: sleep until a remote probe in flight answers (``timeout_s``
-        at most) instead of letting vLLM spin on empty steps while it is sent and received."""
-        if self.remote is not None:
+        """A step scheduled no tokens: sleep until a remote probe in flight answers
+        (``timeout_s`` at most) instead of letting an in-process engine spin on empty steps
+        while it is sent and received. Not while an earlier step's output is outstanding
+        (async scheduling, pipeline parallel: something computes, vLLM waits on it anyway)
+        nor while bytes a request waits for are moving (the workers wait on those)."""
+        if (self.remote is not None and not self.cost.computing()
+                and not self._ledger.bringing_up()):
             self.remote.probe.wait(timeout_s)
 
     def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:

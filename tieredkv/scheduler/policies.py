@@ -279,19 +279,16 @@ class ReadEstimate:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float] | None = None
 
-    def add(self, chunks: int, seconds: float) -> float | None:
+    def add(self, chunks: int, seconds: float) -> None:
         """One round; one under :data:`RECOVERED` of the prediction starts the window over (a
         tier that recovered, found by exploration, is trusted again at once, not after the
-        slow rounds age out of the window): then the prediction it beat, else None."""
-        beaten = None
+        slow rounds age out of the window)."""
         if chunks <= 0 or seconds < 0:
-            return beaten
+            return
         if len(self._samples) >= MIN_SAMPLES and seconds < RECOVERED * self.predict(chunks):
-            beaten = self.predict(chunks)
             self._samples.clear()
         self._samples.append((chunks, seconds))
         self._fit = None
-        return beaten
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -342,7 +339,7 @@ class CostModel:
         self._explored: dict[str, float] = {}
         self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
-        self._slow: set[str] = set()  # tiers declined since last logged (one line a change)
+        self._slow: set[str] = set()  # tiers whose last decision declined (logged at each turn)
         self._probe_waits: dict[str, float] = {}
 
     # ------------------------------------------------------------------ observations
@@ -368,12 +365,7 @@ class CostModel:
             elapsed = self._clock() - round_.started
             if round_.background and round_.worker_s > 0:
                 elapsed = round_.worker_s
-            beaten = self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
-            if beaten is not None and round_.tier in self._slow:
-                self._slow.discard(round_.tier)
-                logger.warning("tieredkv: %s read %d chunk(s) in %.3f s (predicted %.3f s): its "
-                               "estimate starts over, its hits are taken again", round_.tier,
-                               round_.chunks, elapsed, beaten)
+            self._reads.setdefault(round_.tier, ReadEstimate()).add(round_.chunks, elapsed)
 
     def step_scheduled(self, tokens: int) -> int:
         """vLLM scheduled a step of ``tokens`` tokens (``build_connector_meta``); its number."""
@@ -396,6 +388,10 @@ class CostModel:
         elapsed = self._clock() - started
         if elapsed > 0:
             self._rates.append(tokens / elapsed)
+
+    def computing(self) -> bool:
+        """Whether a step that computes tokens has not had its output yet."""
+        return any(tokens for _, _, tokens in self._steps)
 
     # ------------------------------------------------------------------ estimates
 
@@ -452,16 +448,19 @@ class CostModel:
             return 0
         read = self.read_seconds(tier, chunks)
         recompute = self.recompute_seconds(tokens)
-        if read is None or recompute is None or read * (1 + self.margin) <= recompute:
+        allowed = read is None or recompute is None or read * (1 + self.margin) <= recompute
+        if allowed == (tier in self._slow):  # a turn, logged once: why hits stop, or resume
+            self._slow ^= {tier}
+            logger.warning(
+                "tieredkv: %s hits %s (a %d-chunk read predicted %s, recomputing %s)", tier,
+                "are taken again" if allowed else "predicted slower than recomputing them are "
+                f"declined; one chunk is read every {EXPLORE_INTERVAL_S:.0f} s to measure the "
+                "tier again", chunks, "n/a" if read is None else f"{read:.3f} s",
+                "n/a" if recompute is None else f"{recompute:.3f} s")
+        if allowed:
             return chunks
         self._declined.setdefault(req_id, set()).add(tier)
         self._counters[Count.HITS_DECLINED_SLOWER, tier] += 1
-        if tier not in self._slow:
-            self._slow.add(tier)
-            logger.warning("tieredkv: %s reads are predicted slower than recomputing (%d chunk(s) "
-                           "in %.3f s, recomputing %.3f s): its hits are declined, one chunk read "
-                           "every %.0f s to measure it again", tier, chunks, read, recompute,
-                           EXPLORE_INTERVAL_S)
         now = self._clock()
         if now - self._explored.get(tier, float("-inf")) >= EXPLORE_INTERVAL_S:
             self._explored[tier] = now

@@ -98,6 +98,8 @@ class SchedulerHalf:
             slot_rows=geometry.slot_rows,
             chunk_bytes=geometry.chunk_payload_bytes * geometry.world_size,
         )
+        # Data parallel: engines step in lockstep; one sleeping would hold up the others.
+        self._single_engine = getattr(vllm_config.parallel_config, "data_parallel_size", 1) == 1
         policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":
             logger.warning(
@@ -321,7 +323,7 @@ class SchedulerHalf:
             self._record_events(plan)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         plan.compute_idle = not scheduled_tokens
-        if plan.compute_idle:
+        if plan.compute_idle and self._single_engine:
             planner.wait_idle(IDLE_WAIT_S)
         plan.step = planner.step_scheduled(scheduled_tokens)  # timed to its output: prefill rate
         return TieredKVMetadata(plan=plan)
