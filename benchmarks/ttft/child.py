@@ -191,7 +191,8 @@ class _Trace:
 
     def take(self, t0: float) -> list[str]:
         """The timeline since ``t0``, runs of idle polling calls folded into one line."""
-        events, self.events = sorted(self.events), []
+        events, self.events = self.events, []
+        events.sort()
         lines: list[str] = []
         idle: list[tuple[float, str, str]] = []
 

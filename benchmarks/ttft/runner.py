@@ -193,23 +193,33 @@ def wait_for_keys(redis, prefix: str, expected: int, timeout_s: float = 15.0) ->
 
 
 def raw_redis_get(redis, prefix: str, repeats: int = 5) -> dict[str, Any]:
-    """Plain redis-py GETs of every value under ``prefix`` (what replica A wrote), one after
-    another on one connection, by a client doing nothing else: the rate Redis delivers these
-    values at on this machine, so ``KV / it`` is what no remote hit's read can beat."""
+    """Plain redis-py reads of every value under ``prefix`` (what replica A wrote) on one
+    connection, by a client doing nothing else, two ways: GETs one after another, and all of
+    them in one pipeline; the faster way's median is the reference rate (a reference, not a
+    bound: tieredkv's own reader receives into one buffer and may beat both)."""
     import redis as redis_py
 
     client = redis_py.Redis(host="127.0.0.1", port=redis.port)
+    ways: dict[str, list[float]] = {"sequential": [], "pipelined": []}
     try:
         keys = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
-        samples, total = [], 0
+        total = 0
         for _ in range(repeats):
             start = time.perf_counter()
             total = sum(len(client.get(key) or b"") for key in keys)
-            samples.append(time.perf_counter() - start)
+            ways["sequential"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            pipe.execute()
+            ways["pipelined"].append(time.perf_counter() - start)
     finally:
         client.close()
-    seconds = statistics.median(samples)
-    return {"keys": len(keys), "bytes": total, "median_s": seconds, "samples_s": samples,
+    way = min(ways, key=lambda w: statistics.median(ways[w]))
+    seconds = statistics.median(ways[way])
+    return {"keys": len(keys), "bytes": total, "way": way, "median_s": seconds,
+            "samples_s": ways[way], "medians_s": {w: statistics.median(s) for w, s in ways.items()},
             "gb_per_s": total / seconds / 1e9 if seconds > 0 else None}
 
 
