@@ -21,7 +21,13 @@ from benchmarks.ttft.judging import (
     same_hits,
 )
 from benchmarks.ttft.plot import plot
-from benchmarks.ttft.targets import lmcache_floor_text, print_lines, slow_disk_text, verdict_table
+from benchmarks.ttft.targets import (
+    lmcache_floor_text,
+    print_lines,
+    raw_get_markdown,
+    slow_disk_text,
+    verdict_table,
+)
 from benchmarks.ttft.workload import (
     BLOCK_SIZE,
     CHUNK_BLOCKS,
@@ -362,24 +368,6 @@ def remote_markdown(payload: dict[str, Any]) -> str:
         "\n".join(table),
     ])
 
-
-def raw_get_markdown(raw: dict[str, Any] | None, kv_bytes: int, floor_s: float) -> str:
-    """What plain redis-py reads a hit's bytes at on this machine: a reference for row 6."""
-    if not raw or not raw.get("gb_per_s") or not kv_bytes:
-        return "**Plain redis-py for reference**: not measured."
-    read_s = kv_bytes / (raw["gb_per_s"] * 1e9)
-    ratio = (floor_s + read_s) / floor_s
-    ways = " and ".join(f"{way} {seconds * 1e3:.1f} ms"
-                        for way, seconds in (raw.get("medians_s") or {}).items())
-    return (
-        "**Plain redis-py for reference.** The "
-        f"{raw['keys']} values replica A wrote ({raw['bytes'] / MiB:.1f} MiB) read by redis-py "
-        "on one connection, by a client doing nothing else, as GETs one after another and in one "
-        f"pipeline (medians of {len(raw['samples_s'])}: {ways}); the faster, {raw['way']}: "
-        f"**{raw['gb_per_s']:.2f} GB/s**. A hit's KV ({kv_bytes / MiB:.1f} MiB) takes "
-        f"{read_s * 1e3:.1f} ms at that rate: a hit that did nothing but read it so would be "
-        f"{ratio:.2f} x the floor ({fmt_ms(floor_s)} ms), against the 1.5 x target."
-    )
 
 
 def lmcache_markdown(payload: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from benchmarks.ttft.workload import (
     REMOTE_TARGET,
     SLOW_DISK_CONFIG,
     SLOW_DISK_TARGET,
+    MiB,
 )
 
 
@@ -249,3 +250,22 @@ def print_lines(entries: list[dict[str, Any]]) -> list[str]:
                      f"{fmt_or_na(v.get('same_engine_ratio'))}) vs {fmt_or_na(v.get('factor'))}"
                      + (f" — {v['note']}" if v["note"] else ""))
     return lines
+
+
+def raw_get_markdown(raw: dict[str, Any] | None, kv_bytes: int, floor_s: float) -> str:
+    """What plain redis-py reads a hit's bytes at on this machine: a reference for row 6."""
+    if not raw or not raw.get("gb_per_s") or not kv_bytes:
+        return "**Plain redis-py for reference**: not measured."
+    read_s = kv_bytes / (raw["gb_per_s"] * 1e9)
+    ratio = (floor_s + read_s) / floor_s
+    ways = " and ".join(f"{way} {seconds * 1e3:.1f} ms"
+                        for way, seconds in (raw.get("medians_s") or {}).items())
+    return (
+        "**Plain redis-py for reference.** The "
+        f"{raw['keys']} values replica A wrote ({raw['bytes'] / MiB:.1f} MiB) read by redis-py "
+        "on one connection, by a client doing nothing else, as GETs one after another and in one "
+        f"pipeline (medians of {len(raw['samples_s'])}: {ways}); the faster, {raw['way']}: "
+        f"**{raw['gb_per_s']:.2f} GB/s**. A hit's KV ({kv_bytes / MiB:.1f} MiB) takes "
+        f"{read_s * 1e3:.1f} ms at that rate: a hit that did nothing but read it so would be "
+        f"{ratio:.2f} x the floor ({fmt_ms(floor_s)} ms), against the {REMOTE_TARGET:g} x target."
+    )

@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from benchmarks.ttft import judging, report, runner, workload
+from benchmarks.ttft import judging, report, runner, targets, workload
 from benchmarks.ttft import specs as ttft_specs
 
 
@@ -165,13 +165,13 @@ def test_the_report_bounds_the_remote_row_by_what_plain_gets_deliver():
     raw = {"keys": 17, "bytes": 56 << 20, "way": "sequential", "median_s": 0.035,
            "samples_s": [0.035] * 5, "medians_s": {"sequential": 0.035, "pipelined": 0.041},
            "gb_per_s": 1.6}
-    text = report.raw_get_markdown(raw, 31 << 20, 0.034)
+    text = targets.raw_get_markdown(raw, 31 << 20, 0.034)
     assert "The 17 values replica A wrote (56.0 MiB) read by redis-py" in text
     assert "(medians of 5: sequential 35.0 ms and pipelined 41.0 ms); the faster, sequential: " \
            "**1.60 GB/s**" in text
     assert "A hit's KV (31.0 MiB) takes 20.3 ms" in text
     assert "would be 1.60 x the floor (34.0 ms), against the 1.5 x target" in text
-    assert "not measured" in report.raw_get_markdown(None, 31 << 20, 0.034)
+    assert "not measured" in targets.raw_get_markdown(None, 31 << 20, 0.034)
 
 
 def test_raw_gets_read_every_value_under_the_prefix(fresh_server):
