@@ -8,10 +8,6 @@ exists), both far slower than the tiny model recomputes."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +23,7 @@ from tests.e2e.conftest import (
     tieredkv_config,
 )
 from tieredkv.scheduler.policies import EXPLORE_INTERVAL_S
-from tieredkv.tools.ports import free_port
+from tieredkv.testing.throttled_proxy import ThrottledProxy
 
 pytestmark = pytest.mark.vllm
 
@@ -84,43 +80,6 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
     assert counter_delta(phases, 22, DECLINED) == 0
     assert counter_delta(phases, 22, "hit_tokens_disk") > 0
     assert sum(cached_tokens(phases[22]).values()) == full
-
-
-class ThrottledProxy:
-    """A loopback TCP proxy to a Redis: while ``flag`` exists, each block of 16 KiB or more
-    the server sends back (a value, not a probe's or a write's short reply) waits
-    ``delay_s`` first."""
-
-    def __init__(self, target_port: int, flag: Path, delay_s: float) -> None:
-        self._target, self._flag, self._delay = target_port, flag, delay_s
-        self._listener = socket.create_server(("127.0.0.1", free_port()))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            upstream = socket.create_connection(("127.0.0.1", self._target))
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, throttled: bool) -> None:
-        try:
-            while data := src.recv(1 << 14):
-                if throttled and len(data) >= 1 << 14 and self._flag.exists():
-                    time.sleep(self._delay)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                sock.close()
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 RESET_ALL = {"kind": "reset_all"}  # host emptied; the shared tier keeps what it holds
