@@ -633,3 +633,35 @@ def test_recovery_keeps_the_longer_of_two_entries_holding_the_same_blocks(tmp_pa
         catalog.flush()
     with DiskCatalog.open(disk, FP, payload, slots, 1) as catalog:
         assert set(catalog.recovered) == {full}  # the removal was journaled
+
+
+def test_a_request_preempted_after_a_disk_hit_is_promoted_again_on_resume(caplog):
+    # The first lookup's promotion deadline must not outlive it: once preempted (its blocks
+    # freed) and evicted from host meanwhile, the resumed request's disk hit is promoted
+    # again, not cut short by a deadline that ran out while it was computing.
+    planner = make(host_slots=2, disk_slots=8, load_timeout_s=0.01)
+    a = list(range(2 * CHUNK_TOKENS + 1))
+    store_prompt(planner, "a", a)
+    ok_all(planner, planner.take_plan())
+    store_prompt(planner, "b", [t + 10_000 for t in a])
+    ok_all(planner, planner.take_plan())
+    assert planner.lookup("c", keys_for(a), 0, len(a)) is None
+    ok_all(planner, planner.take_plan())
+    hit = planner.lookup("c", keys_for(a), 0, len(a))
+    assert hit == 2 * CHUNK_TOKENS
+    planner.on_alloc("c", list(range(9)), hit)
+    ok_all(planner, planner.take_plan())
+    # c computes; another prompt takes the host tier; then c is preempted.
+    store_prompt(planner, "d", [t + 20_000 for t in a])
+    ok_all(planner, planner.take_plan())
+    assert not any(planner.host.is_ready(k) for k in keys_for(a))
+    planner.preempted("c")
+    planner.take_plan()
+    time.sleep(0.05)  # past the first lookup's deadline
+    with caplog.at_level("WARNING", logger="tieredkv"):
+        assert planner.lookup("c", keys_for(a), 0, len(a)) is None
+        promote = planner.take_plan()
+        assert len(promote.of(Move.PROMOTE)) == 2
+    assert "timed out" not in caplog.text
+    ok_all(planner, promote)
+    assert planner.lookup("c", keys_for(a), 0, len(a)) == 2 * CHUNK_TOKENS

@@ -219,6 +219,27 @@ def test_redis_down_at_start_answers_at_once_and_serves_local_hits(make_replica,
     assert a.planner.lookup("b", keys_for(TOKENS), 0, len(TOKENS)) == len(TOKENS) // BLOCK * BLOCK
 
 
+def test_a_request_preempted_after_a_remote_hit_reads_it_again_once_resumed(make_replica,
+                                                                             redis_server):
+    # Preempted, a request is looked up again from its first token: if host lost the chunks
+    # it read from Redis meanwhile, the shared tier is asked again, not skipped as answered.
+    a = make_replica(redis_server.url, seed=1)
+    a.compute_and_store("a", TOKENS, list(range(len(TOKENS) // BLOCK + 1)))
+    b = make_replica(redis_server.url, seed=2)
+    whole = 5 * CHUNK_TOKENS
+    hit = b.lookup("b", TOKENS)
+    assert hit == whole
+    b.load("b", hit, B_BLOCKS)
+    for n in range(4):  # other prompts take every host slot (16)
+        other = [t + 100_000 * (n + 1) for t in TOKENS]
+        b.compute_and_store(f"o{n}", other, list(range(len(other) // BLOCK + 1)))
+    assert not any(b.planner.host.is_ready(k) for k in keys_for(TOKENS).materialize(5))
+    b.planner.preempted("b")
+    b.step()
+    assert b.lookup("b", TOKENS) == whole
+    assert b.planner.counters["remote_read_chunks"] == 10
+
+
 def test_redis_partitioned_mid_serving_gives_up_at_the_deadline(make_replica, fresh_server):
     server = fresh_server()
     a = make_replica(server.url, seed=1, timeout_s=0.3)

@@ -73,6 +73,16 @@ class RequestState:
     # the answer is the same without a scan. ``()``: one miss, not stamped yet.
     miss_stamp: tuple | None = None
 
+    def new_lookup(self) -> None:
+        """Preempted, the request is looked up again from its first token once resumed: that
+        lookup gets a deadline, promotion rounds and a remote probe of its own (the first
+        one's deadline, long past, would cut its promotions short)."""
+        self.promote_deadline = 0.0
+        self.promote_rounds = 0
+        self.remote_done = False
+        self.filled = {}
+        self.miss_stamp = None
+
     @property
     def tables(self) -> list[list[int]]:
         """Every group's device blocks (one group: just ``block_ids``)."""

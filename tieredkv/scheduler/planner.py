@@ -229,6 +229,7 @@ class Planner:
         self._ledger.fence_stores(state)
         state.set_tables([])
         state.next_store_chunk = 0
+        state.new_lookup()
 
     def finished(self, req_id: str) -> bool:
         """The request finished; True when its blocks must wait for in-flight stores."""
