@@ -30,7 +30,15 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    to Redis, and exits; a fresh engine (replica B, same Redis, host tier holding one prompt)
    measures, A and B alternating as in the disk rows, so each measured prompt is read from
    Redis. Its hit is as long as the floor's (checked, and ``hit_tokens_remote``);
-9. hybrid rows (``--no-hybrid`` leaves them out), on a Gemma-2-style variant of the same
+9. ``tieredkv_slow_remote`` (row 6c; with row 6 only, ``--no-slow-remote`` leaves it out):
+   a fresh engine as replica B on replica A's Redis, reached through a throttling loopback
+   proxy started by this script (``tieredkv.testing.throttled_proxy``: every 16 KiB block of
+   a value it sends back waits, per shape or ``--slow-remote-delay``; probes and writes pass),
+   far slower than recomputing; ``remote_timeout_s`` 30 s, so reads are slow, not failed.
+   As row 5c: after a few unmeasured remote hits teach the cost model, each measured hit
+   (a fresh filler prompt took the host slots first) must be declined (counted, at the probe
+   or once it answered), so its TTFT is a recompute's;
+10. hybrid rows (``--no-hybrid`` leaves them out), on a Gemma-2-style variant of the same
    model (same hidden size, heads and layers; layers alternate sliding-window attention,
    window ``HYBRID_WINDOW`` = 256 tokens, and full attention), which keeps vLLM's hybrid
    KV-cache manager on: ``hybrid_vllm_prefix`` (vLLM's prefix cache on that model: the
@@ -43,7 +51,7 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    tokens) so that a sliding layer stores only its last ``ceil((W-1)/block)`` = 8 of a
    chunk's 16 blocks: with a window of a chunk or more, the sliding layers would copy as
    much as full attention and the row would show nothing hybrid-specific;
-10. ``lmcache`` (row 7 in the table; ``--no-lmcache`` leaves it out): a real peer, LMCache
+11. ``lmcache`` (row 7 in the table; ``--no-lmcache`` leaves it out): a real peer, LMCache
    (``benchmarks/peers/lmcache.py``), present when ``.venv-lmcache`` is built
    (``bash benchmarks/peers/lmcache_env.sh``; else the row is skipped with a line saying so).
    Its engine runs with that venv's python (nothing of tieredkv imported or installed there),
@@ -63,7 +71,8 @@ The targets (:mod:`benchmarks.ttft.targets`), each judged on the worse of its cr
 figure (row median over the floor row's median) and its same-engine one (each hit over the
 prefix-cache hit of the same prompt in the same engine right after), printed beside its limit:
 host hit <= 1.3 x floor; disk hits (5a, 5b) <= 1.3 x (floor + KV / raw disk bandwidth);
-remote hit <= 1.5 x floor; slow disk (5c) <= 1.1 x recompute; host hit as a multiple of its
+remote hit <= 1.5 x floor; slow disk (5c) <= 1.1 x recompute; slow Redis (6c) <= 1.1 x
+recompute; host hit as a multiple of its
 floor <= LMCache's hit as a multiple of LMCache's own floor (the better of LMCache's two
 figures; not judged when the LMCache rows are missing); hybrid host hit <= 1.3 x the hybrid
 floor. The hybrid disk hit <= 1.3 x (hybrid floor + hybrid KV / raw disk BW) is a reference
@@ -85,6 +94,7 @@ host-tier load is a memcpy, not a PCIe transfer.
     python -m benchmarks.e2e_ttft --no-remote   # without the remote-tier row (no redis-server needed)
     python -m benchmarks.e2e_ttft --no-hybrid   # without the hybrid-model rows
     python -m benchmarks.e2e_ttft --no-lmcache  # without the LMCache peer rows
+    python -m benchmarks.e2e_ttft --no-slow-remote  # without the slow-Redis row (6c)
     python -m benchmarks.e2e_ttft --model-shape 8b-kv  # 128 KiB of KV per token (1,500-token prompts)
 
 The exit status is 1 when a target (its worse-of verdict) fails, or when the remote or a hybrid
@@ -115,7 +125,13 @@ from benchmarks.ttft.judging import (
 )
 from benchmarks.ttft.report import print_outcome, print_partial, table_markdown, write_outputs
 from benchmarks.ttft.specs import build_specs
-from benchmarks.ttft.targets import hybrid_verdicts, lmcache_floor_ratios, verdicts
+from benchmarks.ttft.targets import (
+    hybrid_verdicts,
+    lmcache_floor_ratios,
+    print_lines,
+    slow_verdicts,
+    verdicts,
+)
 from benchmarks.ttft.workload import (
     BLOCK_SIZE,
     CHUNK_BLOCKS,
@@ -135,6 +151,8 @@ from benchmarks.ttft.workload import (
     PROMPT_SEED,
     SLOW_DISK_CONFIG,
     SLOW_DISK_LEARNING_HITS,
+    SLOW_REMOTE_CONFIG,
+    SLOW_REMOTE_TIMEOUT_S,
     hybrid_hit,
     hybrid_host_slots,
     hybrid_kv_bytes,
@@ -153,6 +171,7 @@ def parent_main(args) -> int:
     model = shape["model"]
     prompt_tokens = args.prompt_tokens or shape["prompt_tokens"][args.profile]
     args.slow_disk_delay = args.slow_disk_delay or shape["slow_disk_read_delay_s"]
+    args.slow_remote_delay = args.slow_remote_delay or shape["slow_remote_delay_s"]
     # Lengths that are no multiple of the chunk: vLLM's prefix cache and
     # ExampleConnector hit every block but the one holding the last token, and so must
     # tieredkv (a whole-chunk hit would stop up to a chunk earlier).
@@ -190,13 +209,14 @@ def parent_main(args) -> int:
         hybrid_dir = Path(f"{model_dir}_hybrid_w{HYBRID_WINDOW}")
         make_tiny_llama(hybrid_dir, **model, sliding_window=HYBRID_WINDOW, layer_types=layer_types)
     only = set(args.only.split(",")) if args.only else None
-    if only and "tieredkv_remote" in only:
-        only.add("tieredkv_remote_writer")  # replica B reads what replica A wrote
+    if only and {"tieredkv_remote", SLOW_REMOTE_CONFIG} & only:
+        only.add("tieredkv_remote_writer")  # replica B and row 6c read what replica A wrote
     if only and LMCACHE_CONFIG in only:
         only.add(LMCACHE_FLOOR_CONFIG)  # LMCache's row is read against its own floor
     remote_info: dict[str, Any] = {}
     redis = None
-    if not args.no_remote and not args.rerender and (only is None or "tieredkv_remote" in only):
+    if not args.no_remote and not args.rerender and (
+            only is None or {"tieredkv_remote", SLOW_REMOTE_CONFIG} & only):
         redis = runner.start_redis(work, remote_info)
     elif args.no_remote:
         remote_info["skipped"] = "--no-remote"
@@ -207,8 +227,13 @@ def parent_main(args) -> int:
         lmcache_info["skipped"] = "--no-lmcache"
     elif not args.rerender and (only is None or LMCACHE_CONFIG in only):
         lmcache_server = runner.lmcache_server_for(work, lengths, lmcache_info, model)
+    # Row 6c: the same Redis behind a throttling proxy (none with --no-slow-remote).
+    slow_proxy = None
+    if redis is not None and not args.no_slow_remote and (only is None or SLOW_REMOTE_CONFIG in only):
+        slow_proxy = runner.start_slow_proxy(redis, work, args.slow_remote_delay)
     specs = build_specs(args, model_dir, work, lengths, redis.url if redis is not None else None,
-                        hybrid_dir, lmcache_info if lmcache_server is not None else None, model)
+                        hybrid_dir, lmcache_info if lmcache_server is not None else None, model,
+                        slow_proxy.url if slow_proxy is not None else None)
     if args.no_slow_disk:
         specs.pop(SLOW_DISK_CONFIG, None)
     if only:
@@ -221,7 +246,7 @@ def parent_main(args) -> int:
     common.preload_tcmalloc()  # as vLLM's CPU docs ask; every row alike
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    late = [c for c in ("tieredkv_disk_restart", "tieredkv_remote") if c in specs]
+    late = [c for c in ("tieredkv_disk_restart", "tieredkv_remote", SLOW_REMOTE_CONFIG) if c in specs]
     progress = common.Progress(runner.progress_steps(specs, reps, late), "raw disk read bandwidth")
     t_start = time.monotonic()
     wall_s = load_end = git = None
@@ -242,6 +267,8 @@ def parent_main(args) -> int:
                 kv_bytes=kv_bytes, kv_per_token=kv_per_token, redis=redis, remote_info=remote_info,
                 lmcache_server=lmcache_server, lmcache_info=lmcache_info, t_start=t_start)
         finally:
+            if slow_proxy is not None:
+                slow_proxy.close()
             if redis is not None:
                 redis.stop()
             if lmcache_server is not None:
@@ -253,6 +280,8 @@ def parent_main(args) -> int:
     rows = judge_rows(results, expected_hit, expected_remote, expected_hybrid, lmcache_info)
     if args.only:
         print_partial(rows, expected_hit, remote_info, lmcache_info)
+        if "recompute" in rows:  # the slow rows' targets need recompute only
+            print("\n".join(print_lines(slow_verdicts(rows))))
         for config in (c for c in results if args.trace and c.startswith("tieredkv")):
             for record in (r for r in results[config]["records"] if r.get("trace")):
                 print(f"\n{config} {record['label']}:", *record["trace"], sep="\n  ")
@@ -279,6 +308,12 @@ def parent_main(args) -> int:
             "slow_disk": ({"skipped": "--no-slow-disk"} if args.no_slow_disk else
                           {"disk_read_delay_s": args.slow_disk_delay,
                            "learning_hits": SLOW_DISK_LEARNING_HITS}),
+            "slow_remote": ({"skipped": "--no-slow-remote"} if args.no_slow_remote else
+                            {"skipped": "needs row 6 (" + remote_info.get("skipped", "not selected") + ")"}
+                            if SLOW_REMOTE_CONFIG not in rows else
+                            {"proxy_delay_s": args.slow_remote_delay, "block_bytes": 16384,
+                             "remote_timeout_s": SLOW_REMOTE_TIMEOUT_S,
+                             "learning_hits": SLOW_DISK_LEARNING_HITS}),
             "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
             "disk_limit_s": DISK_TARGET * (floor + kv_bytes / (disk["gb_per_s"] * 1e9)),
             "wall_s": wall_s if args.rerender else time.monotonic() - t_start,
@@ -350,6 +385,12 @@ def main() -> int:
     parser.add_argument("--slow-disk-delay", type=float, default=None, metavar="S",
                         help="row 5c: seconds every slab read sleeps (default per shape: 0.5 "
                              "tiny, 2.0 8b-kv; several times a chunk's recompute)")
+    parser.add_argument("--no-slow-remote", action="store_true",
+                        help="skip the slow-Redis row (6c; it runs with row 6 only)")
+    parser.add_argument("--slow-remote-delay", type=float, default=None, metavar="S",
+                        help="row 6c: seconds the proxy holds each 16 KiB block of a value "
+                             "(default per shape: 0.005 tiny, 0.0005 8b-kv; a prompt's read "
+                             "several times its recompute)")
     parser.add_argument("--no-lmcache", action="store_true",
                         help="skip the LMCache peer row (row 7; it needs .venv-lmcache, built by "
                              f"`{LMCACHE_BUILD}`)")

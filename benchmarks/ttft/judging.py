@@ -14,10 +14,17 @@ from benchmarks.ttft.workload import (
     HYBRID_CONFIGS,
     LMCACHE_CONFIG,
     SLOW_DISK_CONFIG,
+    SLOW_REMOTE_CONFIG,
 )
 
-# The slow-disk row's per-run check: the cost model declined the disk hit.
+# The slow rows' per-run check: the cost model declined the hit (a disk hit once its read is
+# predicted slower than recomputing; a remote one then, or at the probe, not waited for).
 DECLINED_DISK = "hits_declined_slower_than_recompute_disk"
+DECLINED_REMOTE = ("hits_declined_slower_than_recompute_remote",
+                   "hits_declined_probe_wait_over_saving_remote")
+# Each slow row: its tier, the counters that say "declined".
+SLOW_ROWS = {SLOW_DISK_CONFIG: ("disk", (DECLINED_DISK,)),
+             SLOW_REMOTE_CONFIG: ("remote", DECLINED_REMOTE)}
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -49,17 +56,20 @@ def _check_hits(runs: list[dict[str, Any]], expected: dict[str, int], tier: str 
     return problems
 
 
-def _check_declined(runs: list[dict[str, Any]]) -> list[str]:
-    """The slow-disk row: every measured run's disk hit declined by the cost model (counted),
-    (an exploration reads its chunk aside: the request loads nothing from disk)."""
+def _check_declined(runs: list[dict[str, Any]], config: str = SLOW_DISK_CONFIG) -> list[str]:
+    """A slow row (disk, or Redis): every measured run's hit declined by the cost model
+    (counted), at most one chunk loaded (an exploration reads its chunk aside: the request
+    loads nothing from the slow tier)."""
+    tier, names = SLOW_ROWS[config]
     problems = []
-    taken = [r["label"] for r in runs if not r["tieredkv"].get(DECLINED_DISK)]
+    taken = [r["label"] for r in runs if not any(r["tieredkv"].get(n) for n in names)]
     if taken:
-        problems.append(f"{len(taken)} run(s) without a declined disk hit ({DECLINED_DISK}): {taken}")
+        problems.append(f"{len(taken)} run(s) without a declined {tier} hit "
+                        f"({' or '.join(names)}): {taken}")
     loaded = [(r["label"], r["num_cached_tokens"]) for r in runs
               if r["num_cached_tokens"] > CHUNK_TOKENS]
     if loaded:
-        problems.append(f"num_cached_tokens {loaded}: more than one chunk loaded from the slow disk")
+        problems.append(f"num_cached_tokens {loaded}: more than one chunk loaded from the slow {tier}")
     return problems
 
 
@@ -121,8 +131,8 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
         elif hybrid_tieredkv:
             problems = _check_hits(main, expected_hybrid or {}, tier,
                                    "the hybrid hit (vLLM's prefix-cache hit)")
-        elif config == SLOW_DISK_CONFIG:
-            problems = _check_declined(main)
+        elif config in SLOW_ROWS:
+            problems = _check_declined(main, config)
         elif config == LMCACHE_CONFIG:
             problems = _check_hits(main, expected_lmcache or {}, None,
                                    "LMCache's whole-chunk hit")
@@ -203,8 +213,12 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
             "hit_ok": not host_problems,
             "problems": host_problems,
         }
-    if config == SLOW_DISK_CONFIG:
-        row["explored_runs"] = sum(1 for r in main if r["tieredkv"].get("hit_tokens_disk", 0) > 0)
+    if config in SLOW_ROWS:  # runs that still loaded a chunk of the slow tier
+        hit_tokens = f"hit_tokens_{SLOW_ROWS[config][0]}"
+        row["explored_runs"] = sum(1 for r in main if r["tieredkv"].get(hit_tokens, 0) > 0)
+        learning = runs("learn")  # the unmeasured hits that taught the cost model (taken)
+        row["learning_s"] = [r["seconds"] for r in learning]
+        row["learning_hit_tokens"] = [r["tieredkv"].get(hit_tokens, 0) for r in learning]
     if config == "tieredkv_disk_restart" and main:
         row["first_after_restart_s"] = main[0]["seconds"]
     return row

@@ -13,6 +13,7 @@ from benchmarks.ttft.workload import (
     LMCACHE_CONFIG,
     LMCACHE_FLOOR_CONFIG,
     SLOW_DISK_CONFIG,
+    SLOW_REMOTE_CONFIG,
     MiB,
 )
 
@@ -32,10 +33,11 @@ def plot(payload: dict[str, Any], path: Path) -> None:
         "tieredkv_remote": "tieredkv remote\n(other replica,\nwhole chunks)",
         LMCACHE_CONFIG: "LMCache (peer,\n256-token\nchunks)",
         SLOW_DISK_CONFIG: "tieredkv,\nslow disk\n(declined)",
+        SLOW_REMOTE_CONFIG: "tieredkv,\nslow Redis\n(declined)",
         LMCACHE_FLOOR_CONFIG: "vLLM prefix hit\nin LMCache's env\n(its floor)",
     }
     colors = dict(zip(LABELS, ["#999999", "#4c72b0", "#dd8452", "#55a868", "#2e7d32", "#1b5e20",
-                               "#a1887f", "#8172b3", "#c44e52", "#64b5f6"], strict=True))
+                               "#a1887f", "#8172b3", "#b39ddb", "#c44e52", "#64b5f6"], strict=True))
     p = payload["params"]
     floor = rows["vllm_prefix"]["median_s"] * 1000
     read_ms = p["kv_bytes"] / (payload["raw_disk_read"]["gb_per_s"] * 1e9) * 1000
@@ -68,8 +70,8 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_title("TTFT, all rows (bar = median)", fontsize=10)
     ax.legend(fontsize=7.5, loc="upper right")
 
-    # The slow-disk row is a recompute (its hit declined): on the first panel only.
-    hits = [c for c in configs[1:] if c != SLOW_DISK_CONFIG]
+    # The slow rows are recomputes (their hits declined): on the first panel only.
+    hits = [c for c in configs[1:] if c not in (SLOW_DISK_CONFIG, SLOW_REMOTE_CONFIG)]
     # The targets' panel leaves the chunk-aligned rows out (remote, LMCache): their hit
     # computes the tail blocks too, so their TTFT is not at the floor's hit length.
     aligned = [c for c in ("tieredkv_remote", LMCACHE_CONFIG) if c in rows]

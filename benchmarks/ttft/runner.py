@@ -1,6 +1,6 @@
 """The parent's side of e2e_ttft: the raw disk read bandwidth, the engine children (started
-together, their measured rounds interleaved), row 6's redis-server and replica A's writes, and
-row 7's LMCache server.
+together, their measured rounds interleaved), row 6's redis-server and replica A's writes, row
+6c's throttling proxy in front of it, and row 7's LMCache server.
 """
 
 from __future__ import annotations
@@ -238,6 +238,20 @@ def start_redis(work: Path, remote_info: dict[str, Any]) -> Any:
         print(f"row 6 (remote tier) skipped: {exc}", file=sys.stderr)
         return None
     return redis
+
+
+def start_slow_proxy(redis, work: Path, delay_s: float) -> Any:
+    """Row 6c's throttling proxy in front of row 6's Redis: every 16 KiB block of a value it
+    sends back waits ``delay_s`` while its flag file exists (created here, kept for the whole
+    run). Stopped with ``close()``."""
+    from tieredkv.testing.throttled_proxy import ThrottledProxy
+
+    flag = work / "redis-is-slow"
+    flag.parent.mkdir(parents=True, exist_ok=True)
+    flag.touch()
+    proxy = ThrottledProxy(redis.port, flag, delay_s)
+    atexit.register(proxy.close)  # closed in the run's finally; this if it never gets there
+    return proxy
 
 
 def remote_facts(redis, lengths: dict[str, int]) -> dict[str, Any]:

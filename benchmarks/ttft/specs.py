@@ -24,6 +24,8 @@ from benchmarks.ttft.workload import (
     SLOW_DISK_LEARNING_HITS,
     SLOW_DISK_RATE_PROMPTS,
     SLOW_DISK_READ_DELAY_S,
+    SLOW_REMOTE_CONFIG,
+    SLOW_REMOTE_TIMEOUT_S,
     WARMUP_TOKENS,
     MiB,
     host_entries,
@@ -47,13 +49,16 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 remote_url: str | None = None,
                 hybrid_model_dir: Path | None = None,
                 lmcache: dict[str, Any] | None = None,
-                model: Mapping[str, int] = MODEL) -> dict[str, dict[str, Any]]:
+                model: Mapping[str, int] = MODEL,
+                slow_remote_url: str | None = None) -> dict[str, dict[str, Any]]:
     """Every configuration: engine settings, set-up phases (not measured unless labelled
     ``recompute``), and ``round``: the phases of one measured round (``{i}`` = round index,
     ``{AB}`` = prompt A in even rounds, B in odd ones). The remote rows (replica A, which
     only writes, and replica B, which measures) exist when ``remote_url`` is given; the
     LMCache row and its own floor when ``lmcache`` is (:func:`lmcache_peer`: the peer venv's
-    python and LMCache's vLLM settings). ``model``: the geometry (``--model-shape``)."""
+    python and LMCache's vLLM settings). ``model``: the geometry (``--model-shape``). The
+    slow-Redis row exists when ``slow_remote_url`` (the same Redis behind a throttling proxy)
+    is given as well."""
     prof = PROFILES[args.profile]
     reps = getattr(args, "repeats", None) or prof["hit_repeats"]  # measured rounds per row
     longest = max(lengths.values())
@@ -189,6 +194,26 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 "setup": [gen("warmup", "warmup"), drain], "round": disk_round,
             },
         })
+    if remote_url is not None and slow_remote_url is not None:
+        # 6c. a slow Redis: replica A's Redis (A and B in it) reached through a proxy that
+        #     delays every value's bytes, the tiers as replica B's. As row 5c: cold prompts
+        #     (the prefill rate) and remote hits (taken: nothing known yet) first, unmeasured,
+        #     teach the cost model; then before each measured hit a fresh filler prompt takes
+        #     every host slot, so the hit is in Redis only, and it must be declined.
+        specs[SLOW_REMOTE_CONFIG] = {
+            "prefix_caching": True,
+            "kv_transfer_config": tieredkv_transfer_config(
+                host_bytes=one_prompt_slots * chunk_payload, remote_url=slow_remote_url,
+                remote_key_prefix=REMOTE_KEY_PREFIX, remote_timeout_s=SLOW_REMOTE_TIMEOUT_S),
+            "prompts": {**base["prompts"],
+                        **{f"C{k}": make_prompt(21 + k, lengths["A"]) for k in range(SLOW_DISK_RATE_PROMPTS)},
+                        **{f"F{i}": make_prompt(2000 + i, lengths["A"]) for i in range(reps)}},
+            "setup": [gen("warmup", "warmup"), drain,
+                      *[p for k in range(SLOW_DISK_RATE_PROMPTS) for p in (gen(f"C{k}", f"cold C{k}"), drain)],
+                      *[p for k in range(SLOW_DISK_LEARNING_HITS)
+                        for p in (reset, gen("AB"[k % 2], f"learn{k}"), drain)]],
+            "round": specs[SLOW_DISK_CONFIG]["round"],
+        }
     if hybrid_model_dir is not None:
         # 8. the hybrid model: its floor, a host-tier hit, a disk-tier hit (host = one
         #    prompt's whole chunks, A and B alternate), each engine as its non-hybrid row.
@@ -266,7 +291,7 @@ def lmcache_peer(server, python: Path | str, version: str) -> dict[str, Any]:
 # Configurations whose rounds are numbered from 0 in their own engine (A/B alternation starts
 # with A); the others continue their numbering when they run again beside the late engines.
 OWN_ROUND_NUMBERS = ("tieredkv_disk", "tieredkv_disk_restart", "tieredkv_remote",
-                     "hybrid_tieredkv_disk", SLOW_DISK_CONFIG)
+                     "hybrid_tieredkv_disk", SLOW_DISK_CONFIG, SLOW_REMOTE_CONFIG)
 
 
 def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:

@@ -9,8 +9,8 @@ sides. "At equal compute" (the floor's forward + the row's TTFT − forward) is 
 as information; it does not decide.
 
 The targets: host hit <= 1.3 x floor; disk hits (5a, 5b) <= 1.3 x (floor + KV / raw disk BW);
-remote hit <= 1.5 x floor; a hit from a slow disk (5c) <= 1.1 x recompute (the cost model
-declines it); host hit, as a multiple of its floor, <= LMCache's hit as a multiple of LMCache's
+remote hit <= 1.5 x floor; a hit from a slow disk (5c), or from a slow Redis (6c), <= 1.1 x
+recompute (the cost model declines it); host hit, as a multiple of its floor, <= LMCache's hit as a multiple of LMCache's
 own floor (measured in LMCache's environment; the smaller of its two figures); the hybrid host
 hit <= 1.3 x the hybrid floor. The hybrid disk line is a reference (MISS, not in the exit
 status). A row whose hits did not happen FAILs; a target whose reference row (LMCache) is
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.ttft.judging import fmt_ms, fmt_or_na, median_of, same_hits
+from benchmarks.ttft.judging import SLOW_ROWS, fmt_ms, fmt_or_na, median_of, same_hits
 from benchmarks.ttft.workload import (
     DISK_TARGET,
     HOST_TARGET,
@@ -30,6 +30,8 @@ from benchmarks.ttft.workload import (
     REMOTE_TARGET,
     SLOW_DISK_CONFIG,
     SLOW_DISK_TARGET,
+    SLOW_REMOTE_CONFIG,
+    SLOW_REMOTE_TARGET,
     MiB,
 )
 
@@ -96,19 +98,29 @@ def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> 
                           floor_ratios(row, floor_row, extra), not note, note,
                           equal_hit_tokens=equal,
                           equal_compute_ratio=_equal_compute(row, floor_row, extra)))
-    slow = rows.get(SLOW_DISK_CONFIG)
-    if slow is not None:
+    out += slow_verdicts(rows)
+    lmcache = lmcache_verdict(rows)
+    if lmcache is not None:
+        out.append(lmcache)
+    return out
+
+
+def slow_verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The slow rows present (5c disk, 6c Redis): each hit declined, so its TTFT <= 1.1 x
+    recompute (row median over recompute's median; no same-engine figure: nothing hit)."""
+    out = []
+    for config, what, factor in ((SLOW_DISK_CONFIG, "slow disk", SLOW_DISK_TARGET),
+                                 (SLOW_REMOTE_CONFIG, "slow Redis", SLOW_REMOTE_TARGET)):
+        slow = rows.get(config)
+        if slow is None:
+            continue
         recompute = rows["recompute"]
         ratio = (slow["median_s"] / recompute["median_s"]
                  if slow.get("median_s") and recompute.get("median_s") else None)
         note = "" if slow["hit_ok"] else "not declined as it should be: " + "; ".join(slow["problems"])
-        out.append(_entry(f"slow disk <= {SLOW_DISK_TARGET:g} x recompute", SLOW_DISK_CONFIG,
-                          f"{SLOW_DISK_TARGET:g} x recompute", SLOW_DISK_TARGET,
-                          {"cross_engine_ratio": ratio, "same_engine_ratio": None,
-                           "worse_ratio": ratio}, not note, note))
-    lmcache = lmcache_verdict(rows)
-    if lmcache is not None:
-        out.append(lmcache)
+        out.append(_entry(f"{what} <= {factor:g} x recompute", config, f"{factor:g} x recompute",
+                          factor, {"cross_engine_ratio": ratio, "same_engine_ratio": None,
+                                   "worse_ratio": ratio}, not note, note))
     return out
 
 
@@ -212,6 +224,49 @@ def slow_disk_text(payload: dict[str, Any]) -> str:
             "`hits_declined{tier=\"disk\",reason=\"slower_than_recompute\"}`; an exploration reads "
             "its chunk aside, never on the request's path), so its TTFT is judged against "
             "recompute (row 1).")
+
+
+def slow_remote_text(payload: dict[str, Any]) -> str:
+    """Row 6c's set-up: the proxy's delay, the timeout, the hits that taught the cost model."""
+    info = payload["params"].get("slow_remote") or {}
+    rows = payload["rows"]
+    if SLOW_REMOTE_CONFIG not in rows:
+        return f"**Row 6c (slow Redis) not run**: {info.get('skipped', 'not selected')}."
+    delay = info.get("proxy_delay_s")
+    block = info.get("block_bytes", 16384)
+    learned = rows[SLOW_REMOTE_CONFIG].get("learning_s") or []
+    recompute = (rows.get("recompute") or {}).get("median_s")
+    rate = (f" ({delay * MiB / block:.2f} s per MiB on one connection)"
+            if isinstance(delay, (int, float)) else "")
+    return (f"**Row 6c, a slow Redis.** A fresh engine (replica B's tiers, `remote_timeout_s` "
+            f"{info.get('remote_timeout_s', '?'):g} s, so a read is slow, not failed) reaches "
+            "replica A's Redis through a throttling loopback proxy "
+            "(`tieredkv/testing/throttled_proxy.py`) that holds every "
+            f"{block // 1024} KiB block of a value it sends back {delay if delay is not None else '?'} "
+            f"s first{rate}; probes and writes pass. The cost model is on (the default). "
+            f"{info.get('learning_hits', '?')} unmeasured remote hits first teach it the read "
+            "time (taken: nothing known yet"
+            + (f"; their TTFTs {', '.join(fmt_ms(x) for x in learned)} ms, recompute's "
+               f"median {fmt_ms(recompute)} ms" if learned else "")
+            + "); before each measured hit a fresh prompt takes every host slot, so the hit is "
+            "in Redis only, and it must be declined (counted in `hits_declined{tier=\"remote\"}`, "
+            "`reason=\"slower_than_recompute\"` or, not waited for at the probe, "
+            "`\"probe_wait_over_saving\"`; an exploration reads its chunk aside), so its TTFT "
+            "is judged against recompute (row 1).")
+
+
+def slow_rows_text(payload: dict[str, Any]) -> str:
+    """The slow rows' set-ups (5c, 6c): one paragraph each."""
+    return slow_disk_text(payload) + "\n\n" + slow_remote_text(payload)
+
+
+def slow_row_hit(config: str, row: dict[str, Any]) -> str | None:
+    """A slow row's "hit?" cell: whether every hit was declined, and how many runs still
+    loaded a chunk of the slow tier; None for any other row."""
+    if config not in SLOW_ROWS:
+        return None
+    return ("declined, every run" if row["hit_ok"] else "**NOT DECLINED — FAIL**") + (
+        f" ({row.get('explored_runs', 0)} run(s) still loaded a {SLOW_ROWS[config][0]} chunk)")
 
 
 def counts(v: dict[str, Any]) -> bool:

@@ -38,11 +38,11 @@ MODEL = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
 # cache still fits the machine's memory beside the others'.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"model": MODEL, "prompt_tokens": {"quick": 4000, "full": 8000},
-             "slow_disk_read_delay_s": 0.5},
+             "slow_disk_read_delay_s": 0.5, "slow_remote_delay_s": 0.005},
     "8b-kv": {"model": {"hidden_size": 256, "num_layers": 32, "num_heads": 8, "num_kv_heads": 8,
                         "head_dim": 128},
               "prompt_tokens": {"quick": 1500, "full": 3000},
-              "slow_disk_read_delay_s": 2.0},
+              "slow_disk_read_delay_s": 2.0, "slow_remote_delay_s": 0.0005},
 }
 
 
@@ -76,6 +76,24 @@ SLOW_DISK_RATE_PROMPTS = 3
 # Unmeasured disk hits first (A, B, A, B): at least the cost model's MIN_SAMPLES (3) fill
 # rounds, an even number so that B is in host and round 0's A is read from disk.
 SLOW_DISK_LEARNING_HITS = 4
+
+
+SLOW_REMOTE_TARGET = 1.1  # a hit from a Redis slower than recompute <= 1.1 x recompute (issue 25)
+
+
+# The slow-Redis row (6c): its engine reaches replica A's Redis through a throttling loopback
+# proxy (``tieredkv.testing.throttled_proxy``, started by the parent) that delays every 16 KiB
+# block of a value it sends back this long: 1.3 s per 4 MiB chunk of the tiny model on one
+# connection (a prompt read on two at once: ~5 s against ~1.5 s to recompute it), 2 s per
+# 64 MiB chunk on 8b-kv (per shape: ``MODEL_SHAPES[...]["slow_remote_delay_s"]``;
+# ``--slow-remote-delay``). Probes and writes (short replies) are not delayed.
+SLOW_REMOTE_DELAY_S = 0.005
+
+
+# The slow-Redis row's ``remote_timeout_s``: its reads take seconds, and at the default
+# (0.5 s) they would fail by timeout (a failed read, not a declined hit) before the cost model
+# has measured them.
+SLOW_REMOTE_TIMEOUT_S = 30.0
 
 
 WARMUP_TOKENS = 96  # a short first prompt: first-forward costs stay out of every figure
@@ -194,6 +212,9 @@ LMCACHE_FLOOR_CONFIG = "lmcache_vllm_prefix"
 SLOW_DISK_CONFIG = "tieredkv_slow_disk"
 
 
+SLOW_REMOTE_CONFIG = "tieredkv_slow_remote"
+
+
 LMCACHE_BUILD = "bash benchmarks/peers/lmcache_env.sh"
 
 
@@ -247,6 +268,8 @@ LABELS = {
     SLOW_DISK_CONFIG: "5c. tieredkv, slow disk (every slab read delayed; the cost model declines "
                       "the hit) — against recompute",
     "tieredkv_remote": "6. tieredkv remote-tier hit (Redis; fresh replica B)",
+    SLOW_REMOTE_CONFIG: "6c. tieredkv, slow Redis (replica A's Redis behind a throttling proxy; "
+                        "the cost model declines the hit) — against recompute",
     LMCACHE_CONFIG: "7. LMCache hit (peer: MP server, L1 = row 4's host budget, 256-token chunks, "
                     "chunk-aligned hit)",
     LMCACHE_FLOOR_CONFIG: "7f. vLLM prefix-cache hit in LMCache's environment — LMCache's floor",

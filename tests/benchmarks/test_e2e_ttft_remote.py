@@ -188,3 +188,126 @@ def test_raw_gets_read_every_value_under_the_prefix(fresh_server):
     assert raw["way"] in ("sequential", "pipelined") and set(raw["medians_s"]) == {
         "sequential", "pipelined"}
     assert raw["median_s"] == min(raw["medians_s"].values()) and raw["gb_per_s"] > 0
+
+
+def test_row_6c_reads_replica_as_redis_through_a_throttling_proxy(tmp_path):
+    lengths = {"A": 4000, "B": 3676}
+    url, slow_url = "redis://127.0.0.1:7/0", "redis://127.0.0.1:8/0"
+    assert workload.SLOW_REMOTE_CONFIG not in ttft_specs.build_specs(
+        args(), tmp_path / "model", tmp_path, lengths, url)  # no proxy: no row
+    assert workload.SLOW_REMOTE_CONFIG not in ttft_specs.build_specs(
+        args(), tmp_path / "model", tmp_path, lengths, slow_remote_url=slow_url)  # no Redis
+    specs = ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, lengths, url,
+                                   slow_remote_url=slow_url)
+    spec, writer = specs[workload.SLOW_REMOTE_CONFIG], specs["tieredkv_remote_writer"]
+    extra = spec["kv_transfer_config"]["kv_connector_extra_config"]
+    writer_extra = writer["kv_transfer_config"]["kv_connector_extra_config"]
+    # The same keys as replica A wrote, through the proxy; replica B's host tier (one prompt);
+    # a deadline the slow reads meet (a timed-out read would be a failure, not a decline).
+    assert extra["remote_url"] == slow_url and "disk_path" not in extra and "cost_model" not in extra
+    assert extra["remote_key_prefix"] == writer_extra["remote_key_prefix"]
+    assert extra["host_bytes"] == writer_extra["host_bytes"]
+    assert extra["remote_timeout_s"] == workload.SLOW_REMOTE_TIMEOUT_S > runner.default_remote_timeout_s()
+    # Cold prompts (the prefill rate), then remote hits of A and B (never computed here).
+    from tieredkv.scheduler.policies import MIN_SAMPLES
+
+    gens = [p for p in spec["setup"] if p["kind"] == "generate"]
+    cold = [p["prompt"] for p in gens if p["label"].startswith("cold")]
+    learned = [p["prompt"] for p in gens if p["label"].startswith("learn")]
+    assert len(cold) >= MIN_SAMPLES and all(len(spec["prompts"][c]) >= workload.CHUNK_TOKENS for c in cold)
+    assert len(learned) >= MIN_SAMPLES and set(learned) == {"A", "B"} and learned[-1] == "B"
+    assert {p["prompt"] for p in gens} == {"warmup", *cold, "A", "B"}
+    assert workload.SLOW_REMOTE_CONFIG in ttft_specs.OWN_ROUND_NUMBERS
+    # A fresh filler before each measured hit takes every host slot: the hit is in Redis only.
+    rounds = [[(p["prompt"], p["label"]) for p in ttft_specs.round_phases(spec, i)
+               if p["kind"] == "generate"] for i in range(10)]
+    assert rounds[0] == [("F0", "fill0"), ("A", "hit0")] and rounds[1] == [("F1", "fill1"), ("B", "hit1")]
+    fillers = {r[0][0] for r in rounds}
+    assert len(fillers) == 10 and all(len(spec["prompts"][f]) == lengths["A"] for f in fillers)
+    others = [p for c, s in specs.items() if c != workload.SLOW_REMOTE_CONFIG
+              for n, p in s["prompts"].items() if n not in ("warmup", "A", "B")]
+    assert not any(spec["prompts"][n] in others for n in (*fillers, *cold))  # in no other row
+
+
+def slow_redis(declined: str | None = judging.DECLINED_REMOTE[0], cached: int = 0) -> dict:
+    records = [record("learn0", "A", 6.0, 3968, hit_tokens_remote=3968)]
+    for i in range(4):
+        counters = {declined: 1} if declined else {"hit_tokens_remote": 3968}
+        records.append(record(f"fill{i}", "F", 1.4, 0, 1.4))
+        records.append(record(f"hit{i}", "AB"[i % 2], 1.45, cached if declined else 3968, 1.4,
+                              **counters))
+    return {"records": records}
+
+
+def slow_rows(**slow: dict) -> dict:
+    recompute = {"records": [record("recompute0", "A", 1.4, 0, 1.4),
+                             record("recompute1", "B", 1.3, 0, 1.3)]}
+    return {c: judging.summarize(c, r, EXPECTED, EXPECTED)
+            for c, r in {"recompute": recompute, **slow}.items()}
+
+
+def test_slow_redis_hits_must_be_declined_and_are_judged_against_recompute():
+    config = workload.SLOW_REMOTE_CONFIG
+    for reason in judging.DECLINED_REMOTE:  # declined once the probe answered, or at the probe
+        rows = slow_rows(**{config: slow_redis(reason)})
+        assert rows[config]["hit_ok"] and rows[config]["explored_runs"] == 0, reason
+        assert rows[config]["learning_s"] == [6.0] and rows[config]["learning_hit_tokens"] == [3968]
+        (v,) = targets.slow_verdicts(rows)
+        assert v["target"] == "slow Redis <= 1.1 x recompute" and v["config"] == config
+        assert v["worse_ratio"] == pytest.approx(1.45 / 1.35) and v["factor"] == 1.1 and v["pass"]
+    taken = slow_rows(**{config: slow_redis(None)})
+    assert not taken[config]["hit_ok"]
+    assert "4 run(s) without a declined remote hit" in taken[config]["problems"][0]
+    (v,) = targets.slow_verdicts(taken)
+    assert not v["pass"] and v["note"].startswith("not declined as it should be")
+    # A disk decline does not count for Redis; one explored chunk is allowed, more is not.
+    assert not slow_rows(**{config: slow_redis(judging.DECLINED_DISK)})[config]["hit_ok"]
+    assert slow_rows(**{config: slow_redis(cached=512)})[config]["hit_ok"]
+    loaded = slow_rows(**{config: slow_redis(cached=1024)})[config]
+    assert not loaded["hit_ok"] and "loaded from the slow remote" in loaded["problems"][0]
+    # Slower than 1.1 x recompute although declined: a FAIL, in the exit status.
+    slow = slow_redis()
+    for r in slow["records"]:
+        r["seconds"] *= 1.2
+    (v,) = targets.slow_verdicts(slow_rows(**{config: slow}))
+    assert v["worse_ratio"] == pytest.approx(1.74 / 1.35) and not v["pass"]
+    assert judging.exit_status({"rows": {}, "remote": {}, "verdicts": [v]}) == 1
+
+
+def test_the_report_states_row_6c_its_delay_and_its_verdict():
+    config = workload.SLOW_REMOTE_CONFIG
+    rows = slow_rows(**{config: slow_redis()})
+    payload = {"rows": rows, "params": {
+        "slow_disk": {"skipped": "--no-slow-disk"},
+        "slow_remote": {"proxy_delay_s": 0.005, "block_bytes": 16384, "remote_timeout_s": 30.0,
+                        "learning_hits": 4}}}
+    text = targets.slow_rows_text(payload)
+    assert "**Row 5c (slow disk) not run**: --no-slow-disk." in text
+    assert "**Row 6c, a slow Redis.**" in text and "`remote_timeout_s` 30 s" in text
+    assert "every 16 KiB block of a value it sends back 0.005 s first (0.32 s per MiB" in text
+    assert "4 unmeasured remote hits" in text and "their TTFTs 6,000.0 ms, recompute's median 1,350.0 ms" in text
+    assert targets.slow_row_hit(config, rows[config]) == (
+        "declined, every run (0 run(s) still loaded a remote chunk)")
+    assert targets.slow_row_hit("tieredkv_remote", rows[config]) is None
+    table = targets.verdict_table(targets.slow_verdicts(rows))
+    assert "| slow Redis <= 1.1 x recompute | 1.1 x recompute | 1.07 | n/a | **1.07** vs 1.10 | **PASS** |" in table
+    skipped = {"rows": {"recompute": rows["recompute"]},
+               "params": {"slow_remote": {"skipped": "needs row 6 (no redis-server)"}}}
+    assert "**Row 6c (slow Redis) not run**: needs row 6 (no redis-server)." in targets.slow_rows_text(skipped)
+
+
+def test_row_6c_proxy_reaches_row_6s_redis_and_delays_values(fresh_server, tmp_path):
+    import redis as redis_py
+
+    server = fresh_server()
+    direct = redis_py.Redis(host="127.0.0.1", port=server.port)
+    direct.set("e2e:0", b"v" * (1 << 20))
+    direct.close()
+    proxy = runner.start_slow_proxy(server, tmp_path, 0.0)
+    try:
+        assert (tmp_path / "redis-is-slow").exists()  # throttled for the whole run
+        via = redis_py.Redis.from_url(proxy.url)
+        assert via.get("e2e:0") == b"v" * (1 << 20) and via.exists("e2e:0") == 1
+        via.close()
+    finally:
+        proxy.close()

@@ -237,7 +237,7 @@ def test_the_plot_draws_the_new_rows(tmp_path):
     from benchmarks.ttft import plot
 
     rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"), tieredkv_slow_disk=slow_disk(),
-                lmcache_vllm_prefix=hit_rounds(0.2, None))
+                tieredkv_slow_remote=slow_disk(), lmcache_vllm_prefix=hit_rounds(0.2, None))
     payload = {"rows": rows, "machine": {"cpu": "test cpu"}, "lmcache": {},
                "raw_disk_read": {"gb_per_s": 1.0},
                "params": {"kv_bytes": 4 << 20, "prompt_lengths": LENGTHS, "expected_hit_tokens": FLOOR}}
