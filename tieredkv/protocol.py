@@ -10,7 +10,6 @@ to mutate on the way, and never holding a tensor. A job names the request it ser
 
 Block ids are device (vLLM) block ids; slots are host-pool or slab-file slots. Position ``j``
 of a host slot holds block ``j`` of its chunk, for every layer (see ``transfer.kv_views``).
-
 The enums are ``StrEnum`` so their values are the names that appear in metrics and configs.
 
 A job's ``rows`` name a device block per row of its slot; :class:`SlotRows` (at the end) is
@@ -24,15 +23,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-# A slot row with no device block: a row of a sliding-window group that a store did not keep,
-# or a load does not fill. Never copied (see :class:`SlotRows`).
+# A slot row with no device block (a sliding-window row not kept or filled): never copied.
 NO_BLOCK = -1
 
 
 class Tier(StrEnum):
-    """Where a chunk's KV is kept: the workers' host pools, their slab files, the shared store.
-
-    The values are the ``tier`` label of the metrics and the tier names in the stats."""
+    """Where a chunk's KV is kept: the workers' host pools, their slab files, the shared store
+    (the values: the ``tier`` label of the metrics, the tier names in the stats)."""
 
     HOST = "host"
     DISK = "disk"
@@ -78,6 +75,11 @@ class Move(StrEnum):
     def touches_device(self) -> bool:
         return Medium.DEVICE in _MEDIA[self]
 
+    @property
+    def brings_up(self) -> bool:
+        """A load, promotion or remote read: bytes toward the device, that a request waits for."""
+        return self in _BRINGS_UP
+
     @classmethod
     def between(cls, src: Medium, dst: Medium) -> Move:
         """The move from ``src`` to ``dst``; ValueError for a pair nothing carries."""
@@ -97,6 +99,7 @@ _MEDIA: dict[Move, tuple[Medium, Medium]] = {
 }
 _MOVE_OF = {media: move for move, media in _MEDIA.items()}
 _DIRECTION = {Move.STORE: "d2h", Move.LOAD: "h2d", Move.PROMOTE: "restore"}
+_BRINGS_UP = frozenset({Move.LOAD, Move.PROMOTE, Move.REMOTE_READ})
 
 
 class FailureCause(StrEnum):
@@ -118,7 +121,7 @@ class FailureCause(StrEnum):
     UNAVAILABLE = "unavailable"        # the remote tier is known to be down: no network call
 
 
-# The ``cause`` label set of the failure counters (``dropped`` is counted as its own series).
+# The failure counters' ``cause`` labels (``dropped`` is counted as its own series).
 FAILURE_CAUSES: tuple[str, ...] = tuple(
     c.value for c in FailureCause if c not in (FailureCause.DROPPED, FailureCause.UNAVAILABLE)
 )
@@ -216,12 +219,11 @@ Place = DeviceBlocks | HostSlot | HostChunks | DiskSlot | RemoteShard
 
 @dataclass(frozen=True)
 class Job:
-    """Move bytes from ``src`` to ``dst``; the pair of media is its :attr:`move`.
-
-    ``key`` is the chunk it moves (a load names each chunk's in :class:`HostChunks`);
-    ``req_id`` the request it serves, or None for jobs that serve a tier (spills, remote
-    writes). The named constructors (:meth:`store`, :meth:`spill`, ...) build the six pairs
-    the worker carries; any other pair is refused."""
+    """Move bytes from ``src`` to ``dst``; the pair of media is its :attr:`move`. ``key``:
+    the chunk it moves (a load names each chunk's in :class:`HostChunks`); ``req_id``: the
+    request it serves, or None for jobs that serve a tier (spills, remote writes). The named
+    constructors (:meth:`store`, :meth:`spill`, ...) build the six pairs the worker carries;
+    any other pair is refused."""
 
     job_id: int
     src: Place
@@ -262,8 +264,7 @@ class Job:
     @classmethod
     def store(cls, job_id: int, key: bytes, host_slot: int, block_ids: tuple[int, ...],
               req_id: str | None = None) -> Job:
-        """d2h: device blocks -> host slot (block j -> position j; fewer ids than a chunk: a
-        prompt's tail)."""
+        """d2h: device blocks -> host slot (block j -> position j; fewer: a prompt's tail)."""
         return cls._made(Move.STORE, job_id, DeviceBlocks(tuple(block_ids)), HostSlot(host_slot), key, req_id)
 
     @classmethod
@@ -289,8 +290,8 @@ class Job:
     @classmethod
     def remote_read(cls, job_id: int, key: bytes, host_slot: int,
                     req_id: str | None = None, rows: int = 0) -> Job:
-        """Shared store -> host slot (``rows``: a tail's rows, 0: a whole chunk); promised
-        only after every rank reported it done."""
+        """Shared store -> host slot (``rows``: a tail's, 0: a whole chunk's), promised once
+        every rank reported it done."""
         return cls._made(Move.REMOTE_READ, job_id, RemoteShard(rows), HostSlot(host_slot), key, req_id)
 
     @classmethod
@@ -305,7 +306,6 @@ class Job:
 @dataclass(frozen=True)
 class JobResult:
     """What happened to one job: one rank's report, or several merged (:meth:`merged`).
-
     ``ok``/``failed`` count ranks. ``failure`` is a :class:`FailureCause` value (the first one
     reported). For a failed load, ``failed_block_ids`` are exactly the device blocks of the
     chunks that did not load: the failed chunk and every chunk after it (a prefix with a hole

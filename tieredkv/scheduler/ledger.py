@@ -30,9 +30,6 @@ if TYPE_CHECKING:  # PlannerParts' annotations only: the fill path (lower_tier) 
     from tieredkv.scheduler.remote_tier import RemoteTier
 
 logger = logging.getLogger(__name__)
-_BRINGING_UP = frozenset({Move.LOAD, Move.PROMOTE, Move.REMOTE_READ})
-
-
 @dataclass(slots=True)
 class PendingHit:
     """A lookup's answer, its host chunks pinned until vLLM allocates blocks for it."""
@@ -205,7 +202,7 @@ class JobLedger:
 
     def bringing_up(self) -> bool:
         """Whether a load, promotion or remote read (bytes a request waits for) is in flight."""
-        return any(job.move in _BRINGING_UP for job in self._jobs.values())
+        return any(job.move.brings_up for job in self._jobs.values())
 
     # ------------------------------------------------------------------ results
 

@@ -27,7 +27,7 @@ import torch
 
 from tieredkv.config import TieredKVConfig
 from tieredkv.disk.format import slot_counts
-from tieredkv.protocol import JobResult, Medium, Move, merge_results
+from tieredkv.protocol import JobResult, Move, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm.geometry import engine_geometry
 from tieredkv.vllm.metadata import IDLE_WAIT_S, TieredKVMetadata, TieredKVWorkerMetadata
@@ -177,8 +177,8 @@ class WorkerHalf:
         for job in jobs:
             if job.move is Move.LOAD:
                 self._load_reqs[job.job_id] = job.req_id
-            if job.move.dst is not Medium.DISK and job.move.dst is not Medium.REMOTE:
-                self._awaited.add(job.job_id)  # loads and fills bring bytes up: a request waits
+            if job.move.brings_up:
+                self._awaited.add(job.job_id)  # a request waits for these bytes
         if jobs:
             if not self.inline_host_loads:
                 inline_max = 0
