@@ -389,7 +389,7 @@ def main() -> int:
                         help="skip the slow-Redis row (6c; it runs with row 6 only)")
     parser.add_argument("--slow-remote-delay", type=float, default=None, metavar="S",
                         help="row 6c: seconds the proxy holds each 16 KiB block of a value "
-                             "(default per shape: 0.005 tiny, 0.0005 8b-kv; a prompt's read "
+                             "(default per shape: 0.01 tiny, 0.0005 8b-kv; a prompt's read "
                              "several times its recompute)")
     parser.add_argument("--no-lmcache", action="store_true",
                         help="skip the LMCache peer row (row 7; it needs .venv-lmcache, built by "

@@ -234,7 +234,10 @@ def slow_remote_text(payload: dict[str, Any]) -> str:
         return f"**Row 6c (slow Redis) not run**: {info.get('skipped', 'not selected')}."
     delay = info.get("proxy_delay_s")
     block = info.get("block_bytes", 16384)
-    learned = rows[SLOW_REMOTE_CONFIG].get("learning_s") or []
+    row = rows[SLOW_REMOTE_CONFIG]
+    learned = ", ".join(
+        f"{fmt_ms(x)} ms ({f'{n:,} tokens read' if n else 'declined'})"
+        for x, n in zip(row.get("learning_s") or [], row.get("learning_hit_tokens") or [], strict=False))
     recompute = (rows.get("recompute") or {}).get("median_s")
     rate = (f" ({delay * MiB / block:.2f} s per MiB on one connection)"
             if isinstance(delay, (int, float)) else "")
@@ -245,9 +248,9 @@ def slow_remote_text(payload: dict[str, Any]) -> str:
             f"{block // 1024} KiB block of a value it sends back {delay if delay is not None else '?'} "
             f"s first{rate}; probes and writes pass. The cost model is on (the default). "
             f"{info.get('learning_hits', '?')} unmeasured remote hits first teach it the read "
-            "time (taken: nothing known yet"
-            + (f"; their TTFTs {', '.join(fmt_ms(x) for x in learned)} ms, recompute's "
-               f"median {fmt_ms(recompute)} ms" if learned else "")
+            "time (taken while nothing is known"
+            + (f"; their TTFTs {learned}, against recompute's median {fmt_ms(recompute)} ms"
+               if learned else "")
             + "); before each measured hit a fresh prompt takes every host slot, so the hit is "
             "in Redis only, and it must be declined (counted in `hits_declined{tier=\"remote\"}`, "
             "`reason=\"slower_than_recompute\"` or, not waited for at the probe, "

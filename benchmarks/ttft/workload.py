@@ -38,7 +38,7 @@ MODEL = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
 # cache still fits the machine's memory beside the others'.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"model": MODEL, "prompt_tokens": {"quick": 4000, "full": 8000},
-             "slow_disk_read_delay_s": 0.5, "slow_remote_delay_s": 0.005},
+             "slow_disk_read_delay_s": 0.5, "slow_remote_delay_s": 0.01},
     "8b-kv": {"model": {"hidden_size": 256, "num_layers": 32, "num_heads": 8, "num_kv_heads": 8,
                         "head_dim": 128},
               "prompt_tokens": {"quick": 1500, "full": 3000},
@@ -83,11 +83,12 @@ SLOW_REMOTE_TARGET = 1.1  # a hit from a Redis slower than recompute <= 1.1 x re
 
 # The slow-Redis row (6c): its engine reaches replica A's Redis through a throttling loopback
 # proxy (``tieredkv.testing.throttled_proxy``, started by the parent) that delays every 16 KiB
-# block of a value it sends back this long: 1.3 s per 4 MiB chunk of the tiny model on one
-# connection (a prompt read on two at once: ~5 s against ~1.5 s to recompute it), 2 s per
-# 64 MiB chunk on 8b-kv (per shape: ``MODEL_SHAPES[...]["slow_remote_delay_s"]``;
-# ``--slow-remote-delay``). Probes and writes (short replies) are not delayed.
-SLOW_REMOTE_DELAY_S = 0.005
+# block of a value it sends back by its shape's ``slow_remote_delay_s`` (``MODEL_SHAPES``;
+# ``--slow-remote-delay``). Tiny, 0.01 s: 2.6 s per 4 MiB chunk on one connection (a
+# 4,000-token prompt read on two at once: ~10 s, against ~2 s to recompute it, ~4.5 s on a
+# loaded box; at 0.005 s its read, 4.7 s, was predicted only 1.12 x a loaded recompute, a
+# margin one busier moment would close). 8b-kv, 0.0005 s: 2 s per 64 MiB chunk. Probes and
+# writes (short replies) are not delayed.
 
 
 # The slow-Redis row's ``remote_timeout_s``: its reads take seconds, and at the default

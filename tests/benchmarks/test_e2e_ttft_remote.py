@@ -230,7 +230,8 @@ def test_row_6c_reads_replica_as_redis_through_a_throttling_proxy(tmp_path):
 
 
 def slow_redis(declined: str | None = judging.DECLINED_REMOTE[0], cached: int = 0) -> dict:
-    records = [record("learn0", "A", 6.0, 3968, hit_tokens_remote=3968)]
+    records = [record("learn0", "A", 6.0, 3968, hit_tokens_remote=3968),
+               record("learn1", "B", 1.3, 0, hits_declined_slower_than_recompute_remote=1)]
     for i in range(4):
         counters = {declined: 1} if declined else {"hit_tokens_remote": 3968}
         records.append(record(f"fill{i}", "F", 1.4, 0, 1.4))
@@ -251,7 +252,8 @@ def test_slow_redis_hits_must_be_declined_and_are_judged_against_recompute():
     for reason in judging.DECLINED_REMOTE:  # declined once the probe answered, or at the probe
         rows = slow_rows(**{config: slow_redis(reason)})
         assert rows[config]["hit_ok"] and rows[config]["explored_runs"] == 0, reason
-        assert rows[config]["learning_s"] == [6.0] and rows[config]["learning_hit_tokens"] == [3968]
+        assert rows[config]["learning_s"] == [6.0, 1.3]
+        assert rows[config]["learning_hit_tokens"] == [3968, 0]
         (v,) = targets.slow_verdicts(rows)
         assert v["target"] == "slow Redis <= 1.1 x recompute" and v["config"] == config
         assert v["worse_ratio"] == pytest.approx(1.45 / 1.35) and v["factor"] == 1.1 and v["pass"]
@@ -285,7 +287,9 @@ def test_the_report_states_row_6c_its_delay_and_its_verdict():
     assert "**Row 5c (slow disk) not run**: --no-slow-disk." in text
     assert "**Row 6c, a slow Redis.**" in text and "`remote_timeout_s` 30 s" in text
     assert "every 16 KiB block of a value it sends back 0.005 s first (0.32 s per MiB" in text
-    assert "4 unmeasured remote hits" in text and "their TTFTs 6,000.0 ms, recompute's median 1,350.0 ms" in text
+    assert "4 unmeasured remote hits" in text
+    assert ("their TTFTs 6,000.0 ms (3,968 tokens read), 1,300.0 ms (declined), against "
+            "recompute's median 1,350.0 ms") in text
     assert targets.slow_row_hit(config, rows[config]) == (
         "declined, every run (0 run(s) still loaded a remote chunk)")
     assert targets.slow_row_hit("tieredkv_remote", rows[config]) is None
