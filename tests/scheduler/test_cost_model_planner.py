@@ -141,12 +141,32 @@ def test_a_request_waits_for_the_remote_probe_no_longer_than_the_hit_could_save(
     clock.now += 0.002
     assert planner.lookup("a", keys, 0, len(tokens)) == 0
     assert not planner.take_plan().of(Move.REMOTE_READ)
+    # The decline is counted once the answer shows Redis held the prompt (it did).
+    store.release()
+    planner.finished("a")
     assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
     # A prompt host already covers is never made to wait for the probe: no probe is sent.
     store_prompt(planner, "w", tokens)
     sent = len(store.calls)
     assert planner.lookup("b", keys, 0, len(tokens)) == 10 * CHUNK_TOKENS
     assert len(store.calls) == sent
+
+
+def test_a_request_redis_has_nothing_for_is_no_declined_hit_when_its_probe_is_not_waited_for():
+    # A cold prompt, asked while its probe is out: the wait is cut short as for a hit, but the
+    # answer says Redis held nothing, so no hit was declined (unanswered: not counted either).
+    clock = Clock()
+    planner, store, _ = slow_probe_planner(clock)
+    for req, n in (("cold", 1), ("never-answered", 2)):
+        cold = [t + 500_000 * n for t in range(10 * CHUNK_TOKENS + 1)]
+        keys = keys_for(cold)
+        assert planner.lookup(req, keys, 0, len(cold)) is None
+        clock.now += 0.011
+        assert planner.lookup(req, keys, 0, len(cold)) == 0
+        if req == "cold":
+            store.release()
+        planner.finished(req)
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 0
 
 
 def test_with_the_cost_model_off_the_probe_deadline_alone_bounds_the_wait():

@@ -119,7 +119,8 @@ METRIC_SPECS: dict[str, MetricSpec] = {
         "hits_declined", COUNTER,
         "Lower-tier hits not taken, once per request and tier: slower_than_recompute (its "
         "read was predicted slower than recomputing its tokens: the request computes them), "
-        "probe_wait_over_saving (the remote probe took longer than the hit could save).",
+        "probe_wait_over_saving (the remote probe took longer than the hit could save; "
+        "counted when the request ends, once the probe's answer shows Redis held more).",
         "tier", TIERS, label2="reason", values2=DECLINE_REASONS),
     "partial_hits": _spec(
         "partial_hits", COUNTER,

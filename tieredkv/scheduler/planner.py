@@ -235,6 +235,8 @@ class Planner:
         """The request finished; True when its blocks must wait for in-flight stores."""
         self.cost.forget(req_id)
         if self.remote is not None:
+            if self._lookup.remote_hits is not None:
+                self._lookup.remote_hits.settle(req_id)
             self.remote.forget(req_id)
         state = self._requests.get(req_id)
         if state is None:

@@ -40,7 +40,8 @@ and fast again, is logged once (a warning each way).
 The remote probe: a request waits for its probe (:meth:`may_wait_for_probe`) no longer than
 what the remote hit could save (recomputing the rest of the prompt minus reading it), never
 longer than ``remote_timeout_s`` (the probe's own deadline); past that, the request
-computes the rest (``hits_declined{tier="remote", reason="probe_wait_over_saving"}``). A
+computes the rest (``hits_declined{tier="remote", reason="probe_wait_over_saving"}``, counted
+when the request ends if the answer shows Redis held more: ``RemoteHits.settle``). A
 remote tier known slower than recomputing saves nothing, so its probe is not waited for at
 all, except when the tier is due to be explored (then the wait is bounded by the recompute
 time alone, and the lookup explores one chunk).
@@ -488,10 +489,7 @@ class CostModel:
             saving = recompute  # known slower, but due to be explored: let the probe answer
         if self.probe_timeout_s:
             saving = min(saving, self.probe_timeout_s)
-        if now - since <= saving:
-            return True
-        self._counters[Count.HITS_DECLINED_PROBE_WAIT, tier] += 1
-        return False
+        return now - since <= saving  # False: counted once the answer shows a hit
 
     def forget(self, req_id: str) -> None:
         """The request finished: drop its sticky declines and probe wait."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tieredkv.metrics.specs import Count
 from tieredkv.protocol import Tier
 from tieredkv.scheduler.ledger import PlannerParts, RequestState
 from tieredkv.scheduler.remote_tier import INNER_TAIL, RemoteTier, tail_keys
@@ -39,6 +40,11 @@ class RemoteHits:
         self.unit = self.chunk_tokens if parts.slot_rows is not None else parts.block_size
         self.host, self.lower = parts.host, parts.lower
         self._cost = parts.cost
+        self._counters = parts.counters
+        # Probes a request stopped waiting for: (probe id, its keys, its tail, chunks before the
+        # remote part). A decline is counted once the answer shows the tier held more: a
+        # request the tier had nothing for declined no hit (a cold prompt while Redis is slow).
+        self._unanswered: dict[str, list[tuple[str, list[bytes], tuple[bytes, ...], int]]] = {}
         # The lookup's own partial-chunk search (``Fill.usable_blocks`` and its partial source).
         self._usable_blocks, self._partial = usable_blocks, partial
 
@@ -80,6 +86,7 @@ class RemoteHits:
         if found is None and self._cost is not None and not self._cost.may_wait_for_probe(
                 req_id, Tier.REMOTE,
                 block_limit - self._served(keys, i, last, num_computed_tokens, block_limit), reads):
+            self._unanswered.setdefault(req_id, []).append((req_id, list(chunk_keys[:last]), tail, i))
             found = i  # waited longer than a remote hit could save: compute the rest
             tail = ()
         if found is None:
@@ -105,12 +112,23 @@ class RemoteHits:
                     if self._cost is None or self._cost.may_wait_for_probe(
                             req_id, Tier.REMOTE, len(inner) * self.block_size, 1):
                         return None
+                    self._unanswered.setdefault(req_id, []).append(
+                        (tail_id, list(chunk_keys[:end]), inner, end))
                 else:
                     remote_tail = self.remote.found_tail(tail_id, inner)
-                self.remote.forget(tail_id)
+                    self.remote.forget(tail_id)
         state.remote_done = True
-        self.remote.forget(req_id)
+        if not any(probe_id == req_id for probe_id, *_ in self._unanswered.get(req_id, ())):
+            self.remote.forget(req_id)
         return chunks, remote_tail
+
+    def settle(self, req_id: str) -> None:
+        """The request finished: a probe it stopped waiting for counts as a declined hit if
+        its answer (come by now, or never) shows the tier held more than was served."""
+        for probe_id, keys, tail, served in self._unanswered.pop(req_id, ()):
+            found = self.remote.poll(probe_id, keys, tail)
+            if found is not None and (found > served or self.remote.probe.tail_blocks(probe_id)):
+                self._counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] += 1
 
     def usable_tail(
         self, tail: tuple[bytes, int], chunk: int, block_limit: int, num_computed_tokens: int,
