@@ -80,6 +80,7 @@ from benchmarks.replicas.workload import (
     kv_config,
     level_conversations,
     prompt_lengths,
+    replica_cpu_env,
 )
 from benchmarks.serve.servers import apply_server_env, server_args
 from benchmarks.serve.workload import (
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers = {
         config: [Server(model, kv_config(host_bytes, redis.url if config == "shared_remote" else None,
                                          args.remote_timeout_s),
-                        workdir / "logs" / f"{config}-{i}.log", extra_args=extra)
+                        workdir / "logs" / f"{config}-{i}.log", extra_args=extra, env=replica_cpu_env(i))
                  for i in range(REPLICAS)]
         for config in CONFIGS
     }
@@ -197,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "configs": {c: {"label": CONFIG_LABELS[c], "kv_transfer_config": servers[c][0].kv_config}
                     for c in CONFIGS},
         "server_args": extra, "server_env": server_env, "layout": layout, "redis": redis_info,
+        "replica_env": [replica_cpu_env(i) for i in range(REPLICAS)],
         "wall_s": time.monotonic() - started_wall,
         "rounds": rounds, "schedule": done.slots,
         "results": results, "ratios": ratios, "checks": check_rows, "targets": target_rows,

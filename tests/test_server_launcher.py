@@ -39,3 +39,22 @@ def test_a_process_that_never_answers_times_out(tmp_path):
     finally:
         stop_process_group(proc, 5)
     assert proc.poll() is not None
+
+
+def test_a_servers_own_environment_reaches_its_process_over_this_ones(tmp_path, monkeypatch):
+    """Each replica of a run gets its own CPU binding this way (benchmarks/multi_replica.py)."""
+    from tieredkv.tools.vllm_server import Server
+
+    dump = tmp_path / "env.txt"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\nenv > {dump}\nexit 3\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    monkeypatch.setenv("TIEREDKV_LAUNCHER_TEST", "inherited")
+    server = Server(tmp_path / "model", None, tmp_path / "log", python=fake_python,
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    with pytest.raises(RuntimeError, match="exited during start-up"):
+        server.start(timeout_s=60)
+    seen = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
+    assert seen["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert seen["TIEREDKV_LAUNCHER_TEST"] == "inherited"

