@@ -354,3 +354,29 @@ def test_the_probe_wait_is_bounded_by_what_the_remote_hit_could_save():
     assert cost.may_wait_for_probe("d", REMOTE, 640_000, 10)
     clock.now = start + 0.51
     assert not cost.may_wait_for_probe("d", REMOTE, 640_000, 10)
+
+
+def test_a_tier_flapping_near_break_even_is_not_a_log_flood(caplog):
+    """Reads with a fixed latency: one-chunk hits lose to recomputing, twenty-chunk hits win,
+    so the tier turns with every request's size. Three warnings a minute at most; the next
+    one, once the minute has passed, says how many turns went unlogged and where it stands."""
+    clock = Clock()
+    cost = model(clock)
+    learn_rate(cost, clock, 64_000)  # a chunk recomputes in 1 ms
+    for chunks in (1, 4, 8):  # 5 ms latency + 0.1 ms per chunk
+        learn_reads(cost, clock, DISK, 0.005 + 0.0001 * chunks, chunks=chunks, rounds=1)
+
+    def ask(req: str, chunks: int) -> int:
+        run = [b"h0", *(b"d%d" % j for j in range(1, chunks + 1))]
+        return keep(cost, req, run, ((DISK, set(run[1:])),), (chunks + 1) * CHUNK_TOKENS)
+
+    with caplog.at_level("WARNING", logger="tieredkv.scheduler.policies"):
+        for n in range(10):
+            assert ask(f"small{n}", 1) == 1  # declined
+            assert ask(f"big{n}", 20) == 21  # taken
+        assert len(caplog.records) == 3
+        clock.now += 61.0
+        assert ask("big-later", 20) == 21  # no turn: the state it is in, and the turns missed
+    assert [r.getMessage() for r in caplog.records][3] == (
+        "tieredkv: disk hits are taken again (a 20-chunk read predicted 0.007 s, recomputing "
+        "0.020 s); 17 turns since the last warning were not logged")

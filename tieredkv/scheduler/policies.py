@@ -7,44 +7,35 @@ Eviction: a policy orders opaque keys. The tier index tells it what became resid
 and left, and asks for a victim among the keys it may evict (pinned keys are skipped, not
 removed). All O(1) but ``victim``: O(1 + pinned keys it steps over from the cold end).
 
-The cost model: load a lower-tier hit only when it beats recomputing it.
+The cost model loads a lower-tier hit only when it beats recomputing it: a disk or a Redis
+that reads slower than the engine prefills makes a "hit" slower than a miss. It keeps running
+estimates from what the planner already sees, asked before each fill (:meth:`CostModel.affordable`):
 
-A disk or a Redis that reads slower than the engine prefills makes a "hit" slower than a
-miss. So the planner keeps running estimates, all from what it already sees, and asks before
-each fill (:meth:`CostModel.affordable`):
+* **Read time per tier** (disk, remote), from completed fill rounds (the chunks one lookup
+  sent to a tier at once, issue to the last one's report: what the request waited). Over the
+  last :data:`WINDOW` rounds, ``T = latency + n * chunk_bytes / bandwidth`` fitted by Theil-Sen
+  (medians: one stalled or lucky round moves nothing); rounds of one size only: the median
+  ``T / n``, latency 0.
+* **The engine's prefill rate** (tokens/s): a step's scheduled tokens over :meth:`step_scheduled`
+  (``build_connector_meta``) to :meth:`step_done` (its output, by number), steps of a chunk's
+  tokens or more only; the median of the last :data:`RATE_WINDOW`. A step's time holds its
+  loads and decodes too: the rate is if anything low, erring towards loading.
 
-* **Read time per tier** (disk, remote), from completed fill rounds: the chunks one lookup
-  sent to a tier at once, from issue to the report of the last of them (what the request
-  waited: the step that ships the jobs, the workers' read and verify, the report back). A
-  round of ``n`` chunks took ``T`` seconds; over the last :data:`WINDOW` rounds the model is
-  ``T = latency + n * chunk_bytes / bandwidth``, fitted by Theil-Sen (the median of pairwise
-  slopes, then the median intercept): medians, so one stalled or lucky round moves nothing.
-  Rounds of one size only: the slope is the median ``T / n`` and the latency 0.
-* **The engine's prefill rate** (tokens/s): a step's scheduled tokens over the time from
-  :meth:`step_scheduled` (``build_connector_meta``) to :meth:`step_done` (its own output, by
-  number). Only steps of a chunk's tokens or more count (decode steps measure latency); the
-  median of the last :data:`RATE_WINDOW`. A step's time also holds its loads and decode
-  tokens, so the rate is if anything low: the bias errs towards loading.
+The decision: a tier's chunks in a lookup's run are filled only when their predicted read time
+times ``1 + margin`` is at most the time to recompute from the first of them to the run's end;
+else the hit ends before them, counted in ``hits_declined{tier, reason="slower_than_recompute"}``
+once per request and tier, and the decline sticks. Until a tier and the rate both have
+:data:`MIN_SAMPLES` samples, every fill is allowed. While a tier is declined, one chunk is read
+every :data:`EXPLORE_INTERVAL_S` (exploration) so that a tier that recovers is used again: a
+round much faster than predicted starts its estimate over. A tier turning slow, and fast
+again, is logged (a warning each way; flapping near break-even, :data:`TURN_WARNINGS` a minute).
 
-The decision: the chunks of a tier in a lookup's run are filled only when their predicted read
-time, times ``1 + margin``, is at most the time to recompute the tokens from the first of
-them to the run's end; otherwise the run (the hit) ends before them and the request computes
-them, counted in ``hits_declined{tier, reason="slower_than_recompute"}`` once per request and
-tier. A request's decline sticks (asked again, it gets the same answer). Until a tier and
-the rate both have :data:`MIN_SAMPLES` samples, every fill is allowed (optimistic). While a
-tier is declined, one chunk is still read every :data:`EXPLORE_INTERVAL_S` (exploration), so
-that a tier that recovers is measured, and used, again: a round much faster than predicted
-starts its estimate over (optimistic again until it has the samples). A tier turning slow,
-and fast again, is logged once (a warning each way).
-
-The remote probe: a request waits for its probe (:meth:`may_wait_for_probe`) no longer than
-what the remote hit could save (recomputing the rest of the prompt minus reading it), never
-longer than ``remote_timeout_s`` (the probe's own deadline); past that, the request
+The remote probe: a request waits for it (:meth:`may_wait_for_probe`) no longer than the remote
+hit could save (recomputing the rest minus reading it) nor than ``remote_timeout_s``; then it
 computes the rest (``hits_declined{tier="remote", reason="probe_wait_over_saving"}``, counted
-when the request ends if the answer shows Redis held more: ``RemoteHits.settle``). A
-remote tier known slower than recomputing saves nothing, so its probe is not waited for at
-all, except when the tier is due to be explored (then the wait is bounded by the recompute
-time alone, and the lookup explores one chunk).
+when it ends if the answer shows Redis held more: ``RemoteHits.settle``). A remote tier known
+slower than recomputing saves nothing: its probe is not waited for, except when the tier is due
+to be explored (the wait bounded by the recompute time alone; one chunk explored).
 """
 
 from __future__ import annotations
@@ -64,10 +55,7 @@ logger = logging.getLogger(__name__)
 
 
 def _first_evictable(keys: Iterable[bytes], can_evict: Callable[[bytes], bool]) -> bytes | None:
-    for key in keys:
-        if can_evict(key):
-            return key
-    return None
+    return next((key for key in keys if can_evict(key)), None)
 
 
 class EvictionPolicy(ABC):
@@ -261,6 +249,7 @@ MIN_SAMPLES = 3  # below this, no estimate: every fill is allowed
 EXPLORE_INTERVAL_S = 5.0  # while a tier is declined, one chunk read this often
 DEFAULT_MARGIN = 0.2
 RECOVERED = 0.5  # a round this much faster than predicted: the tier changed, start over
+TURN_WARNINGS, TURN_WINDOW_S = 3, 60.0  # a tier's turns logged as warnings, at most, per window
 
 
 @dataclass(slots=True)
@@ -331,16 +320,17 @@ class CostModel:
         self._reads: dict[str, ReadEstimate] = {}
         self._rounds: dict[int, _Round] = {}
         self._rates: deque[float] = deque(maxlen=RATE_WINDOW)
-        # Steps scheduled, not yet reported: (number, time, tokens), oldest first. An output
-        # (async scheduling: step k+1 is scheduled before k's comes back) is paired with the
-        # step whose number the workers echo in it, else the oldest. A step of less than a
-        # chunk is never a sample: queued untimed (no clock read on a decode step).
+        # Steps scheduled, not yet reported: (number, time, tokens), oldest first; an output
+        # (async scheduling: k+1 is scheduled before k's comes back) is paired by the number
+        # the workers echo, else the oldest. Under a chunk: untimed (no clock read on decode).
         self._steps: deque[tuple[int, float, int]] = deque(maxlen=STEPS_IN_FLIGHT)
         self._step = 0  # the last step's number
         self._explored: dict[str, float] = {}
         self._exploring: set[str] = set()  # declined tiers due for a background read
         self._declined: dict[str, set[str]] = {}  # req_id -> tiers declined for it
         self._slow: set[str] = set()  # tiers whose last decision declined (logged at each turn)
+        self._warned: dict[str, deque[float]] = {}  # when each tier's last turns were logged
+        self._unlogged: dict[str, int] = {}  # turns past the warnings' rate, not logged yet
         self._probe_waits: dict[str, float] = {}
 
     # ------------------------------------------------------------------ observations
@@ -355,8 +345,7 @@ class CostModel:
                 self._rounds[job_id] = round_
 
     def fill_done(self, job_id: int, worker_s: float = 0.0) -> None:
-        """Every rank reported the fill job (ok or not: a failure took its time too);
-        ``worker_s``: its time on the slowest rank (0: not known)."""
+        """Every rank reported the fill job (ok or failed); ``worker_s``: its slowest rank's."""
         round_ = self._rounds.pop(job_id, None)
         if round_ is None:
             return
@@ -376,8 +365,7 @@ class CostModel:
         return self._step
 
     def step_done(self, step: int | None = None) -> None:
-        """Step ``step``'s output came back (None: the oldest's): a prefill-rate sample if it
-        computed a chunk's tokens or more. Older steps with no output are dropped."""
+        """Step ``step``'s output (None: the oldest's): a rate sample if it computed a chunk."""
         steps = self._steps
         while step is not None and steps and steps[0][0] < step:
             steps.popleft()
@@ -450,14 +438,8 @@ class CostModel:
         read = self.read_seconds(tier, chunks)
         recompute = self.recompute_seconds(tokens)
         allowed = read is None or recompute is None or read * (1 + self.margin) <= recompute
-        if allowed == (tier in self._slow):  # a turn, logged once: why hits stop, or resume
-            self._slow ^= {tier}
-            logger.warning(
-                "tieredkv: %s hits %s (a %d-chunk read predicted %s, recomputing %s)", tier,
-                "are taken again" if allowed else "predicted slower than recomputing them are "
-                f"declined; one chunk is read every {EXPLORE_INTERVAL_S:.0f} s to measure the "
-                "tier again", chunks, "n/a" if read is None else f"{read:.3f} s",
-                "n/a" if recompute is None else f"{recompute:.3f} s")
+        if allowed == (tier in self._slow) or self._unlogged.get(tier):
+            self._log_turn(tier, allowed, chunks, read, recompute)
         if allowed:
             return chunks
         self._declined.setdefault(req_id, set()).add(tier)
@@ -467,6 +449,27 @@ class CostModel:
             self._explored[tier] = now
             self._exploring.add(tier)
         return 0
+
+    def _log_turn(self, tier: str, allowed: bool, chunks: int, read: float | None,
+                  recompute: float | None) -> None:
+        """Why hits stop, or resume: a warning at each turn, at most :data:`TURN_WARNINGS` per
+        tier in :data:`TURN_WINDOW_S` (a tier near break-even turns with each request's size);
+        the next one says how many turns went unlogged, and the state the tier is in."""
+        turned = allowed == (tier in self._slow)
+        self._slow ^= {tier} if turned else set()
+        now, warned = self._clock(), self._warned.setdefault(tier, deque(maxlen=TURN_WARNINGS))
+        if len(warned) == TURN_WARNINGS and now - warned[0] < TURN_WINDOW_S:
+            self._unlogged[tier] = self._unlogged.get(tier, 0) + turned
+            return
+        warned.append(now)
+        unlogged = self._unlogged.pop(tier, 0)
+        logger.warning(
+            "tieredkv: %s hits %s (a %d-chunk read predicted %s, recomputing %s)%s", tier,
+            "are taken again" if allowed else "predicted slower than recomputing them are "
+            f"declined; one chunk is read every {EXPLORE_INTERVAL_S:.0f} s to measure the "
+            "tier again", chunks, "n/a" if read is None else f"{read:.3f} s",
+            "n/a" if recompute is None else f"{recompute:.3f} s",
+            f"; {unlogged} turns since the last warning were not logged" if unlogged else "")
 
     def take_explorations(self) -> set[str]:
         """Tiers due for an exploration read since the last call: the lookup reads one chunk
