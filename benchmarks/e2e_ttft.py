@@ -23,7 +23,9 @@ be as long as vLLM's own prefix-cache hit, every block but the one holding the l
    every slab read delayed (``TIEREDKV_FAULTS`` ``disk_read_delay_s``, per shape or
    ``--slow-disk-delay``), far slower than recomputing; after a few unmeasured disk hits
    teach the cost model (on, the default), each measured hit must be declined (counted; an
-   exploration reads its chunk aside, never on the request's path), so its TTFT is a recompute's;
+   exploration reads its chunk aside, never on the request's path), so its TTFT is a recompute's
+   (before each measured hit a fresh filler prompt of its length takes the host slots: its cold
+   run is the hit's same-engine recompute);
 8. ``tieredkv_remote`` (row 6 in the table): a hit from the shared remote tier (a real
    redis-server on loopback), the multi-replica case: one engine (replica A: small host
    tier, no disk, ``remote_url``) computes both prompts, which writes their chunks and tails
@@ -72,7 +74,8 @@ figure (row median over the floor row's median) and its same-engine one (each hi
 prefix-cache hit of the same prompt in the same engine right after), printed beside its limit:
 host hit <= 1.3 x floor; disk hits (5a, 5b) <= 1.3 x (floor + KV / raw disk bandwidth);
 remote hit <= 1.5 x floor; slow disk (5c) <= 1.1 x recompute; slow Redis (6c) <= 1.1 x
-recompute; host hit as a multiple of its
+recompute (for these two: the row median over recompute's, and each hit over the filler of
+its length computed cold right before it in the same engine); host hit as a multiple of its
 floor <= LMCache's hit as a multiple of LMCache's own floor (the better of LMCache's two
 figures; not judged when the LMCache rows are missing); hybrid host hit <= 1.3 x the hybrid
 floor. The hybrid disk hit <= 1.3 x (hybrid floor + hybrid KV / raw disk BW) is a reference

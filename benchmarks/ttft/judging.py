@@ -214,6 +214,8 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
             "problems": host_problems,
         }
     if config in SLOW_ROWS:  # runs that still loaded a chunk of the slow tier
+        if runs("fill"):  # the filler before each measured hit: its same-engine recompute
+            row["paired_recompute"] = paired_recompute(main, runs("fill"))
         hit_tokens = f"hit_tokens_{SLOW_ROWS[config][0]}"
         row["explored_runs"] = sum(1 for r in main if r["tieredkv"].get(hit_tokens, 0) > 0)
         learning = runs("learn")  # the unmeasured hits that taught the cost model (taken)
@@ -222,6 +224,29 @@ def summarize(config: str, result: dict[str, Any], expected_hit: dict[str, int],
     if config == "tieredkv_disk_restart" and main:
         row["first_after_restart_s"] = main[0]["seconds"]
     return row
+
+
+def paired_recompute(hits: list[dict[str, Any]], fills: list[dict[str, Any]]) -> dict[str, Any]:
+    """A slow row's same-engine recompute: fill{i}, a fresh prompt of hit{i}'s length computed
+    cold in the same engine right before it. ``ratio_median``: the median over rounds of
+    hit{i} / fill{i} (paired by round, in round order; a round without its fill is left out)."""
+    by_round = {r["label"][4:]: r for r in fills}
+    pairs = sorted(((int(h["label"][3:]), h, by_round[h["label"][3:]]) for h in hits
+                    if h["label"][3:] in by_round), key=lambda p: p[0])
+    ratios = [h["seconds"] / f["seconds"] for _, h, f in pairs if f["seconds"] > 0]
+    timed = [r for r in fills if r.get("forward_s") is not None]
+    return {
+        "median_s": median_of([r["seconds"] for r in fills]),
+        "forward_median_s": median_of([r["forward_s"] for r in timed]),
+        "overhead_median_s": median_of([r["seconds"] - r["forward_s"] for r in timed]),
+        "samples_s": [r["seconds"] for r in fills],
+        "num_cached_tokens": [r["num_cached_tokens"] for r in fills],
+        # a fill is a fresh prompt: nothing cached, or it is no recompute
+        "hit_ok": bool(fills) and not any(r["num_cached_tokens"] for r in fills),
+        "ratio_median": median_of(ratios),
+        "ratios": ratios,
+        "pairs_s": [(h["prompt"], h["seconds"], f["seconds"]) for _, h, f in pairs],
+    }
 
 
 def same_hits(row: dict[str, Any], floor_row: dict[str, Any]) -> bool:

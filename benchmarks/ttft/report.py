@@ -22,11 +22,13 @@ from benchmarks.ttft.judging import (
 )
 from benchmarks.ttft.plot import plot
 from benchmarks.ttft.targets import (
+    SUB_ROWS,
     lmcache_floor_text,
     print_lines,
     raw_get_markdown,
     slow_row_hit,
     slow_rows_text,
+    sub_row_hit,
     verdict_table,
 )
 from benchmarks.ttft.workload import (
@@ -123,12 +125,10 @@ def table_markdown(payload: dict[str, Any]) -> str:
                           (row.get("paired_floor") or {}).get("ratio_median"),
                           chunk_aligned=aligned,
                           numbers=config != LMCACHE_CONFIG or row["hit_ok"]))
-        for key, text in (("from_disk", "↳ same, files dropped from the page cache first (read from disk)"),
-                          ("host_hits_same_engine", "↳ host-tier hit of the same prompt, same engine, right after")):
+        for key, text in SUB_ROWS.items():  # the same engine's other runs, a line each
             extra = row.get(key)
             if extra:
-                ok = "yes" if extra["hit_ok"] else "**NO — FAIL**"
-                lines.append(line(text, extra, extra["samples_s"], ok))
+                lines.append(line(text, extra, extra["samples_s"], sub_row_hit(key, extra)))
     pf = {c: r["paired_floor"] for c, r in rows.items() if r.get("paired_floor")}
     paired_text = "; ".join(
         f"{c} {fmt_ms(v['median_s'])} ms (compute {fmt_ms(v['forward_median_s'])})" for c, v in pf.items()

@@ -151,8 +151,12 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         #     (taken: nothing known yet), teach the cost model the disk's speed; each measured
         #     hit must then be declined, so its TTFT is a recompute's. A declined prompt is
         #     computed, not stored again (it is on disk), so host would keep what it held: a
-        #     fresh filler prompt (F{i}, A's length) computed before each measured hit takes
-        #     every host slot, and the measured prompt is on disk only. The disk holds them all.
+        #     fresh filler prompt (F{i}) computed before each measured hit takes every host
+        #     slot, and the measured prompt is on disk only. The disk holds them all. F{i} is
+        #     as long as round i's measured prompt: its cold run is the hit's same-engine
+        #     recompute (a shorter B beside an A-long filler would flatter B's ratio), and B
+        #     takes as many host slots as A (random_b_length; a slot per entry, whatever its
+        #     size), so a filler of either length still fills the host tier.
         SLOW_DISK_CONFIG: {
             "prefix_caching": True,
             "kv_transfer_config": tieredkv_transfer_config(
@@ -162,7 +166,7 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 args, "slow_disk_delay", None) or SLOW_DISK_READ_DELAY_S})},
             "prompts": {**base["prompts"],
                         **{f"C{k}": make_prompt(11 + k, lengths["A"]) for k in range(SLOW_DISK_RATE_PROMPTS)},
-                        **{f"F{i}": make_prompt(1000 + i, lengths["A"]) for i in range(reps)}},
+                        **{f"F{i}": make_prompt(1000 + i, lengths["AB"[i % 2]]) for i in range(reps)}},
             "setup": [gen("warmup", "warmup"), drain, gen("A", "cold A"), drain,
                       gen("B", "cold B"), drain,
                       *[p for k in range(SLOW_DISK_RATE_PROMPTS) for p in (gen(f"C{k}", f"cold C{k}"), drain)],
@@ -198,8 +202,9 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         # 6c. a slow Redis: replica A's Redis (A and B in it) reached through a proxy that
         #     delays every value's bytes, the tiers as replica B's. As row 5c: cold prompts
         #     (the prefill rate) and remote hits (taken: nothing known yet) first, unmeasured,
-        #     teach the cost model; then before each measured hit a fresh filler prompt takes
-        #     every host slot, so the hit is in Redis only, and it must be declined.
+        #     teach the cost model; then before each measured hit a fresh filler prompt (as
+        #     long as the hit's: its same-engine recompute) takes every host slot, so the hit
+        #     is in Redis only, and it must be declined.
         specs[SLOW_REMOTE_CONFIG] = {
             "prefix_caching": True,
             "kv_transfer_config": tieredkv_transfer_config(
@@ -207,7 +212,7 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
                 remote_key_prefix=REMOTE_KEY_PREFIX, remote_timeout_s=SLOW_REMOTE_TIMEOUT_S),
             "prompts": {**base["prompts"],
                         **{f"C{k}": make_prompt(21 + k, lengths["A"]) for k in range(SLOW_DISK_RATE_PROMPTS)},
-                        **{f"F{i}": make_prompt(2000 + i, lengths["A"]) for i in range(reps)}},
+                        **{f"F{i}": make_prompt(2000 + i, lengths["AB"[i % 2]]) for i in range(reps)}},
             "setup": [gen("warmup", "warmup"), drain,
                       *[p for k in range(SLOW_DISK_RATE_PROMPTS) for p in (gen(f"C{k}", f"cold C{k}"), drain)],
                       *[p for k in range(SLOW_DISK_LEARNING_HITS)

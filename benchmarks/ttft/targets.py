@@ -10,7 +10,8 @@ as information; it does not decide.
 
 The targets: host hit <= 1.3 x floor; disk hits (5a, 5b) <= 1.3 x (floor + KV / raw disk BW);
 remote hit <= 1.5 x floor; a hit from a slow disk (5c), or from a slow Redis (6c), <= 1.1 x
-recompute (the cost model declines it); host hit, as a multiple of its floor, <= LMCache's hit as a multiple of LMCache's
+recompute (the cost model declines it; cross-engine against row 1, same-engine against the
+fresh prompt of the same length its round computes right before it); host hit, as a multiple of its floor, <= LMCache's hit as a multiple of LMCache's
 own floor (measured in LMCache's environment; the smaller of its two figures); the hybrid host
 hit <= 1.3 x the hybrid floor. The hybrid disk line is a reference (MISS, not in the exit
 status). A row whose hits did not happen FAILs; a target whose reference row (LMCache) is
@@ -107,7 +108,9 @@ def verdicts(rows: dict[str, dict[str, Any]], kv_bytes: int, disk_bw: float) -> 
 
 def slow_verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The slow rows present (5c disk, 6c Redis): each hit declined, so its TTFT <= 1.1 x
-    recompute (row median over recompute's median; no same-engine figure: nothing hit)."""
+    recompute, on the worse of cross-engine (row median over recompute's median, row 1) and
+    same-engine (median over rounds of hit{i} / fill{i}: the fresh prompt of the same length
+    computed cold in the row's own engine right before, :func:`~judging.paired_recompute`)."""
     out = []
     for config, what, factor in ((SLOW_DISK_CONFIG, "slow disk", SLOW_DISK_TARGET),
                                  (SLOW_REMOTE_CONFIG, "slow Redis", SLOW_REMOTE_TARGET)):
@@ -115,12 +118,14 @@ def slow_verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if slow is None:
             continue
         recompute = rows["recompute"]
-        ratio = (slow["median_s"] / recompute["median_s"]
+        cross = (slow["median_s"] / recompute["median_s"]
                  if slow.get("median_s") and recompute.get("median_s") else None)
+        same = (slow.get("paired_recompute") or {}).get("ratio_median")
+        worse = max((r for r in (cross, same) if r is not None), default=None)
         note = "" if slow["hit_ok"] else "not declined as it should be: " + "; ".join(slow["problems"])
         out.append(_entry(f"{what} <= {factor:g} x recompute", config, f"{factor:g} x recompute",
-                          factor, {"cross_engine_ratio": ratio, "same_engine_ratio": None,
-                                   "worse_ratio": ratio}, not note, note))
+                          factor, {"cross_engine_ratio": cross, "same_engine_ratio": same,
+                                   "worse_ratio": worse}, not note, note))
     return out
 
 
@@ -211,6 +216,13 @@ def lmcache_floor_text(rows: dict[str, dict[str, Any]]) -> str:
             f"environment): {fmt_or_na(theirs['cross_engine_ratio'])}.")
 
 
+# How the slow rows' TTFT is held against recompute (their row texts say it).
+_AGAINST_RECOMPUTE = ("row 1's median (cross-engine) and, in the row's own engine, the fresh "
+                      "prompt of the same length computed right before each hit (the filler that "
+                      "takes the host slots; same-engine: the median over rounds of hit / filler), "
+                      "the worse of the two deciding")
+
+
 def slow_disk_text(payload: dict[str, Any]) -> str:
     """Row 5c's set-up: the delay injected, the unmeasured hits that taught the cost model."""
     info = payload["params"].get("slow_disk") or {}
@@ -223,7 +235,7 @@ def slow_disk_text(payload: dict[str, Any]) -> str:
             "the disk's speed; each measured hit must then be declined (counted in "
             "`hits_declined{tier=\"disk\",reason=\"slower_than_recompute\"}`; an exploration reads "
             "its chunk aside, never on the request's path), so its TTFT is judged against "
-            "recompute (row 1).")
+            f"recompute: {_AGAINST_RECOMPUTE}.")
 
 
 def slow_remote_text(payload: dict[str, Any]) -> str:
@@ -255,7 +267,7 @@ def slow_remote_text(payload: dict[str, Any]) -> str:
             "in Redis only, and it must be declined (counted in `hits_declined{tier=\"remote\"}`, "
             "`reason=\"slower_than_recompute\"` or, not waited for at the probe, "
             "`\"probe_wait_over_saving\"`; an exploration reads its chunk aside), so its TTFT "
-            "is judged against recompute (row 1).")
+            f"is judged against recompute: {_AGAINST_RECOMPUTE}.")
 
 
 def slow_rows_text(payload: dict[str, Any]) -> str:
@@ -270,6 +282,22 @@ def slow_row_hit(config: str, row: dict[str, Any]) -> str | None:
         return None
     return ("declined, every run" if row["hit_ok"] else "**NOT DECLINED — FAIL**") + (
         f" ({row.get('explored_runs', 0)} run(s) still loaded a {SLOW_ROWS[config][0]} chunk)")
+
+
+# A row's other runs in its own engine, each a line under it in the table: key in the row, label.
+SUB_ROWS = {
+    "from_disk": "↳ same, files dropped from the page cache first (read from disk)",
+    "host_hits_same_engine": "↳ host-tier hit of the same prompt, same engine, right after",
+    "paired_recompute": "↳ recompute, same engine, right before each hit: a fresh prompt of the "
+                        "same length (the filler; hit / it = the same-engine figure)",
+}
+
+
+def sub_row_hit(key: str, extra: dict[str, Any]) -> str:
+    """A sub-row's "hit?" cell: the filler must hit nothing (it is a recompute), the others hit."""
+    if key == "paired_recompute":
+        return "none (a recompute)" if extra["hit_ok"] else "**cached tokens: not a recompute**"
+    return "yes" if extra["hit_ok"] else "**NO — FAIL**"
 
 
 def counts(v: dict[str, Any]) -> bool:

