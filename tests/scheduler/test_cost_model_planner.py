@@ -216,3 +216,62 @@ def test_a_slow_remote_tier_hit_is_declined_and_counted():
     assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
     assert planner.counters[Count.HITS_DECLINED_SLOWER, Tier.REMOTE] == 1
     assert planner.counters[DECLINED_DISK] == 0
+
+
+def test_a_preempted_request_waits_for_its_new_probe_as_long_as_a_new_request_would():
+    # Its first probe wait started long ago: resumed, the request's new probe is given the
+    # time its hit could save from now, and a decline on resume is not counted twice.
+    clock = Clock()
+    store = Store()
+    store.hold = True
+    probe = RemoteProbe(store, FP, 1, deadline_s=10.0, clock=clock)
+    remote = RemoteTier(probe, is_up=lambda: True, writes=False, admission=1, seen_limit=64,
+                        clock=clock)
+    planner = Planner(TieredKVConfig.from_dict({"chunk_blocks": CHUNK_BLOCKS}), block_size=BLOCK,
+                      num_host_slots=16, clock=clock, remote=remote)  # no disk tier
+    tokens = [t + 7 for t in range(10 * CHUNK_TOKENS + 1)]
+    keys = keys_for(tokens)
+    for key in keys.materialize(10):
+        store.put(key)
+    fast_engine(planner, clock)
+    assert planner.lookup("a", keys, 0, len(tokens)) is None
+    store.release()
+    store.hold = False
+    assert planner.lookup("a", keys, 0, len(tokens)) is None  # answered: ten reads planned
+    reads = planner.take_plan().of(Move.REMOTE_READ)
+    assert len(reads) == 10
+    planner.apply([JobResult(job.job_id, ok=1) for job in reads])
+    hit = planner.lookup("a", keys, 0, len(tokens))
+    assert hit == 10 * CHUNK_TOKENS
+    planner.on_alloc("a", list(range(len(tokens) // BLOCK + 1)), hit)
+    ok_all(planner, planner.take_plan())
+    for n in range(2):  # other prompts take the sixteen host slots
+        store_prompt(planner, f"o{n}", [t + 900_000 * (n + 1) for t in range(8 * CHUNK_TOKENS + 1)])
+        ok_all(planner, planner.take_plan())
+    assert not any(planner.host.is_ready(k) for k in keys.materialize(10))
+    planner.preempted("a")
+    planner.take_plan()
+    planner.remote.reset()  # its hints dropped (as a cache reset does): the chunks are probed
+    clock.now += 1.0
+    store.hold = True
+    assert planner.lookup("a", keys, 0, len(tokens)) is None  # waits for its new probe
+    clock.now += 0.011  # past what ten chunks could save: computes them
+    assert planner.lookup("a", keys, 0, len(tokens)) == 0
+    store.release()
+    planner.finished("a")
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
+
+
+def test_a_hit_declined_before_and_after_a_preemption_is_counted_once():
+    clock = Clock()
+    planner, store, tokens = slow_probe_planner(clock)
+    keys = keys_for(tokens)
+    for _ in range(2):  # the first lookup, then the resumed one: each stops waiting
+        assert planner.lookup("a", keys, 0, len(tokens)) is None
+        clock.now += 0.011
+        assert planner.lookup("a", keys, 0, len(tokens)) == 0
+        planner.preempted("a")
+        planner.take_plan()
+    store.release()
+    planner.finished("a")
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1

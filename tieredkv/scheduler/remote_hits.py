@@ -123,12 +123,14 @@ class RemoteHits:
         return chunks, remote_tail
 
     def settle(self, req_id: str) -> None:
-        """The request finished: a probe it stopped waiting for counts as a declined hit if
-        its answer (come by now, or never) shows the tier held more than was served."""
+        """The request finished: a probe it stopped waiting for counts as a declined hit (once
+        per request, resumed lookups included) if its answer, come by now, shows the tier held
+        more than was served."""
         for probe_id, keys, tail, served in self._unanswered.pop(req_id, ()):
             found = self.remote.poll(probe_id, keys, tail)
             if found is not None and (found > served or self.remote.probe.tail_blocks(probe_id)):
                 self._counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] += 1
+                return
 
     def usable_tail(
         self, tail: tuple[bytes, int], chunk: int, block_limit: int, num_computed_tokens: int,
