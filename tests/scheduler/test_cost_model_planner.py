@@ -275,3 +275,43 @@ def test_a_hit_declined_before_and_after_a_preemption_is_counted_once():
     store.release()
     planner.finished("a")
     assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
+
+
+def test_a_declined_tail_probe_is_counted_at_the_end_and_no_probe_is_sent_then():
+    # Redis holds chunks 0-1 and a 2-block tail of chunk 2 (a previous, shorter turn): the
+    # probe of that tail is not waited for; its answer counts, and the end sends nothing.
+    clock = Clock()
+    planner, store, _ = slow_probe_planner(clock)
+    store.hold = False
+    tokens = [t + 900_000 for t in range(10 * CHUNK_TOKENS + 1)]
+    keys = keys_for(tokens)
+    for key in keys.materialize(2):
+        store.put(key)
+    store.put(keys.block_key(2 * CHUNK_BLOCKS + 1))
+    assert planner.lookup("r", keys, 0, len(tokens)) is None  # the tail's probe is out
+    store.hold = True
+    assert planner.lookup("r", keys, 0, len(tokens)) is None
+    clock.now += 1.0  # far past what the tail could save
+    assert planner.lookup("r", keys, 0, len(tokens)) is None  # reads of chunks 0-1 go out
+    store.release()
+    before = len(store.calls)
+    planner.finished("r")
+    assert len(store.calls) == before
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
+
+
+def test_a_declined_hit_is_counted_even_if_redis_is_down_when_the_request_ends():
+    clock = Clock()
+    planner, store, tokens = slow_probe_planner(clock)
+    up = [True]
+    planner.remote._is_up = lambda: up[0]
+    keys = keys_for(tokens)
+    assert planner.lookup("a", keys, 0, len(tokens)) is None
+    clock.now += 0.011
+    assert planner.lookup("a", keys, 0, len(tokens)) == 0
+    store.release()
+    up[0] = False
+    planner.finished("a")
+    deltas = planner.take_counter_deltas()
+    assert not deltas.get("remote_probe_failed")
+    assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1

@@ -118,8 +118,10 @@ class RemoteHits:
                     remote_tail = self.remote.found_tail(tail_id, inner)
                     self.remote.forget(tail_id)
         state.remote_done = True
-        if not any(probe_id == req_id for probe_id, *_ in self._unanswered.get(req_id, ())):
-            self.remote.forget(req_id)
+        unsettled = {probe_id for probe_id, *_ in self._unanswered.get(req_id, ())}
+        for probe_id in (req_id, req_id + INNER_TAIL):  # the answers settle() needs stay
+            if probe_id not in unsettled:
+                self.remote.probe.forget(probe_id)
         return chunks, remote_tail
 
     def settle(self, req_id: str) -> None:
@@ -127,8 +129,11 @@ class RemoteHits:
         per request, resumed lookups included) if its answer, come by now, shows the tier held
         more than was served."""
         for probe_id, keys, tail, served in self._unanswered.pop(req_id, ()):
-            found = self.remote.poll(probe_id, keys, tail)
-            if found is not None and (found > served or self.remote.probe.tail_blocks(probe_id)):
+            answer = self.remote.probe.answered(probe_id)  # never a new probe
+            if answer is None:
+                continue
+            held, tail_blocks = min(answer[0], len(keys)), answer[1]
+            if held > served or (tail and tail_blocks and held == len(keys)):
                 self._counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] += 1
                 return
 

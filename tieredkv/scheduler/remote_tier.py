@@ -15,7 +15,6 @@ replicas write and Redis evicts at any moment), so it keeps no index of it, only
   sightings), unless it is known to be there already (read from it, written before, or seen
   by a probe).
 * **Reset.** ``reset_cache`` forgets the hints, never the shared data (replicas serve it).
-
 **The probe** (:class:`RemoteProbe`): ask, never wait. A lookup runs on vLLM's scheduler
 thread, where a network round trip would stall every request. So :meth:`RemoteProbe.poll`
 only ever *starts* a probe (one pipelined ``batch_exists`` for every TP rank's shard of
@@ -32,18 +31,14 @@ every chunk key not yet known present) or *looks* at one (``Future.done()``), an
 Chunks seen present for every rank are remembered in a bounded LRU ("known present"), so
 requests sharing a prefix probe only what they add. Absence is never remembered: another
 replica may write the chunk at any moment. Known present is a hint, not a promise: the
-load re-reads and verifies every shard, and a chunk gone meanwhile is recomputed.
-
-A prompt's tail: a prompt that ends inside a chunk may find its last blocks in Redis as a
+load re-reads and verifies every shard, and a chunk gone meanwhile is recomputed. A prompt's tail: a prompt that ends inside a chunk may find its last blocks in Redis as a
 tail entry, keyed by its last block's key (chunk keys are the keys of their last block, so
 tails and chunks share one key space). The lookup passes the block keys of that partial
 chunk (``tail``); the same pipelined call asks for them, and :meth:`RemoteProbe.tail_blocks`
 answers how many leading blocks the longest tail every rank holds covers. A hybrid model's
 tail is a whole slot's value (zeros in the rows it does not keep), read as one
 (:attr:`RemoteTier.whole_slot_tails`); its lookup asks only for tails ending by its limit,
-since such a tail serves a hit ending exactly at its end.
-
-Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
+since such a tail serves a hit ending exactly at its end. Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
 call whose keys extend the earlier ones re-probes only the new keys, and only if every
 earlier key was present (a hole already ends the prefix); keys that do not extend them (the
 prompt changed) start the request over. One probe per request is in flight at a time; the
@@ -275,6 +270,14 @@ class RemoteProbe:
         """The request finished or was answered for good; a probe in flight is abandoned."""
         self._requests.pop(req_id, None)
 
+    def answered(self, req_id: str) -> tuple[int, int] | None:
+        """``(leading keys held, tail blocks)`` once ``req_id``'s probe is answered (folded in
+        now if it just was); None while it is not, or for an unknown id. Never sends."""
+        req = self._requests.get(req_id)
+        if req is None or (req.probe is not None and not self._take_answer(req, req.probe)):
+            return None
+        return req.confirmed, req.tail_blocks or 0
+
     def reset(self) -> None:
         """Drop the known-present cache (vLLM's ``reset_cache``); answers given stay given."""
         self._known.clear()
@@ -355,8 +358,7 @@ class RemoteTier(LowerTier):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.probe = probe
-        # Tails a lookup found, until their fill ends (bounded: a tail the lookup then did
-        # not fill, cut by the cost model or a full host, is never popped): key -> blocks.
+        # Tails a lookup found, until their fill ends (bounded: one never filled is not popped).
         self._tails: OrderedDict[bytes, int] = OrderedDict()
         # A hybrid model's tails are whole-slot values (the planner says): read as a whole slot.
         self.whole_slot_tails = False
@@ -380,8 +382,7 @@ class RemoteTier(LowerTier):
     # ------------------------------------------------------------------ reads
 
     def poll(self, req_id: str, keys: Sequence[bytes], tail: Sequence[bytes] = ()) -> int | None:
-        """Leading ``keys`` every rank holds remotely, 0 while the store is down, or None.
-        ``tail``: the next chunk's block keys, asked in the same call (:meth:`found_tail`)."""
+        """Leading ``keys`` every rank holds, 0 while down, or None; ``tail``: :meth:`found_tail`."""
         if not keys and not tail:
             return 0
         if not self._is_up() and not self.probe.in_flight(req_id):
@@ -390,8 +391,7 @@ class RemoteTier(LowerTier):
         return self.probe.poll(req_id, keys, tail)
 
     def found_tail(self, req_id: str, tail: Sequence[bytes]) -> tuple[bytes, int] | None:
-        """The longest tail of ``tail`` every rank holds, as ``(its key, blocks)``, noted for
-        its fill; None if none (or the store was down)."""
+        """The longest of ``tail`` every rank holds as ``(key, blocks)``, noted for its fill."""
         blocks = self.probe.tail_blocks(req_id) if self._is_up() else 0
         if not 0 < blocks <= len(tail):
             return None
