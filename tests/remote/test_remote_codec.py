@@ -129,3 +129,19 @@ def test_bad_ids_raise_on_encode() -> None:
         encode(b"x", fingerprint=FINGERPRINT, key=b"short", rank=0)
     with pytest.raises(ValueError, match="rank"):
         encode(b"x", fingerprint=FINGERPRINT, key=KEY, rank=-1)
+
+
+def test_a_value_received_as_header_and_payload_apart_is_verified_the_same():
+    """A value whose payload was received into a host slot (its header aside) verifies as
+    the whole value would, and fails as it would: a flipped payload byte, a header cut short,
+    a payload of another length."""
+    good = _good()
+    head, body = memoryview(good)[:HEADER_BYTES], bytearray(good[HEADER_BYTES:])
+    got = _decode(head, payload=memoryview(body), value_len=len(good), expected_len=len(PAYLOAD))
+    assert isinstance(got, Verified) and bytes(got.payload) == PAYLOAD
+    body[1234] ^= 1
+    assert _decode(head, payload=memoryview(body), value_len=len(good)).cause is FailureCause.CHECKSUM
+    body[1234] ^= 1
+    assert _decode(head[:-1], payload=memoryview(body)).cause is FailureCause.SHORT_READ
+    assert _decode(head, payload=memoryview(body)[:-1]).cause is FailureCause.SHORT_READ
+    assert _decode(head, payload=memoryview(body + b"x")).cause is FailureCause.CHECKSUM

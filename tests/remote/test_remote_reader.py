@@ -224,3 +224,65 @@ async def test_a_reply_line_that_never_ends_fails_the_read_without_waiting(
     store = await open_store(await fake(b"$" + b"9" * (1 << 20)), timeout_s=60.0)
     got = await asyncio.wait_for(store.batch_get_bounded([b"k1"], 64 << 20), 30.0)
     assert got.values == [None] and got.cause is FailureCause.IO_ERROR
+
+
+def _slots(count: int, size: int, guard: int = 64) -> tuple[bytearray, list[memoryview]]:
+    """``count`` buffers of ``size`` bytes in one arena, ``guard`` sentinel bytes around each."""
+    arena = bytearray(b"\xee") * (guard + count * (size + guard))
+    view = memoryview(arena)
+    return arena, [view[guard + i * (size + guard):guard + i * (size + guard) + size]
+                   for i in range(count)]
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4093, 1 << 20], ids=["bytewise", "7", "4093", "whole"])
+async def test_values_that_fill_a_named_buffer_are_received_straight_into_it(
+    piece: int, open_store: OpenStore,
+) -> None:
+    """The batch of the test above, most keys naming a buffer of their own: a value exactly
+    ``into_offset`` + that buffer long is received into it (its head aside), every other
+    reply as before, the buffer left as it was; not a byte lands outside a buffer."""
+    size, offset = (20_000 if piece > 1 else 300), 96
+    whole = [bytes([i + 1]) * size for i in range(3)]
+    longer = b"L" * (size + 1)
+    replies = (_bulk(whole[0]) + b"$-1\r\n" + b"$0\r\n\r\n" + _bulk(b"short")
+               + b"-ERR not this one\r\n" + _bulk(whole[1]) + _bulk(longer) + _bulk(whole[2]))
+    url, server = await _answer_server(replies, piece)
+    try:
+        store = await open_store(url, timeout_s=60.0)
+        keys = [b"k%d" % i for i in range(8)]
+        for _ in range(2):  # the second batch on the same connection reads as cleanly
+            arena, slots = _slots(8, size - offset)
+            # No buffer for the nil, the error and the longer value: read with no limit, each
+            # may bring in (part of) the value after it, which still ends up in its buffer.
+            into = [None if i in (1, 4, 6) else slot for i, slot in enumerate(slots)]
+            got = await asyncio.wait_for(store.batch_get_bounded(
+                keys, size, into=into, into_offset=offset), 30.0)
+            assert got.failed == 1 and got.cause is FailureCause.IO_ERROR  # the error reply
+            for i, value in ((0, whole[0]), (5, whole[1]), (7, whole[2])):
+                head = got.values[i]
+                assert head is not None and head.rest is slots[i] and head.length == size
+                assert bytes(head.data) == value[:offset] and bytes(slots[i]) == value[offset:]
+            assert got.values[1:5] == [None, None, Head(b"short", 5), None]
+            assert got.values[6] == Head(longer[:size], size + 1)
+            untouched = b"\xee" * (size - offset)
+            assert all(bytes(slots[i]) == untouched for i in (1, 2, 3, 4, 6))
+            assert arena.count(b"\xee") == 64 * 9 + 5 * (size - offset)  # guards and the five
+        assert store.stats().went_down == 0
+    finally:
+        server.close()
+
+
+async def test_a_cluster_read_receives_each_nodes_values_into_their_own_buffers(
+    redis_cluster: RedisClusterProcs, open_store: OpenStore, prefix: str,
+) -> None:
+    store = await open_store(redis_cluster.url)
+    items = chunk_items(prefix, 12, size=2048)
+    assert (await store.batch_set([(name, value) for _, name, value in items])).ok
+    offset, size = 96, len(items[0][2])
+    _arena, slots = _slots(len(items), size - offset)
+    got = await store.batch_get_bounded([name for _, name, _ in items], size, into=slots,
+                                        into_offset=offset)
+    assert got.ok
+    for (_, _, value), head, slot in zip(items, got.values, slots, strict=True):
+        assert head is not None and head.rest is slot
+        assert bytes(head.data) + bytes(slot) == value

@@ -12,7 +12,10 @@ length checked against the bound *before* anything more is received (a server th
 announces more than ``max_len + 1`` bytes is refused and the connection dropped), and the
 value is the part of that buffer the socket wrote it into: no copy at all. A whole value's
 reply is asked of the socket exactly; only a shorter one (an absent key, an error) can pull
-in the start of the next reply, which follows it in the batch's buffer. For probes
+in the start of the next reply, which follows it in the batch's buffer. A caller may
+name, per key, a buffer of its own (``into``): a value exactly ``into_offset`` + that buffer's
+length long then has those bytes written by the socket straight there (the host slot it is
+for), its first ``into_offset`` bytes (its header) in the batch's buffer. For probes
 (small replies) the stream is read as it is; a Cluster pipeline in redis-py resolves each
 command's routing policy with an await of its own; a probe names hundreds of keys, so
 grouping them by slot here is most of its cost saved.
@@ -32,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from redis import exceptions as rex
@@ -43,7 +46,16 @@ from tieredkv.remote.client import RemoteClient
 from tieredkv.remote.read_buffers import ReadBuffers
 from tieredkv.remote.read_turns import ReadTurns
 
-Reply = bytes | memoryview | BaseException
+
+class Received(NamedTuple):
+    """A value whose bytes past ``head`` the socket wrote into the caller's ``rest``."""
+
+    head: memoryview
+    rest: memoryview
+
+
+Reply = bytes | memoryview | Received | BaseException
+Into = Sequence[memoryview | None]  # per key: the caller's buffer for a value's bytes, or None
 _REDIRECTS = (rex.MovedError, rex.AskError, rex.TryAgainError)
 LINE_LIMIT = 1 << 16  # the longest reply line (an error's text) taken, as asyncio's streams do
 _SNIFF = 32  # a bulk header line ($ + 20 digits + CRLF) fits in this many bytes
@@ -55,12 +67,17 @@ class BoundExceeded(rex.InvalidResponse):
 
 
 async def read_bounded(client: RemoteClient, keys: Sequence[bytes], max_len: int,
-                       buffers: ReadBuffers | None = None,
-                       turns: ReadTurns | None = None) -> list[Reply]:
+                       buffers: ReadBuffers | None = None, turns: ReadTurns | None = None,
+                       into: Into | None = None, into_offset: int = 0) -> list[Reply]:
     """``GETRANGE key 0 max_len`` for each key, in key order: the reply (``b""`` for an absent
-    key) or the item's error reply; values come in ``buffers`` (default: fresh ones); with
-    ``turns``, a node's part waits its turn. Raises on a connection or protocol failure."""
-    return await _run(client, keys, _Getrange(max_len, buffers or ReadBuffers(0), turns))
+    key) or the item's error reply; values come in ``buffers`` (default: fresh ones), or as a
+    :class:`Received` when ``into`` names a buffer for that key and the value is exactly
+    ``into_offset`` + its length long; with ``turns``, a node's part waits its turn. Raises
+    on a connection or protocol failure."""
+    if into is not None and (len(into) != len(keys) or into_offset < _SNIFF):
+        raise ValueError("into: one entry per key, past a header line's bytes")
+    return await _run(client, keys, _Getrange(max_len, buffers or ReadBuffers(0), turns,
+                                              into, into_offset))
 
 
 async def exists_each(client: RemoteClient, keys: Sequence[bytes]) -> list[int | BaseException]:
@@ -70,10 +87,17 @@ async def exists_each(client: RemoteClient, keys: Sequence[bytes]) -> list[int |
 
 
 class _Getrange:
-    def __init__(self, max_len: int, buffers: ReadBuffers, turns: ReadTurns | None) -> None:
+    def __init__(self, max_len: int, buffers: ReadBuffers, turns: ReadTurns | None,
+                 into: Into | None = None, into_offset: int = 0) -> None:
         self.max_len = max_len
         self.buffers = buffers
         self.turns = turns
+        self.into, self.into_offset = into, into_offset
+
+    def part(self, indices: list[int]) -> _Getrange:
+        """The read of a Cluster node's share of the keys."""
+        into = None if self.into is None else [self.into[i] for i in indices]
+        return _Getrange(self.max_len, self.buffers, self.turns, into, self.into_offset)
 
     def pack(self, keys: Sequence[bytes]) -> bytes:
         """The batch's commands as RESP, built in one go (redis-py packs each command
@@ -92,6 +116,9 @@ class _Getrange:
 
 class _Exists:
     turns = None  # probes are small: no turns
+
+    def part(self, indices: list[int]) -> _Exists:
+        return self
 
     def pack(self, keys: Sequence[bytes]) -> bytes:
         """The batch's commands as RESP, built in one go."""
@@ -139,7 +166,7 @@ async def _run_cluster(client: RedisCluster, keys: Sequence[bytes], op: _Getrang
         async with _turn(op, node.name, len(indices)):
             conn = node.acquire_connection()
             try:
-                got = await _read_on(conn, [keys[i] for i in indices], op)
+                got = await _read_on(conn, [keys[i] for i in indices], op.part(indices))
             finally:
                 node.release(conn)
         for i, reply in zip(indices, got, strict=True):
@@ -183,7 +210,7 @@ async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrang
             await conn.disconnect()
         packed = [op.pack(keys)]
         if isinstance(op, _Getrange) and not isinstance(conn, SSLConnection):
-            return await _read_into_buffers(conn, packed, len(keys), op.max_len, op.buffers)
+            return await _read_into_buffers(conn, packed, len(keys), op)
         await conn.send_packed_command(packed, check_health=False)
         stream: asyncio.StreamReader | None = getattr(conn, "_reader", None)
         if stream is None:
@@ -198,7 +225,7 @@ async def _read_on(conn: AbstractConnection, keys: Sequence[bytes], op: _Getrang
 
 
 async def _read_into_buffers(conn: AbstractConnection, packed: list[bytes], count: int,
-                             max_len: int, buffers: ReadBuffers) -> list[Reply]:
+                             op: _Getrange) -> list[Reply]:
     """Send a batch of GETRANGEs on ``conn`` and receive its replies through
     :class:`_BulkReplies`; the connection's own protocol is back in place afterwards."""
     if not conn.is_connected:
@@ -211,8 +238,9 @@ async def _read_into_buffers(conn: AbstractConnection, packed: list[bytes], coun
     # _BulkReplies, which fails the batch on it at once.
     transport = writer.transport
     own = transport.get_protocol()
-    replies = _BulkReplies(own, count, max_len, buffers,
-                           conn._parser.parse_error)  # type: ignore[union-attr]
+    replies = _BulkReplies(own, count, op.max_len, op.buffers,
+                           conn._parser.parse_error,  # type: ignore[union-attr]
+                           op.into, op.into_offset)
     transport.set_protocol(replies)
     try:
         if not transport.is_reading():
@@ -241,8 +269,12 @@ class _BulkReplies(asyncio.BufferedProtocol):
     """
 
     def __init__(self, own: asyncio.BaseProtocol, count: int, max_len: int, buffers: ReadBuffers,
-                 parse_error: Callable[[str], BaseException]) -> None:
+                 parse_error: Callable[[str], BaseException], into: Into | None = None,
+                 into_offset: int = 0) -> None:
         self._own = own
+        self._count = count
+        self._into, self._into_offset = into, into_offset
+        self._dest: memoryview | None = None  # the current reply's bytes past its head go here
         self._buffers = buffers
         self._left = count
         self._max_len = max_len
@@ -266,11 +298,21 @@ class _BulkReplies(asyncio.BufferedProtocol):
         if self.done.done():
             return self._spare
         if self._end:
+            dest = self._dest
+            if dest is not None:  # buffer positions [lo, hi) of the reply live in ``dest``
+                lo = self._body + self._into_offset
+                if lo <= self._filled < lo + len(dest):
+                    return dest[self._filled - lo:]
+                if self._filled < lo:
+                    return self._view[self._filled:lo]
             return self._view[self._filled:self._end]
         if self._filled == len(self._view):  # long error lines took the room of later replies
             self._move(max(2 * (self._filled - self._start), self._size))
         whole = self._start + self._whole
         stop = min(whole, len(self._view)) if self._filled < whole else len(self._view)
+        if (self._into is not None and self._into[self._count - self._left] is not None
+                and self._filled < self._start + _SNIFF):
+            stop = min(stop, self._start + _SNIFF)  # no value byte past its head lands here
         return self._view[self._filled:stop]
 
     def _move(self, room: int) -> None:
@@ -326,7 +368,10 @@ class _BulkReplies(asyncio.BufferedProtocol):
             view, end, body = self._view, self._end, self._body
             if view[end - 2:end] != b"\r\n":
                 raise rex.InvalidResponse("a bulk reply did not end where its length said")
-            self._take(view[body:end - 2] if end - 2 > body else b"", end)
+            if self._dest is not None:
+                self._take(Received(view[body:body + self._into_offset], self._dest), end)
+            else:
+                self._take(view[body:end - 2] if end - 2 > body else b"", end)
         if self._filled > self._start:
             raise rex.InvalidResponse("bytes past the last reply")
         self.done.set_result(self.replies)
@@ -361,6 +406,13 @@ class _BulkReplies(asyncio.BufferedProtocol):
         if size > self._max_len + 1:
             raise BoundExceeded(f"a {size}-byte reply to a read bounded to {self._max_len + 1} bytes")
         self._body, self._end = start + eol + 2, start + eol + 4 + size
+        if self._into is not None:
+            dest = self._into[self._count - self._left]
+            self._dest = dest if dest is not None and size == self._into_offset + len(dest) else None
+            lo = self._body + self._into_offset
+            if self._dest is not None and self._filled > lo:  # came with the reply before it
+                got = min(self._filled, self._end - 2) - lo
+                self._dest[:got] = view[lo:lo + got]
         if self._end > len(view):  # long error lines before it took its room
             self._move(self._end - start)
         return True
@@ -369,7 +421,7 @@ class _BulkReplies(asyncio.BufferedProtocol):
         """One reply done: it ended at ``end``, where the next one starts."""
         self.replies.append(reply)
         self._left -= 1
-        self._start, self._body, self._end = end, 0, 0
+        self._start, self._body, self._end, self._dest = end, 0, 0, None
 
 
 def _buffer(size: int, keep: memoryview | None = None) -> memoryview:

@@ -168,11 +168,14 @@ def decode(
     rank: int,
     expected_len: int | None = None,
     value_len: int | None = None,
+    payload: memoryview | None = None,
 ) -> Decoded:
     """Verify ``value`` against what was asked for; never raises on bad data.
 
     ``value_len``: the value's length in Redis when ``value`` is only its first bytes (a
-    bounded read); bytes past what was read count as trailing bytes.
+    bounded read); bytes past what was read count as trailing bytes. ``payload``: the bytes
+    past ``value``'s header when they were received elsewhere (a host slot); ``value`` is
+    then the header alone.
 
     Causes: no value: ``missing``; shorter than its header or than the length it declares:
     ``short_read``; bad magic, header checksum, payload checksum or trailing bytes:
@@ -183,7 +186,13 @@ def decode(
     if value is None:
         return Rejected(FailureCause.MISSING, "no value")
     view = memoryview(value).cast("B")
-    total = len(view) if value_len is None else max(len(view), value_len)
+    if payload is not None:
+        if len(view) != HEADER_BYTES:
+            return Rejected(FailureCause.SHORT_READ, f"a header of {len(view)} bytes")
+        view_len = HEADER_BYTES + len(payload)
+    else:
+        view_len = len(view)
+    total = view_len if value_len is None else max(view_len, value_len)
     if len(view) < HEADER_BYTES:
         return Rejected(FailureCause.SHORT_READ, f"{len(view)} bytes, header needs {HEADER_BYTES}")
     magic, version, _flags, v_rank, v_fp, v_key, length, checksum = _FIELDS.unpack_from(view)
@@ -206,7 +215,7 @@ def decode(
         return Rejected(
             FailureCause.WRONG_NAMESPACE, f"payload length {length}, this engine expects {expected_len}"
         )
-    payload = view[HEADER_BYTES:]
+    payload = view[HEADER_BYTES:] if payload is None else memoryview(payload).cast("B")
     if len(payload) < length:
         return Rejected(FailureCause.SHORT_READ, f"payload has {len(payload)} of {length} bytes")
     if total - HEADER_BYTES > length:

@@ -3,18 +3,14 @@
 Every call is one pipeline (one round trip; on a Cluster redis-py splits it per node and
 sends the parts in parallel) under ``asyncio.wait_for``, and every outcome is a
 :class:`~tieredkv.remote.results.BatchResult`: a dead, paused or partitioned server reads as
-misses with a cause, never as an exception or a hang.
-
-Connection state is explicit (:mod:`tieredkv.remote.connection`): the store starts *down*
-and comes up once a handshake succeeds, reconnecting with capped backoff. A call that times
-out or loses its connection marks the store down; while down, calls answer at once with
-``unavailable`` instead of spending their deadline on a server known to be gone.
-
-Writes: :meth:`RemoteStore.batch_set` (awaited, for tests and tools), :meth:`submit_writes`
-(fire and forget, any thread: a bounded queue drained by writer tasks; drops and counts).
-
-Everything here runs on one event loop; :mod:`tieredkv.remote.threaded` gives it a thread of
-its own and hands out ``concurrent.futures.Future`` objects to synchronous callers.
+misses with a cause, never as an exception or a hang. Connection state is explicit
+(:mod:`tieredkv.remote.connection`): the store starts *down*, comes up once a handshake
+succeeds, reconnects with capped backoff; a call that times out or loses its connection marks
+it down, and while down calls answer at once with ``unavailable``. Writes:
+:meth:`RemoteStore.batch_set` (awaited, for tests and tools), :meth:`submit_writes` (fire and
+forget, any thread: a bounded queue drained by writer tasks; drops and counts). Everything
+here runs on one event loop; :mod:`tieredkv.remote.threaded` gives it a thread of its own and
+hands out ``concurrent.futures.Future`` objects to synchronous callers.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 from redis.exceptions import ResponseError
 
 from tieredkv.protocol import FailureCause
-from tieredkv.remote.bounded_read import exists_each, read_bounded
+from tieredkv.remote.bounded_read import Into, Received, exists_each, read_bounded
 from tieredkv.remote.client import RemoteClient, classify
 from tieredkv.remote.connection import ConnectionKeeper, KeeperTimings
 from tieredkv.remote.read_buffers import BUFFER_IDLE_S, ReadBuffers
@@ -64,10 +60,12 @@ class Head(NamedTuple):
     ``length`` is the value's length when it is at most ``max_len``; ``max_len + 1`` when it
     is longer (the read asks for one byte more than the bound to tell). ``len(data) <
     length``: the value is longer than the reader asked for; the caller treats it as a miss.
-    ``data`` is the reply itself (a view of it when cut): never a copy."""
+    ``data`` is the reply itself (a view of it when cut): never a copy. ``rest``: the value's
+    bytes past ``data``, received straight into the caller's buffer (``into``)."""
 
     data: bytes | memoryview
     length: int
+    rest: memoryview | None = None
 
 
 def _bounded_head(max_len: int) -> Callable[[Any], Head | None]:
@@ -75,6 +73,8 @@ def _bounded_head(max_len: int) -> Callable[[Any], Head | None]:
     when absent or empty (Redis answers both with an empty string, and neither is a value)."""
 
     def convert(reply: Any) -> Head | None:
+        if isinstance(reply, Received):
+            return Head(reply.head, len(reply.head) + len(reply.rest), reply.rest)
         if not reply:
             return None
         length = len(reply)
@@ -265,7 +265,8 @@ class RemoteStore:
         )
 
     async def batch_get_bounded(
-        self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None
+        self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None,
+        into: Into | None = None, into_offset: int = 0,
     ) -> BatchResult[Head | None]:
         """At most ``max_len`` bytes of each value, and its length, in one round trip.
 
@@ -275,14 +276,13 @@ class RemoteStore:
         more than ``max_len + 1`` bytes per key cross the network or are held here; a value of
         another length is the caller's miss. One command per key (no ``STRLEN``): half the
         commands of a read, and the engine's ACL needs no ``+strlen``. The worker's reads use
-        this, never :meth:`batch_get`.
-        """
+        this, never :meth:`batch_get`. ``into``: see :func:`read_bounded`."""
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
         return await self._batch(
             "get", len(keys), None, _bounded_head(max_len), None, timeout_s,
             run=lambda client: read_bounded(client, keys, max_len, self._read_buffers,
-                                            self._read_turns),
+                                            self._read_turns, into, into_offset),
         )
 
     async def batch_set(

@@ -99,12 +99,16 @@ class ThreadedRemoteStore:
         return self._batch(self._store.batch_get, keys, timeout_s, None)
 
     def batch_get_bounded(
-        self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None
+        self, keys: Sequence[bytes], max_len: int, *, timeout_s: float | None = None,
+        into: Sequence[memoryview | None] | None = None, into_offset: int = 0,
     ) -> Future[BatchResult[Head | None]]:
-        """At most ``max_len`` bytes of each value (see :meth:`RemoteStore.batch_get_bounded`)."""
+        """At most ``max_len`` bytes of each value (see :meth:`RemoteStore.batch_get_bounded`);
+        ``into``'s buffers are written on the store's thread until the future is answered."""
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
-        return self._batch(partial(self._store.batch_get_bounded, max_len=max_len), keys, timeout_s, None)
+        into = None if into is None else list(into)
+        return self._batch(partial(self._store.batch_get_bounded, max_len=max_len, into=into,
+                                   into_offset=into_offset), keys, timeout_s, None)
 
     def batch_set(
         self,

@@ -5,26 +5,25 @@ one can be polled. Redis is written by anyone who can reach it, so no read takes
 value's exact length per key (a planted 400 MiB value costs one value's bytes, and is a miss),
 and the values out at once (sent, not yet landed) total at most ``read_batch_bytes``: reads
 are cut into batches of half that, so one batch lands while the next is read, and reads past
-it wait, in order, until earlier batches landed. A value reaches its host slot only in
-:meth:`RemoteJobs.poll`, outside the lock (a batch landing never stops the next one being
-sent or another poll taking its own batch), and only once
-``codec.decode`` proved it is this rank's shard of this key in this namespace, of the exact
-payload length and checksum; anything else leaves the slot alone and is a miss with its
-cause. A slot stays *busy* until its read was polled and landed, so the engine does not hand
-it to a new tenant that the late answer would overwrite. With ``on_answer`` set, answers are
-landed on a thread of this object's own (then ``on_answer`` polls there), never on the
-store's: landing on its event loop would stop it receiving the next batch meanwhile. A prompt's tail is a value of only its own
-rows (rows 0..n-1 of every layer): its read expects exactly that length and lands those rows.
-A superseded tail's key may hold a pointer (``codec.next_hop``): its entry is read (slot still
+it wait, in order, until earlier batches landed. A value that fills its slot is received
+straight into it (the socket writes it there: no copy); it counts as landed only in
+:meth:`RemoteJobs.poll`, outside the lock, once ``codec.decode`` proved it is this rank's shard
+of this key in this namespace, of the exact payload length and checksum; anything else is a
+miss with its cause, never promised. A slot stays *busy* until its read was polled and landed,
+so the engine does not hand it to a new tenant that a late answer would overwrite. With
+``on_answer`` set, answers are landed on a thread of this object's own, never on the store's
+event loop (it would stop receiving the next batch meanwhile). A prompt's tail is a value of
+only its own rows (rows 0..n-1 of every layer), received aside and copied into those rows. A
+superseded tail's key may hold a pointer (``codec.next_hop``): its entry is read (slot still
 busy) and verified, the tail's rows land; a pointer to nothing is deleted (if this rank writes).
 
 Writes: each payload is encoded (copied) at call time, so the slot can be reused at once,
 and offered to the store's bounded write queue. What does not fit, or arrives while the
 store is down or closing, is dropped and counted: the shared tier is a bonus, never a
-reason for the engine to wait on the network. A value holds only its entry's rows: a tail
-(fewer rows than a slot) is written as just its rows of every layer, never the slot's others,
-which hold a previous tenant's bytes. The shorter tails an entry supersedes become pointers
-to it, once it is stored and only where they exist (``SET XX``).
+reason for the engine to wait on the network. A value holds only its entry's rows (a tail's
+rows of every layer, never the slot's others, which hold a previous tenant's bytes). The
+shorter tails an entry supersedes become pointers to it, once it is stored and only where
+they exist (``SET XX``).
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ SlotJob = tuple[int, bytes, int, int]
 WriteJob = tuple[int, bytes, int, int, tuple[int, ...], tuple[bytes, ...]]
 # Bytes of values one rank's reads hold at once (in flight or arrived, not yet landed).
 READ_BATCH_BYTES = 128 << 20
-# Bytes of values one read batch (one pipelined call) asks for at most: a prompt's reads go as
-# several batches, so the first lands while later ones are still received.
+# Bytes of values one read batch asks for at most: the first lands while later ones arrive.
 READ_BATCH_TARGET = 4 << 20
 
 
@@ -94,18 +92,18 @@ class _Read(NamedTuple):
 
 @dataclass
 class _Batch:
-    """One bounded read: its jobs and Redis names in key order; ``future`` once sent."""
+    """One bounded read: its jobs, Redis names and slots to receive into (None: a value to
+    land by rows), in key order; ``future`` once sent."""
 
     jobs: list[_Read]
     names: list[bytes]
+    into: list[memoryview | None]
     future: Future[BatchResult[Head | None]] | None = None
 
 
 class RemoteJobs:
     """Reads and writes of one rank's chunk shards between a :class:`HostPool` and the store.
-
-    Owns ``store`` (``close`` closes it). Thread-safe; meant for the engine's one thread.
-    """
+    Owns ``store`` (``close`` closes it). Thread-safe; meant for the engine's one thread."""
 
     def __init__(
         self,
@@ -134,17 +132,13 @@ class RemoteJobs:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.writes = writes  # False: a read-only replica, which deletes no dangling pointer
-        # Rows of a host slot (the engine's geometry; set by its driver). None: not known,
-        # every write is refused.
-        self.slot_rows = slot_rows
-        # (offset of row 0, bytes per row) of each layer's region in a slot: where an entry's
-        # rows lie, to send only a tail's rows and blank empty ones (set by the driver; ():
-        # tails and holes are refused).
+        self.slot_rows = slot_rows  # a slot's rows (set by the driver); None: writes refused
+        # (offset of row 0, bytes per row) of each layer's region in a slot, where an entry's
+        # rows lie (set by the driver; (): tails and holes are refused).
         self.row_spans: tuple[tuple[int, int], ...] = ()
         self.value_len = codec.value_bytes(host.payload_bytes)  # the longest value a read accepts
         self._budget = read_batch_bytes
-        # Two batches fit the budget (one lands while the next is read), and a prompt's reads
-        # are several batches, not one that lands only once all of it arrived.
+        # Two batches fit the budget (one lands while the next is read); a prompt's are several.
         self._batch_keys = max(1, min(read_batch_bytes // 2, READ_BATCH_TARGET) // self.value_len)
         self._lock = threading.Lock()
         self._batches: list[_Batch] = []  # sent, not yet taken by a poll
@@ -153,8 +147,7 @@ class RemoteJobs:
         self._unsent: deque[_Batch] = deque()  # waiting for the batch before them
         self._busy: set[int] = set()
         self._ready: list[JobResult] = []  # failed before reaching the network
-        # Called (on this object's landing thread, or the caller's) once a read's answer can
-        # be polled.
+        # Called (on this object's landing thread, or the caller's) once an answer can be polled.
         self.on_answer: Callable[[], None] | None = None
         self._wake = threading.Condition(self._lock)  # the landing thread's
         self._woken = False
@@ -211,9 +204,13 @@ class RemoteJobs:
         self._watch(sent)
 
     def _cut(self, jobs: list[_Read], names: list[bytes]) -> list[_Batch]:
-        """Reads as batches of at most ``_batch_keys`` values, in order."""
-        n = self._batch_keys
-        return [_Batch(jobs[i:i + n], names[i:i + n]) for i in range(0, len(jobs), n)]
+        """Reads as batches of at most ``_batch_keys`` values, in order; a value that fills
+        its slot whole is received straight into it (its header aside), not copied there."""
+        n, size = self._batch_keys, self.host.payload_bytes
+        into = [self.host.slot_memoryview(read.slot)[:size] if read.land == read.rows
+                and self._rows_bytes(read.rows) == size else None for read in jobs]
+        return [_Batch(jobs[i:i + n], names[i:i + n], into[i:i + n])
+                for i in range(0, len(jobs), n)]
 
     def _send_locked(self) -> list[Future[BatchResult[Head | None]]]:
         """Send batches in order while the values out (sent, not yet landed) fit in
@@ -225,8 +222,9 @@ class RemoteJobs:
             if out and out + size > self._budget:
                 break
             batch = self._unsent.popleft()
-            batch.future = self.store.batch_get_bounded(batch.names, self.value_len,
-                                                        timeout_s=self.timeout_s)
+            batch.future = self.store.batch_get_bounded(
+                batch.names, self.value_len, timeout_s=self.timeout_s, into=batch.into,
+                into_offset=codec.HEADER_BYTES)
             self._batches.append(batch)
             sent.append(batch.future)
             out += size
@@ -370,12 +368,14 @@ class RemoteJobs:
         decoded = codec.decode(
             None if value is None else value.data, fingerprint=self.fingerprint, key=read.key,
             rank=self.rank, expected_len=size, value_len=None if value is None else value.length,
-        )
+            payload=None if value is None else value.rest)
         if isinstance(decoded, codec.Rejected):
             logger.debug("tieredkv remote read %d rejected: %s", job_id, decoded.detail)
             return JobResult.fail(job_id, decoded.cause), 0
         if len(decoded.payload) != size:  # decode checked it; never copy more than a slot
             return JobResult.fail(job_id, FailureCause.SHORT_READ), 0
+        if value is not None and value.rest is not None:  # received in the slot: verified there
+            return JobResult.done(job_id), size
         target = np.frombuffer(self.host.slot_memoryview(read.slot), dtype=np.uint8)
         source = np.frombuffer(decoded.payload, dtype=np.uint8)
         if read.land == read.rows and size == self.host.payload_bytes:
