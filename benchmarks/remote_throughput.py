@@ -13,8 +13,8 @@ rank's shard of one chunk, see ``SHARDS``) measures, per deployment:
   each prompt is one ``RemoteDriver.submit_reads`` of ``Job.remote_read`` jobs, RemoteJobs
   (the engine's default 128 MiB read budget, batches of half, answers landed on its own
   thread through ``on_answer``) reads them bounded to the value's length on a store of its
-  own, verifies each with ``codec.decode`` (key, rank, namespace, length, checksum) and
-  copies it into a slot of a real ``HostPool``; a failed read fails the pass. SET and EXISTS
+  own, straight into a slot of a real ``HostPool`` (a whole chunk's value), and verifies each
+  with ``codec.decode`` (key, rank, namespace, length, checksum); a failed read fails the pass. SET and EXISTS
   are the store's ``batch_set`` / ``batch_exists`` (EXISTS is the call the scheduler's
   probe sends; SET is not the engine's queued write path, see ``passes``).
 * **redis-py**: ``redis.asyncio`` pipelines (``transaction=False``) of ``batch`` plain
@@ -208,8 +208,8 @@ def run(profile_name: str = "quick", *, deployments: Sequence[str] = DEPLOYMENTS
                         "Job.remote_read jobs per batch, `clients` prompts outstanding, RemoteJobs "
                         "with the engine's default read budget (128 MiB, batches of half, answers "
                         "landed on its own thread via on_answer) on a ThreadedRemoteStore of its "
-                        "own: each value read bounded to its length, verified by codec.decode and "
-                        "copied into a HostPool slot, every read required to land; SET / EXISTS: "
+                        "own: each value read bounded to its length, received into a HostPool "
+                        "slot, verified by codec.decode, every read required to land; SET / EXISTS: "
                         "ThreadedRemoteStore.batch_set / batch_exists (redis.asyncio client on the "
                         "store's own event-loop thread), one pipeline per batch, `clients` "
                         "batches in flight",

@@ -2,7 +2,7 @@
 moving one case's bytes (SET, GET, EXISTS), timed round by round.
 
 tieredkv's GET is the worker's real read path (:mod:`benchmarks.remote.worker_read`:
-RemoteDriver -> RemoteJobs -> the store, verified values copied into HostPool slots); its SET
+RemoteDriver -> RemoteJobs -> the store, values verified in HostPool slots); its SET
 and EXISTS are the store's calls (``batch_set``, ``batch_exists``, the one the scheduler's
 probe sends). :func:`land` is only the codec's single-thread information line."""
 

@@ -4,8 +4,8 @@ A pass drives :class:`~tieredkv.transfer.remote_driver.RemoteDriver` the way the
 engine does: ``submit_reads`` of ``Job.remote_read`` entries, the driver's ``pump`` as
 :class:`~tieredkv.transfer.remote_jobs.RemoteJobs`' ``on_answer`` (answers landed on its own
 thread while the store's thread receives the next batch), the engine's default read budget,
-every value verified by ``codec.decode`` and copied into a slot of a real
-:class:`~tieredkv.transfer.host_pool.HostPool`. Only the engine itself is replaced, by
+every value received into (a whole chunk's: straight into) and verified by ``codec.decode`` in
+a slot of a real :class:`~tieredkv.transfer.host_pool.HostPool`. Only the engine itself is replaced, by
 :class:`PassRuntime`, which records each job's one result the way ``TransferEngine.finish``
 does and wakes the pass when a prompt's reads are all answered.
 
@@ -41,8 +41,8 @@ class ReadPass:
 
     seconds: float
     reads: int
-    reads_ok: int  # RemoteJobs' own count of values verified and copied into a slot
-    bytes_landed: int  # payload bytes RemoteJobs copied into host slots
+    reads_ok: int  # RemoteJobs' own count of values verified in a slot
+    bytes_landed: int  # payload bytes RemoteJobs landed in host slots
     failed: dict[str, int] = field(default_factory=dict)  # by cause, as the engine sees them
 
     def check(self, case: Case) -> None:
