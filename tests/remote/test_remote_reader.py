@@ -151,6 +151,16 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
+def _mixed_replies(size: int) -> tuple[list[bytes], bytes, bytes]:
+    """Three whole values of ``size`` bytes, and the replies of a batch of eight GETRANGEs:
+    whole, absent, empty, short, an error, whole, a longer value's head, whole."""
+    whole = [bytes([i + 1]) * size for i in range(3)]
+    longer = b"L" * (size + 1)  # GETRANGE 0 size answers size + 1 bytes of a longer value
+    replies = (_bulk(whole[0]) + b"$-1\r\n" + b"$0\r\n\r\n" + _bulk(b"short")
+               + b"-ERR not this one\r\n" + _bulk(whole[1]) + _bulk(longer) + _bulk(whole[2]))
+    return whole, longer, replies
+
+
 @pytest.mark.parametrize("piece", [1, 7, 4093, 1 << 20], ids=["bytewise", "7", "4093", "whole"])
 async def test_replies_arriving_in_odd_pieces_read_the_same_values(
     piece: int, open_store: OpenStore,
@@ -158,10 +168,7 @@ async def test_replies_arriving_in_odd_pieces_read_the_same_values(
     """Whole values, a shorter one, an absent key, an error and a longer one's head, in one
     answer cut anywhere: each item gets exactly its reply, and the connection stays usable."""
     size = 20_000 if piece > 1 else 300
-    whole = [bytes([i]) * size for i in range(3)]
-    longer = b"L" * (size + 1)  # GETRANGE 0 size answers size + 1 bytes of a longer value
-    replies = (_bulk(whole[0]) + b"$-1\r\n" + b"$0\r\n\r\n" + _bulk(b"short")
-               + b"-ERR not this one\r\n" + _bulk(whole[1]) + _bulk(longer) + _bulk(whole[2]))
+    whole, longer, replies = _mixed_replies(size)
     url, server = await _answer_server(replies, piece)
     try:
         store = await open_store(url, timeout_s=60.0)
@@ -242,10 +249,7 @@ async def test_values_that_fill_a_named_buffer_are_received_straight_into_it(
     ``into_offset`` + that buffer long is received into it (its head aside), every other
     reply as before, the buffer left as it was; not a byte lands outside a buffer."""
     size, offset = (20_000 if piece > 1 else 300), 96
-    whole = [bytes([i + 1]) * size for i in range(3)]
-    longer = b"L" * (size + 1)
-    replies = (_bulk(whole[0]) + b"$-1\r\n" + b"$0\r\n\r\n" + _bulk(b"short")
-               + b"-ERR not this one\r\n" + _bulk(whole[1]) + _bulk(longer) + _bulk(whole[2]))
+    whole, longer, replies = _mixed_replies(size)
     url, server = await _answer_server(replies, piece)
     try:
         store = await open_store(url, timeout_s=60.0)
