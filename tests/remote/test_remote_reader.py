@@ -290,3 +290,47 @@ async def test_a_cluster_read_receives_each_nodes_values_into_their_own_buffers(
     for (_, _, value), head, slot in zip(items, got.values, slots, strict=True):
         assert head is not None and head.rest is slot
         assert bytes(head.data) + bytes(slot) == value
+
+
+async def test_no_byte_reaches_a_named_buffer_once_its_read_has_timed_out(
+    open_store: OpenStore,
+) -> None:
+    """A server stalls halfway through a value received into a buffer (a host slot): the read
+    times out, and the rest of the value, sent after that, never reaches the buffer (the
+    slot is another tenant's by then)."""
+    size, offset = 200_000, 100
+    value = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    reply = _bulk(value)
+    cut = len(b"$%d\r\n" % size) + offset + 50_000
+    go = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                name = (await read_command(reader))[0].upper()
+                if name != b"GETRANGE":
+                    writer.write(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
+                    await writer.drain()
+                    continue
+                writer.write(reply[:cut])
+                await writer.drain()
+                await go.wait()
+                writer.write(reply[cut:])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        store = await open_store(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0")
+        arena = bytearray(b"\xee") * (size - offset)
+        got = await store.batch_get_bounded([b"k"], size, timeout_s=2.0,
+                                            into=[memoryview(arena)], into_offset=offset)
+        assert got.cause is FailureCause.TIMEOUT
+        assert bytes(arena[:50_000]) == value[offset:offset + 50_000]  # it was receiving there
+        answered = bytes(arena)
+        go.set()
+        await asyncio.sleep(0.5)
+        assert bytes(arena) == answered
+    finally:
+        server.close()

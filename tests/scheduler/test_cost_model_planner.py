@@ -315,3 +315,21 @@ def test_a_declined_hit_is_counted_even_if_redis_is_down_when_the_request_ends()
     deltas = planner.take_counter_deltas()
     assert not deltas.get("remote_probe_failed")
     assert planner.counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] == 1
+
+
+def test_a_slower_than_recompute_decline_is_counted_once_across_a_preemption():
+    clock = Clock()
+    planner = make(clock)
+    fast_engine(planner, clock)
+    for n in range(MIN_SAMPLES):
+        hit_after_fills(planner, clock, f"learn{n}", on_disk_only(planner, n), 1.0)
+    hit_after_fills(planner, clock, "explore", on_disk_only(planner, 10), 1.0)
+    before = planner.counters[DECLINED_DISK]
+    tokens = on_disk_only(planner, 11)
+    keys = keys_for(tokens)
+    assert planner.lookup("d", keys, 0, len(tokens)) == 0
+    assert planner.counters[DECLINED_DISK] == before + 1
+    planner.preempted("d")
+    planner.take_plan()
+    assert planner.lookup("d", keys, 0, len(tokens)) == 0  # resumed: still declined, once
+    assert planner.counters[DECLINED_DISK] == before + 1

@@ -213,6 +213,9 @@ def test_a_value_that_is_not_the_asked_for_shard_is_a_miss_and_the_slot_stays(
     # A value exactly a slot's value long is received in the slot itself (verified there, then
     # refused: never promised); any other is refused before a byte of it reaches the slot.
     assert untouched(host, 2) or len(value) == len(good)
+    assert slot_bytes(host, 2)[host.payload_bytes:] == bytes([SENTINEL]) * (
+        host.slot_bytes - host.payload_bytes)  # never past the payload, whatever it was
+    assert not jobs._busy
     assert jobs.take_stats().reads_failed == {cause.value: 1}
 
 

@@ -58,10 +58,9 @@ class Head(NamedTuple):
     """A value read with a bound: at most its first ``max_len`` bytes, and its length.
 
     ``length`` is the value's length when it is at most ``max_len``; ``max_len + 1`` when it
-    is longer (the read asks for one byte more than the bound to tell). ``len(data) <
-    length``: the value is longer than the reader asked for; the caller treats it as a miss.
+    is longer (the read asks for one byte more than the bound to tell): a miss for the caller.
     ``data`` is the reply itself (a view of it when cut): never a copy. ``rest``: the value's
-    bytes past ``data``, received straight into the caller's buffer (``into``)."""
+    bytes past ``data``, received into the caller's buffer (``into``); else ``data`` is all."""
 
     data: bytes | memoryview
     length: int

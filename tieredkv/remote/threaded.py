@@ -103,7 +103,8 @@ class ThreadedRemoteStore:
         into: Sequence[memoryview | None] | None = None, into_offset: int = 0,
     ) -> Future[BatchResult[Head | None]]:
         """At most ``max_len`` bytes of each value (see :meth:`RemoteStore.batch_get_bounded`);
-        ``into``'s buffers are written on the store's thread until the future is answered."""
+        ``into``'s buffers are written on the store's thread until the future is answered
+        (past a :meth:`close` whose thread outlived its timeout: until that thread ends)."""
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
         into = None if into is None else list(into)

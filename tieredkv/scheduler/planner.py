@@ -230,7 +230,7 @@ class Planner:
         state.set_tables([])
         state.next_store_chunk = 0
         state.new_lookup()
-        self.cost.forget(req_id)  # its probe wait and declines were the first lookup's
+        self.cost.forget(req_id, declines=False)  # its probe wait was the first lookup's
 
     def finished(self, req_id: str) -> bool:
         """The request finished; True when its blocks must wait for in-flight stores."""

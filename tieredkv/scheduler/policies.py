@@ -472,8 +472,7 @@ class CostModel:
             f"; {unlogged} turns since the last warning were not logged" if unlogged else "")
 
     def take_explorations(self) -> set[str]:
-        """Tiers due for an exploration read since the last call: the lookup reads one chunk
-        of each in the background (no request waits for it), which measures the tier again."""
+        """Tiers due for an exploration since the last call (one chunk read in the background)."""
         tiers, self._exploring = self._exploring, set()
         return tiers
 
@@ -494,7 +493,8 @@ class CostModel:
             saving = min(saving, self.probe_timeout_s)
         return now - since <= saving  # False: counted once the answer shows a hit
 
-    def forget(self, req_id: str) -> None:
-        """The request finished: drop its sticky declines and probe wait."""
+    def forget(self, req_id: str, *, declines: bool = True) -> None:
+        """The request finished: drop its probe wait and (``declines``) its sticky declines."""
         self._probe_waits.pop(req_id, None)
-        self._declined.pop(req_id, None)
+        if declines:  # kept across a preemption: a decline is counted once per request
+            self._declined.pop(req_id, None)

@@ -28,22 +28,22 @@ every chunk key not yet known present) or *looks* at one (``Future.done()``), an
   probe). A store that is failing or stalled would fail or stall the load too, so the
   lookup serves what host and disk hold rather than promising remote chunks.
 
-Chunks seen present for every rank are remembered in a bounded LRU ("known present"), so
-requests sharing a prefix probe only what they add. Absence is never remembered: another
-replica may write the chunk at any moment. Known present is a hint, not a promise: the
-load re-reads and verifies every shard, and a chunk gone meanwhile is recomputed. A prompt's tail: a prompt that ends inside a chunk may find its last blocks in Redis as a
-tail entry, keyed by its last block's key (chunk keys are the keys of their last block, so
-tails and chunks share one key space). The lookup passes the block keys of that partial
-chunk (``tail``); the same pipelined call asks for them, and :meth:`RemoteProbe.tail_blocks`
-answers how many leading blocks the longest tail every rank holds covers. A hybrid model's
-tail is a whole slot's value (zeros in the rows it does not keep), read as one
-(:attr:`RemoteTier.whole_slot_tails`); its lookup asks only for tails ending by its limit,
-since such a tail serves a hit ending exactly at its end. Growing prompts: chunk keys are chained (a key commits to every key before it), so a later
-call whose keys extend the earlier ones re-probes only the new keys, and only if every
-earlier key was present (a hole already ends the prefix); keys that do not extend them (the
-prompt changed) start the request over. One probe per request is in flight at a time; the
-scheduler thread alone calls the probe (no locking), and on a step that computes nothing it
-sleeps on the probes in flight (:meth:`RemoteProbe.wait`) rather than spin.
+Chunks seen present for every rank are remembered in a bounded LRU ("known present"), so requests
+sharing a prefix probe only what they add. Absence is never remembered: another replica may write
+the chunk at any moment. Known present is a hint, not a promise: the load re-reads and verifies
+every shard, and a chunk gone meanwhile is recomputed. A prompt's tail: a prompt that ends inside a
+chunk may find its last blocks in Redis as a tail entry, keyed by its last block's key (chunk keys
+are the keys of their last block, so tails and chunks share one key space). The lookup passes the
+block keys of that partial chunk (``tail``); the same pipelined call asks for them, and
+:meth:`RemoteProbe.tail_blocks` answers how many leading blocks the longest tail every rank holds
+covers. A hybrid model's tail is a whole slot's value (zeros in the rows it does not keep), read as
+one (:attr:`RemoteTier.whole_slot_tails`); its lookup asks only for tails ending by its limit, since
+such a tail serves a hit ending exactly at its end. Growing prompts: chunk keys are chained (a key
+commits to every key before it), so a later call whose keys extend the earlier ones re-probes only
+the new keys, and only if every earlier key was present (a hole already ends the prefix); keys that
+do not extend them (the prompt changed) start the request over. One probe per request is in flight
+at a time; the scheduler thread alone calls the probe (no locking), and on a step that computes
+nothing it sleeps on the probes in flight (:meth:`RemoteProbe.wait`) rather than spin.
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ class RemoteTier(LowerTier):
     # ------------------------------------------------------------------ reads
 
     def poll(self, req_id: str, keys: Sequence[bytes], tail: Sequence[bytes] = ()) -> int | None:
-        """Leading ``keys`` every rank holds, 0 while down, or None; ``tail``: :meth:`found_tail`."""
+        """Leading ``keys`` every rank holds, 0 while down, or None (``tail``: see found_tail)."""
         if not keys and not tail:
             return 0
         if not self._is_up() and not self.probe.in_flight(req_id):
