@@ -1,7 +1,7 @@
 """Bounded reads take turns per node (issue #25, point 3): at most ``READ_BYTES_PER_NODE`` of
-values asked of one node at once, the rest waiting in the order they came, so a prompt's
-batches arrive one after another (each lands while the next is read) instead of all at the
-end of a round robin over as many connections."""
+values and ``READS_PER_NODE`` reads asked of one node at once, the rest waiting in the order
+they came, so a prompt's batches arrive one after another (each lands while the next is read)
+instead of all at the end of a round robin over as many connections."""
 
 from __future__ import annotations
 
@@ -65,6 +65,23 @@ async def test_reads_past_a_nodes_bytes_wait_their_turn_in_order() -> None:
     assert reads.turns.asked("a") == reads.turns.asked("b") == 0
 
 
+async def test_small_reads_of_one_node_go_two_at_a_time_whatever_their_bytes() -> None:
+    """A Cluster cuts a batch into a part per node: small parts must not go all at once on
+    as many connections (each node would answer them round robin, all at the end)."""
+    reads = _Reads(ReadTurns(10, reads_per_node=2))
+    tasks = [reads.start(f"a{i}", "a", 1) for i in range(4)] + [
+        reads.start(f"b{i}", "b", 1) for i in range(3)]
+    await _settle()
+    assert sorted(reads.inside) == ["a0", "a1", "b0", "b1"]  # 2 of 10 bytes, yet no third
+    reads.finish["a0"].set()
+    await _settle()
+    assert sorted(reads.inside) == ["a1", "a2", "b0", "b1"]
+    for name in reads.finish:
+        reads.finish[name].set()
+    await asyncio.gather(*tasks)
+    assert reads.entered.index("a3") > reads.entered.index("a2") and reads.turns.asked("a") == 0
+
+
 async def test_a_read_bigger_than_the_bound_goes_alone() -> None:
     reads = _Reads(ReadTurns(10))
     big = reads.start("big", "a", 25)
@@ -119,6 +136,21 @@ async def test_a_read_cancelled_as_its_turn_came_gives_the_turn_back() -> None:
 def _clients(server: RedisServer) -> int:
     info = server.cli("info", "clients")
     return int(info.split("connected_clients:")[1].split()[0])
+
+
+async def test_a_stores_small_reads_of_one_node_go_two_at_a_time(
+    redis_server: RedisServer, open_store: OpenStore, prefix: str,
+) -> None:
+    """Six reads of 64 KiB asked at once (far below the node's bytes): the node is read on
+    two connections, not six (five before the count bound)."""
+    [(_, name, value)] = chunk_items(prefix, 1, size=64 << 10)
+    store = await open_store(redis_server.url, timeout_s=60.0)
+    assert (await store.batch_set([(name, value)])).ok
+    before = _clients(redis_server)
+    got = await asyncio.wait_for(asyncio.gather(
+        *(store.batch_get_bounded([name], len(value)) for _ in range(6))), 60.0)
+    assert all(result.ok and result.values == [Head(value, len(value))] for result in got)
+    assert _clients(redis_server) - before <= 2
 
 
 async def test_a_stores_reads_of_one_node_go_two_batches_at_a_time(
