@@ -41,10 +41,11 @@ class RemoteHits:
         self.host, self.lower = parts.host, parts.lower
         self._cost = parts.cost
         self._counters = parts.counters
-        # Probes a request stopped waiting for: (probe id, its keys, its tail, chunks before the
-        # remote part). A decline is counted once the answer shows the tier held more: a
-        # request the tier had nothing for declined no hit (a cold prompt while Redis is slow).
-        self._unanswered: dict[str, list[tuple[str, list[bytes], tuple[bytes, ...], int]]] = {}
+        # Probes a request stopped waiting for: (probe id, how many chunk keys it asked, its
+        # tail, chunks before the remote part). A decline is counted once the answer shows the
+        # tier held more: a request the tier had nothing for declined no hit (a cold prompt
+        # while Redis is slow).
+        self._unanswered: dict[str, list[tuple[str, int, tuple[bytes, ...], int]]] = {}
         # The lookup's own partial-chunk search (``Fill.usable_blocks`` and its partial source).
         self._usable_blocks, self._partial = usable_blocks, partial
 
@@ -86,7 +87,8 @@ class RemoteHits:
         if found is None and self._cost is not None and not self._cost.may_wait_for_probe(
                 req_id, Tier.REMOTE,
                 block_limit - self._served(keys, i, last, num_computed_tokens, block_limit), reads):
-            self._unanswered.setdefault(req_id, []).append((req_id, list(chunk_keys[:last]), tail, i))
+            self._unanswered.setdefault(req_id, []).append(
+                (req_id, min(last, len(chunk_keys)), tail, i))
             found = i  # waited longer than a remote hit could save: compute the rest
             tail = ()
         if found is None:
@@ -112,8 +114,7 @@ class RemoteHits:
                     if self._cost is None or self._cost.may_wait_for_probe(
                             req_id, Tier.REMOTE, len(inner) * self.block_size, 1):
                         return None
-                    self._unanswered.setdefault(req_id, []).append(
-                        (tail_id, list(chunk_keys[:end]), inner, end))
+                    self._unanswered.setdefault(req_id, []).append((tail_id, end, inner, end))
                 else:
                     remote_tail = self.remote.found_tail(tail_id, inner)
                     self.remote.forget(tail_id)
@@ -128,12 +129,12 @@ class RemoteHits:
         """The request finished: a probe it stopped waiting for counts as a declined hit (once
         per request, resumed lookups included) if its answer, come by now, shows the tier held
         more than was served."""
-        for probe_id, keys, tail, served in self._unanswered.pop(req_id, ()):
+        for probe_id, asked, tail, served in self._unanswered.pop(req_id, ()):
             answer = self.remote.probe.answered(probe_id)  # never a new probe
             if answer is None:
                 continue
-            held, tail_blocks = min(answer[0], len(keys)), answer[1]
-            if held > served or (tail and tail_blocks and held == len(keys)):
+            held, tail_blocks = min(answer[0], asked), answer[1]
+            if held > served or (tail and tail_blocks and held == asked):
                 self._counters[Count.HITS_DECLINED_PROBE_WAIT, Tier.REMOTE] += 1
                 return
 
