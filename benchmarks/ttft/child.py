@@ -377,7 +377,8 @@ def child_main(spec_path: str) -> None:
             return None
         if kind == "drain":
             if not _step_until_idle(llm, phase.get("timeout_s", 60.0)):
-                raise RuntimeError("tieredkv did not finish its pending jobs in time")
+                raise RuntimeError("tieredkv did not finish its pending jobs (or its writes to "
+                                   "Redis) in time")
             return None
         if kind == "counters":  # tieredkv's counters since start (e.g. remote_written_chunks)
             return {"label": phase["label"], "counters": counters()}

@@ -122,15 +122,17 @@ async def test_a_read_cancelled_as_its_turn_came_gives_the_turn_back() -> None:
     await _settle()
     reads.finish["first"].set()
     await asyncio.sleep(0)  # "first" leaves and hands its turn to "second" ...
-    await asyncio.sleep(0)
+    assert "second" not in reads.entered
     second.cancel()  # ... which is cancelled before it ran again
     await asyncio.gather(first, second, return_exceptions=True)
     assert reads.turns.asked("a") == 0
-    third = reads.start("third", "a", 8)
+    third = reads.start("third", "a", 4)
+    fourth = reads.start("fourth", "a", 4)
     await _settle()
-    assert reads.inside == ["third"]
+    assert reads.inside == ["third", "fourth"]  # no turn (bytes or a read's count) still held
     reads.finish["third"].set()
-    await third
+    reads.finish["fourth"].set()
+    await asyncio.gather(third, fourth)
 
 
 def _clients(server: RedisServer) -> int:
