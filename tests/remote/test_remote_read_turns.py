@@ -140,27 +140,14 @@ def _clients(server: RedisServer) -> int:
     return int(info.split("connected_clients:")[1].split()[0])
 
 
-async def test_a_stores_small_reads_of_one_node_go_two_at_a_time(
-    redis_server: RedisServer, open_store: OpenStore, prefix: str,
+@pytest.mark.parametrize("size", [64 << 10, READ_BYTES_PER_NODE // 2 - (64 << 10)],
+                         ids=["64KiB", "4.5MiB"])
+async def test_a_stores_reads_of_one_node_go_two_at_a_time(
+    redis_server: RedisServer, open_store: OpenStore, prefix: str, size: int,
 ) -> None:
-    """Six reads of 64 KiB asked at once (far below the node's bytes): the node is read on
-    two connections, not six (five before the count bound)."""
-    [(_, name, value)] = chunk_items(prefix, 1, size=64 << 10)
-    store = await open_store(redis_server.url, timeout_s=60.0)
-    assert (await store.batch_set([(name, value)])).ok
-    before = _clients(redis_server)
-    got = await asyncio.wait_for(asyncio.gather(
-        *(store.batch_get_bounded([name], len(value)) for _ in range(6))), 60.0)
-    assert all(result.ok and result.values == [Head(value, len(value))] for result in got)
-    assert _clients(redis_server) - before <= 2
-
-
-async def test_a_stores_reads_of_one_node_go_two_batches_at_a_time(
-    redis_server: RedisServer, open_store: OpenStore, prefix: str,
-) -> None:
-    """Six reads of 4.5 MiB asked at once: they all answer, but the node is read on two
-    connections, not six (each read on a connection of its own, all finishing together)."""
-    size = READ_BYTES_PER_NODE // 2 - (64 << 10)
+    """Six reads asked at once: they all answer, but the node is read on two connections,
+    not six (each read on a connection of its own, all finishing together). 4.5 MiB: two fit
+    the node's bytes; 64 KiB: far below them, the count bounds them (five before it)."""
     [(_, name, value)] = chunk_items(prefix, 1, size=size)
     store = await open_store(redis_server.url, timeout_s=60.0)
     assert (await store.batch_set([(name, value)])).ok
