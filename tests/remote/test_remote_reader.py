@@ -116,17 +116,23 @@ async def test_a_stale_cluster_slot_map_still_reads_and_probes_the_right_keys(
     assert probed.ok and probed.values == [True] * len(names) + [False]
 
 
-def _answering(replies: bytes, piece: int) -> Callable[..., Awaitable[None]]:
-    """A server that answers a batch of GETRANGEs with ``replies`` (all the batch's replies,
-    written as they are) in pieces of ``piece`` bytes, each sent on its own."""
+def _answering(replies: bytes, piece: int, batch: int = 8) -> Callable[..., Awaitable[None]]:
+    """A server that answers each batch of ``batch`` GETRANGEs with ``replies`` (all the
+    batch's replies, written as they are, once) in pieces of ``piece`` bytes, each sent on
+    its own. (It used to answer every GETRANGE with all of them: the copies after the first
+    sometimes arrived with its last reply, and the reader rightly refused them.)"""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked = 0
         try:
             while True:
                 name = (await read_command(reader))[0].upper()
                 if name != b"GETRANGE":
                     writer.write(b"+PONG\r\n" if name == b"PING" else b"+OK\r\n")
                     await writer.drain()
+                    continue
+                asked += 1
+                if asked % batch:
                     continue
                 for at in range(0, len(replies), piece):
                     writer.write(replies[at:at + piece])
