@@ -188,8 +188,10 @@ def assert_hits(phases: list[dict], index: int, expected: dict[str, int],
     and all of it came from tieredkv (vLLM's own cache was reset); tieredkv's hit counters grew
     by exactly those tokens; with ``tiers``, their split by tier (missing tiers: 0) too."""
     phase = phases[index]
-    assert cached_tokens(phase) == expected, ("num_cached_tokens", cached_tokens(phase), expected)
-    assert tieredkv_tokens(phase) == expected, ("served by tieredkv", tieredkv_tokens(phase), expected)
+    # The phase's counters say why a hit came out short (a store skipped, a load failed...).
+    why = phase.get("counters")
+    assert cached_tokens(phase) == expected, ("num_cached_tokens", cached_tokens(phase), expected, why)
+    assert tieredkv_tokens(phase) == expected, ("served by tieredkv", tieredkv_tokens(phase), expected, why)
     assert_counters_match_requests(phases, index)
     if tiers is not None:
         want = {tier: tiers.get(tier, 0) for tier in TIERS}
