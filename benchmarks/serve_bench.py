@@ -88,6 +88,7 @@ import argparse
 import dataclasses
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -182,6 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_shape = MODEL_SHAPES[args.model_shape]
     plan = make_plan(spec, levels, repeats, workdir, model=model_shape)
     configs = make_configs(plan, names)
+    short = free_space_problem(workdir, configs)
+    if short is not None:
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"[{NAME}] {short}", file=sys.stderr)
+        return 2
     planned = [n for convs in plan.conversations.values() for c in convs for n in prompt_lengths(spec, c)]
     print(f"[{NAME}] machine: {common.machine_name()}", file=sys.stderr)
     print(f"[{NAME}] workdir {workdir}; device {plan.device_blocks} blocks; levels {levels} x "
@@ -198,8 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     turns_total = repeats * sum(levels) * spec.turns
     progress = common.Progress(len(configs) * (turns_total + repeats), "starting", enabled=not args.no_progress)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    done = sweep(plan, configs, servers, envs, progress=progress, budget_s=budget_s,
-                 started_wall=started_wall, prof=prof, reset=clear_tiers)
+    # A SIGTERM (a killed run_all, a timeout) unwinds like an error: the servers are stopped
+    # and the tier files, tens of GiB with the 8b-kv shape, are deleted, never left behind.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        done = sweep(plan, configs, servers, envs, progress=progress, budget_s=budget_s,
+                     started_wall=started_wall, prof=prof, reset=clear_tiers)
+    finally:
+        for config in configs:
+            clear_tiers(config)
     errors = done.errors
     peer_names = {c.name for c in configs if c.role == "peer"}
     peer_errors = [e for e in errors if re.split(r"[ :]", e, maxsplit=1)[0] in peer_names]
@@ -253,7 +267,8 @@ ISOLATION = ("one server at a time: each (repeat, configuration) starts its serv
 def clear_tiers(config: Any) -> None:
     """Empty the configuration's on-disk state (a disk tier, ExampleConnector's files) before
     its server starts, so every repeat starts as cold as the first: a disk tier recovered from
-    the last repeat would hold hits the other configurations never get."""
+    the last repeat would hold hits the other configurations never get. Also once the sweep
+    ends, however it ends: a workdir kept for its logs keeps no tier files."""
     extra = (config.kv_config or {}).get("kv_connector_extra_config") or {}
     for key in ("disk_path", "shared_storage_path"):
         if not extra.get(key):
@@ -264,6 +279,30 @@ def clear_tiers(config: Any) -> None:
                 shutil.rmtree(child)
             else:
                 child.unlink()
+
+
+#: Room left beside the largest disk tier (the model, logs and the filesystem's own needs).
+FREE_SPACE_MARGIN = 1 << 30
+
+
+def free_space_problem(workdir: Path, configs: Sequence[Any]) -> str | None:
+    """Why the run would fill ``workdir``'s filesystem, or None. One server runs at a time and
+    its tier is emptied before it starts, so the largest ``disk_bytes`` of any configuration
+    (plus :data:`FREE_SPACE_MARGIN`) must be free: a disk tier grows as it is written."""
+    need = max((int(((c.kv_config or {}).get("kv_connector_extra_config") or {}).get("disk_bytes", 0))
+                for c in configs), default=0)
+    if need == 0:
+        return None
+    free = shutil.disk_usage(workdir).free
+    if free >= need + FREE_SPACE_MARGIN:
+        return None
+    return (f"{workdir} has {free / 2**30:.1f} GiB free; the disk tier may write "
+            f"{need / 2**30:.1f} GiB there (plus {FREE_SPACE_MARGIN >> 30} GiB of margin): free "
+            "space, or give --workdir on a larger filesystem, or leave out tieredkv_disk (--configs)")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def exit_status(errors: Sequence[str], verdict: str) -> int:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
+import signal
 from dataclasses import asdict
 from pathlib import Path
 
@@ -476,3 +479,59 @@ def test_from_json_reads_a_run_from_before_repeats(tmp_path):
     assert "TieredKVConnector host only" in md_path.read_text()
     assert {t["verdict"] for t in payload["targets"]} == {judging.NO_SPREAD}  # one repeat: nothing called
     assert payload["verdict"] == judging.NO_SPREAD
+
+
+# ---------------------------------------------------------------------------- disk space
+
+
+def test_a_run_whose_disk_tier_cannot_fit_stops_before_any_server_naming_the_need(tmp_path, monkeypatch):
+    plan = workload.make_plan(quick_spec(), (1, 4), 1, tmp_path)
+    configs = bench_configs.make_configs(plan)
+    need = plan.disk_bytes
+    usage = shutil.disk_usage(tmp_path)
+    free = need + serve_bench.FREE_SPACE_MARGIN - 1
+    monkeypatch.setattr(serve_bench.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    problem = serve_bench.free_space_problem(tmp_path, configs)
+    assert problem is not None and "--workdir" in problem and f"{need / 2**30:.1f} GiB" in problem
+    # Without a disk configuration nothing is written to the tier's filesystem.
+    assert serve_bench.free_space_problem(tmp_path, [c for c in configs if c.name != "tieredkv_disk"]) is None
+    monkeypatch.setattr(serve_bench.shutil, "disk_usage", lambda path: usage._replace(free=free + 1))
+    assert serve_bench.free_space_problem(tmp_path, configs) is None
+
+    # main refuses before it builds the model or starts a server.
+    monkeypatch.setattr(serve_bench.shutil, "disk_usage", lambda path: usage._replace(free=0))
+    monkeypatch.setattr(serve_bench, "sweep", lambda *a, **k: pytest.fail("a server was started"))
+    workdir = tmp_path / "work"
+    assert serve_bench.main(["--workdir", str(workdir), "--levels", "1", "--repeats", "1",
+                             "--out", str(tmp_path / "out"), "--no-progress", "--no-lmcache"]) == 2
+    assert not (workdir / "model").exists()
+
+
+def test_a_sigterm_mid_sweep_deletes_the_tier_files(tmp_path, monkeypatch):
+    """A killed run (run_all's timeout, an operator's kill) leaves no disk tier behind: with
+    the 8b-kv shape one is tens of GiB."""
+    tier_files = []
+
+    def sweep_then_sigterm(plan, configs, *args, **kwargs):
+        for config in configs:
+            extra = (config.kv_config or {}).get("kv_connector_extra_config") or {}
+            if extra.get("disk_path"):
+                tier = Path(extra["disk_path"])
+                tier.mkdir(parents=True, exist_ok=True)
+                (tier / "rank0.slab").write_bytes(b"\0" * 4096)
+                tier_files.append(tier / "rank0.slab")
+        os.kill(os.getpid(), signal.SIGTERM)
+        pytest.fail("SIGTERM did not stop the sweep")
+
+    monkeypatch.setattr(serve_bench, "sweep", sweep_then_sigterm)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            serve_bench.main(["--workdir", str(tmp_path / "work"), "--levels", "1", "--repeats", "1",
+                              "--configs", "prefix_cache,tieredkv_disk", "--out", str(tmp_path / "out"),
+                              "--no-progress", "--no-lmcache"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert tier_files and not any(f.exists() for f in tier_files)
+    assert (tmp_path / "work" / "model").exists()  # the workdir named by the caller stays
