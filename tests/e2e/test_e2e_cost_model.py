@@ -40,15 +40,18 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
     slow = tmp_path / "disk-is-slow"
     slow.touch()
     phases_in = [
-        *(generate(name) for name in COLD), DRAIN,  # 0-5: cold, stored, spilled
-        # 6-11: three disk hits while nothing is known: taken (each read sleeps 0.5 s).
+        # 0-9: cold, stored, spilled; a drain after each prompt, so its spills end before the
+        # next prompt's stores need host slots (else its last stores may find every slot
+        # pinned and be skipped, and its hit below would come out short).
+        *(phase for name in COLD for phase in (generate(name), DRAIN)),
+        # 10-15: three disk hits while nothing is known: taken (each read sleeps 0.5 s).
         RESET, generate("p1"), RESET, generate("p2"), RESET, generate("p3"),
-        # 12-15: the disk is now known slow: the hits are declined (one chunk explored aside).
+        # 16-19: the disk is now known slow: the hits are declined (one chunk explored aside).
         RESET, generate("on_boundary"), RESET, generate("boundary_plus_1"),
-        # 16-17: the fault is removed; an exploration interval passes.
+        # 20-21: the fault is removed; an exploration interval passes.
         {"kind": "remove_file", "path": str(slow)},
         {"kind": "sleep", "seconds": EXPLORE_INTERVAL_S + 0.5},
-        # 18-22: one chunk explored in the background (read fast: the estimate starts over;
+        # 22-26: one chunk explored in the background (read fast: the estimate starts over;
         # the drain lets that read end first), then hits return.
         RESET, generate("p1"), DRAIN, RESET, generate("p2"),
     ]
@@ -65,21 +68,21 @@ def test_a_slow_disk_is_declined_counted_and_used_again_once_fast(tiny_model, re
         assert_same_as_reference(phases[index], names, reference)
     full = expected_hit_tokens(len(PROMPTS["p1"]))
     # Nothing known yet: every disk hit is taken, whole.
-    for index in (7, 9, 11):
+    for index in (11, 13, 15):
         assert counter_delta(phases, index, DECLINED) == 0, index
         assert counter_delta(phases, index, "hit_tokens_disk") > 0, index
         assert sum(cached_tokens(phases[index]).values()) == full, index
     # Known slow: each request's disk hit is declined once and counted; what it still loads
     # is at most what host holds (the explored chunk is read aside, never waited for).
-    for index, name in ((13, "on_boundary"), (15, "boundary_plus_1")):
+    for index, name in ((17, "on_boundary"), (19, "boundary_plus_1")):
         assert counter_delta(phases, index, DECLINED) == 1, index
         assert sum(cached_tokens(phases[index]).values()) < expected_hit_tokens(
             len(PROMPTS[name])), index
     # The fault removed: the exploration reads fast, and the next disk hit is whole again.
-    assert counter_delta(phases, 19, DECLINED) == 1
-    assert counter_delta(phases, 22, DECLINED) == 0
-    assert counter_delta(phases, 22, "hit_tokens_disk") > 0
-    assert sum(cached_tokens(phases[22]).values()) == full
+    assert counter_delta(phases, 23, DECLINED) == 1
+    assert counter_delta(phases, 26, DECLINED) == 0
+    assert counter_delta(phases, 26, "hit_tokens_disk") > 0
+    assert sum(cached_tokens(phases[26]).values()) == full
 
 
 RESET_ALL = {"kind": "reset_all"}  # host emptied; the shared tier keeps what it holds
