@@ -264,12 +264,17 @@ ISOLATION = ("one server at a time: each (repeat, configuration) starts its serv
              "measures every level and stops it before the next starts; tier files cleared first")
 
 
+def connector_settings(config: Any) -> dict[str, Any]:
+    """The configuration's ``kv_connector_extra_config`` (empty without a connector)."""
+    return (config.kv_config or {}).get("kv_connector_extra_config") or {}
+
+
 def clear_tiers(config: Any) -> None:
     """Empty the configuration's on-disk state (a disk tier, ExampleConnector's files) before
     its server starts, so every repeat starts as cold as the first: a disk tier recovered from
     the last repeat would hold hits the other configurations never get. Also once the sweep
     ends, however it ends: a workdir kept for its logs keeps no tier files."""
-    extra = (config.kv_config or {}).get("kv_connector_extra_config") or {}
+    extra = connector_settings(config)
     for key in ("disk_path", "shared_storage_path"):
         if not extra.get(key):
             continue
@@ -289,8 +294,7 @@ def free_space_problem(workdir: Path, configs: Sequence[Any]) -> str | None:
     """Why the run would fill ``workdir``'s filesystem, or None. One server runs at a time and
     its tier is emptied before it starts, so the largest ``disk_bytes`` of any configuration
     (plus :data:`FREE_SPACE_MARGIN`) must be free: a disk tier grows as it is written."""
-    need = max((int(((c.kv_config or {}).get("kv_connector_extra_config") or {}).get("disk_bytes", 0))
-                for c in configs), default=0)
+    need = max((int(connector_settings(c).get("disk_bytes", 0)) for c in configs), default=0)
     if need == 0:
         return None
     free = shutil.disk_usage(workdir).free

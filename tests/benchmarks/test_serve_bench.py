@@ -514,7 +514,7 @@ def test_a_sigterm_mid_sweep_deletes_the_tier_files(tmp_path, monkeypatch):
 
     def sweep_then_sigterm(plan, configs, *args, **kwargs):
         for config in configs:
-            extra = (config.kv_config or {}).get("kv_connector_extra_config") or {}
+            extra = serve_bench.connector_settings(config)
             if extra.get("disk_path"):
                 tier = Path(extra["disk_path"])
                 tier.mkdir(parents=True, exist_ok=True)

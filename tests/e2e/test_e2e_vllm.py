@@ -101,7 +101,8 @@ def test_disk_tier_hit_then_restart_serves_prefix_from_disk(tiny_model, referenc
     ))
     phases = first["phases"]
     full = expected_hit_tokens(len(PROMPTS["p1"]))  # p1..p3 have the same length
-    assert all(phase.get("counters", {}).get("store_skipped_host_full", 0) == 0 for phase in phases), phases[-1]["counters"]
+    # (The counters are running totals: the last phase's cover the whole run.)
+    assert phases[-1]["counters"].get("store_skipped_host_full", 0) == 0, phases[-1]["counters"]
     assert_same_as_reference(phases[7], ["p1"], reference)
     # p2 and p3 pushed all of p1 out of the 16-slot host tier: its whole hit is promoted from disk.
     assert_hits(phases, 7, {"p1": full}, tiers={"disk": full})
