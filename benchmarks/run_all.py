@@ -154,6 +154,15 @@ def describe_stamp(stamp: dict[str, Any]) -> str:
             + (f" Note: {stamp['note']}." if stamp.get("note") else ""))
 
 
+def stamp_markdown(path: Path, line: str) -> None:
+    """The stamp line under the Markdown file's title (replacing an older stamp line)."""
+    lines = path.read_text().splitlines()
+    lines = [x for x in lines if not x.startswith(STAMP_PREFIX)]
+    at = 1 if lines and lines[0].startswith("# ") else 0
+    lines[at:at] = ["", line] if at else [line, ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def stamp_png(path: Path, line: str) -> None:
     """The stamp as a caption strip under the figure (a person sees it) and as a PNG text
     chunk ``tieredkv-stamp`` (a script reads it)."""
@@ -188,11 +197,7 @@ def stamp_files(files: Sequence[Path], stamp: dict[str, Any]) -> list[str]:
             payload["stamp"] = {k: v for k, v in stamp.items() if k != "t_start"}
             common.write_json(path, payload)
         elif path.suffix == ".md":
-            lines = path.read_text().splitlines()
-            lines = [x for x in lines if not x.startswith(STAMP_PREFIX)]
-            at = 1 if lines and lines[0].startswith("# ") else 0
-            lines[at:at] = ["", describe_stamp(stamp)] if at else [describe_stamp(stamp), ""]
-            path.write_text("\n".join(lines) + "\n")
+            stamp_markdown(path, describe_stamp(stamp))
         elif path.suffix == ".png":
             stamp_png(path, describe_stamp(stamp))
     return problems

@@ -6,24 +6,28 @@ What it does, in order:
    prefixes, each followed by per-prompt suffixes, so requests hit whole prompts and shared
    prefixes. Requests pick pool prompts with a zipf-like law (weight ``1 / rank**s`` over a
    seeded permutation), so a few prompts are hot and the tail keeps getting evicted.
-2. Starts two servers (``python -m vllm.entrypoints.openai.api_server --skip-tokenizer-init
-   --enforce-eager --dtype float32``, loopback): a *reference* without any connector and a
+2. Starts three servers (``python -m vllm.entrypoints.openai.api_server --skip-tokenizer-init
+   --enforce-eager --dtype float32``, loopback): a *reference* without any connector, a
    *tieredkv* server (host tier and a disk tier both smaller than the pool's working set, vLLM
-   prefix caching off so every reuse goes through tieredkv). Both run in float32: in bfloat16,
-   different prefill split points (a hit loads a prefix, the rest is computed) legitimately
-   flip near-tied greedy tokens, which would hide real errors in noise.
+   prefix caching off so every reuse goes through tieredkv) and a *control* without any
+   connector, vLLM's prefix cache on (how users run vLLM without tieredkv; ``--no-control``
+   leaves it out). All run in float32: in bfloat16, different prefill split points (a hit
+   loads a prefix, the rest is computed) legitimately flip near-tied greedy tokens, which
+   would hide real errors in noise.
 3. Computes the greedy reference output of every pool prompt once on the reference server,
    then stops it.
-4. Runs ``clients`` closed-loop clients for ``--duration`` seconds against the tieredkv server.
-   Every response must equal its reference token for token.
+4. Runs ``clients`` closed-loop clients for ``--duration`` seconds against the tieredkv server
+   and, at the same time, as many clients with the same prompt sequence against the control.
+   Every tieredkv response must equal its reference token for token.
 5. Meanwhile, every ``fault_every_s`` seconds, flips random bytes in the payloads of random
    journaled disk slots *while the server runs* (slot ``s`` of ``rank0.slab`` starts at
    ``s * slot_stride``, from ``manifest.json``; the first 4096 bytes are the header; journaled
    slots from ``Journal.replay(<disk_path>/journal.bin).entries``; names and offsets from
    ``tieredkv.disk.format``). tieredkv must detect every one it
    reads (payload checksum) and recompute: a wrong byte served shows up as a wrong output.
-6. Every ``sample_every_s`` seconds samples the server (its process and all children): RSS,
-   open file descriptors, threads; from its /metrics: host slots in use, disk slots in use,
+6. Every ``sample_every_s`` seconds samples the server (its process and all children): RSS
+   (also per process: API server, engine core, worker), open file descriptors, threads; the
+   control's RSS in the same tick; from its /metrics: host slots in use, disk slots in use,
    pinned host slots; from its disk tier: journal entries, journal bytes, disk usage of
    ``disk_path``; and /health.
 
@@ -32,7 +36,10 @@ Verdict (exit status 1 on FAIL, with the reasons printed):
 - any response differing from its reference -> FAIL;
 - the engine stops answering (a request error or timeout, or two /health failures in a row)
   -> FAIL;
-- a sampled series is not flat -> FAIL, decided per series by this rule (:func:`leak_check`):
+- a sampled series is not flat -> FAIL, decided per series by this rule (:func:`leak_check`;
+  with a control, RSS is judged as the tieredkv server's RSS minus the control's, so vLLM's
+  own growth under the same load is not counted as tieredkv's; both servers' own RSS and each
+  process's slope are reported beside it):
   drop the profile's stated warm-up (``warmup_s``: 60 s quick, 600 s full) and fit a
   least-squares line to every later sample. With at least 30 minutes of samples after the
   warm-up (the full profile) the slope must stay under an absolute limit per hour: **RSS 16
@@ -47,6 +54,8 @@ Verdict (exit status 1 on FAIL, with the reasons printed):
   requests waiting on a load (read from /metrics after one tiny request makes the engine
   step, so the gauges are fresh) -> FAIL.
 
+- the control stops answering -> FAIL (the RSS baseline is gone).
+
 The quick profile (default) fits in 10 minutes (servers start in parallel; 5 minutes of load);
 ``--duration 14400`` runs four hours. Results: ``benchmarks/results/soak.{json,md,png}``.
 This is the CPU build of vLLM: device KV cache and host tier share RAM. No GPU figures.
@@ -54,11 +63,13 @@ This is the CPU build of vLLM: device KV cache and host tier share RAM. No GPU f
     python -m benchmarks.soak                   # quick profile
     python -m benchmarks.soak --full            # 1 hour, bigger pool
     python -m benchmarks.soak --duration 14400  # any length
+    python -m benchmarks.soak --from-json benchmarks/results/soak-full.json  # re-render only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import sys
@@ -84,6 +95,7 @@ from benchmarks.endurance.workload import (
     make_pool,
     working_set_chunks,
 )
+from benchmarks.replicas.workload import replica_cpu_env
 from benchmarks.serve.servers import apply_server_env
 from tieredkv.disk.format import slot_stride
 from tieredkv.tools.vllm_server import BLOCK_SIZE, Server
@@ -105,8 +117,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="results go to soak-LABEL.{json,md,png} instead of soak.* (--full: soak-full.*)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="results directory")
+    parser.add_argument("--no-control", action="store_true",
+                        help="no control server: RSS is judged as it is, vLLM's own growth included")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="only rewrite the Markdown and PNG from an earlier run's JSON (same name)")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        src = args.from_json
+        return common.rewrite_from_json(src, args.out, lambda path: json.loads(Path(path).read_text()),
+                                        lambda payload, out: write_outputs(payload, out, src.stem))
     logging.getLogger("tieredkv").setLevel(logging.ERROR)  # torn journal tails while it is written
 
     t_begin = time.monotonic()
@@ -158,11 +178,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = make_tiny_llama(workdir / "model", **MODEL)
     reference = Server(model, None, workdir / "logs" / "reference.log", extra_args=flags)
     server = Server(model, kv_config, workdir / "logs" / "tieredkv.log", extra_args=flags)
+    control = None if args.no_control else Server(
+        model, None, workdir / "logs" / "control.log", extra_args=[*flags, "--enable-prefix-caching"])
+    # Two busy servers on vLLM's default binding share the first cores and starve each other
+    # (in a trial one served several times the other's requests): each worker gets its own cores.
+    cpu_envs = {} if control is None else {
+        "reference": replica_cpu_env(0, 2), "tieredkv": replica_cpu_env(0, 2), "control": replica_cpu_env(1, 2)}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     total_ticks = len(prompts) + int(p["duration_s"]) + 2
     progress = common.Progress(total_ticks, "starting servers", enabled=not args.no_progress)
     run = run_soak(reference, server, prompts, p, seed=args.seed, faults_on=not args.no_faults,
-                   disk_path=disk_path, chunk_bytes=chunk_bytes, progress=progress)
+                   disk_path=disk_path, chunk_bytes=chunk_bytes, progress=progress, control=control,
+                   cpu_envs=cpu_envs)
     failures, manifest = run.failures, run.manifest
 
     if any(f.startswith(("engine", "server")) for f in failures):
@@ -175,13 +202,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": NAME, "profile": profile, "started": started, "git": common.git_revision(HERE),
         "machine": common.machine_info(), "labels": "CPU-build vLLM; no GPU figures",
         "params": {**p, "seed": args.seed, "faults": not args.no_faults}, "model": MODEL, "dtype": DTYPE,
-        "server_flags": flags, "server_env": server_env, "allocator": allocator or "glibc malloc",
+        "kv_bytes_per_token": kv_bytes_per_token(MODEL, DTYPE_BYTES),
+        "server_flags": flags, "control_flags": None if control is None else control.extra_args,
+        "cpu_envs": cpu_envs, "server_env": server_env, "allocator": allocator or "glibc malloc",
         "kv_config": kv_config, "manifest": manifest,
         "working_set_chunks": ws_chunks, "chunk_bytes": chunk_bytes,
         "disk_slots": manifest.get("num_slots", p["disk_chunks"]),
         "warmup_end_s": run.samples[0]["t"] + p["warmup_s"] if run.samples else 0.0,
         "summary": judged["summary"], "checks": checks, "verdict": verdict, "failures": failures,
-        "leaks": leaks, "leak_rules": {k: asdict(v) for k, v in LEAK_RULES.items()},
+        "leaks": leaks, "leaks_info": judged["leaks_info"],
+        "rss_slopes_by_process": judged["rss_slopes_by_process"],
+        "leak_rules": {k: asdict(v) for k, v in LEAK_RULES.items()},
+        "control_requests": len(run.control_records),
         "tieredkv_counters": counters, "idle": run.idle, "samples": run.samples, "faults": run.faults,
         "requests": [{k: v for k, v in r.items() if k not in ("want", "got")} for r in run.records],
         "mismatched": [r for r in run.records if r.get("mismatch")][:20],

@@ -34,6 +34,10 @@ class LeakRule:
 
 LEAK_RULES: dict[str, LeakRule] = {
     "rss_bytes": LeakRule(per_hour=16 * MiB, rise=32 * MiB),
+    # With a control server (vLLM without tieredkv under the same load), the RSS rule judges
+    # the tieredkv server's RSS minus the control's, sampled in the same tick: vLLM's own
+    # growth (allocator and per-shape caches of its CPU worker) is not tieredkv's leak.
+    "rss_excess_bytes": LeakRule(per_hour=16 * MiB, rise=32 * MiB),
     "open_fds": LeakRule(per_hour=1, rise=2),
     "threads": LeakRule(per_hour=1, rise=2),
     "host_slots_used": LeakRule(per_hour=1, rise=2),
@@ -108,6 +112,31 @@ def leak_check(ts: Sequence[float], ys: Sequence[float], rule: LeakRule, warmup_
     }
 
 
+def judged_series(samples: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """The series the verdict judges and those shown for information only: with a control's
+    samples, RSS is judged as the excess over the control and both servers' own RSS are shown;
+    without, the server's RSS is judged as it is."""
+    with_control = any("rss_excess_bytes" in x for x in samples)
+    info = ["rss_bytes", "control_rss_bytes"] if with_control else []
+    skip = "rss_bytes" if with_control else "rss_excess_bytes"
+    return [k for k in LEAK_RULES if k != skip], info
+
+
+def per_process_slopes(samples: Sequence[Mapping[str, Any]], key: str, warmup_s: float) -> dict[str, float]:
+    """Least-squares RSS slope per hour of each kind of process (``key``: ``rss_by_process`` or
+    ``control_rss_by_process``) after the warm-up: where the growth is."""
+    if not samples:
+        return {}
+    t0 = samples[0]["t"] + warmup_s
+    roles = sorted({role for x in samples for role in x.get(key) or {}})
+    out = {}
+    for role in roles:
+        pts = [(x["t"], x[key][role]) for x in samples if x["t"] >= t0 and role in (x.get(key) or {})]
+        if len(pts) >= 2:
+            out[role] = lsq_slope([t for t, _ in pts], [y for _, y in pts]) * 3600
+    return out
+
+
 def idle_verdict(idle: Mapping[str, Any]) -> tuple[str, str]:
     """PASS when nothing is pinned, in flight or waiting once idle; the figures as text."""
     if not idle:
@@ -127,11 +156,13 @@ def judge(run: Run, p: Mapping[str, Any], prompts: Sequence[list[int]]) -> dict[
     load_end, load_start = run.load_end, run.load_start
     load_s = max(1e-9, load_end - load_start)
     run_s = p["duration_s"]
-    leaks = {}
-    for key, rule in LEAK_RULES.items():
+    judged_keys, info_keys = judged_series(samples)
+    leaks, leaks_info = {}, {}
+    for key in judged_keys + info_keys:
         ts = [s["t"] for s in samples if key in s]
         ys = [s[key] for s in samples if key in s]
-        leaks[key] = leak_check(ts, ys, rule, warmup_s=p["warmup_s"])
+        (leaks if key in judged_keys else leaks_info)[key] = leak_check(
+            ts, ys, LEAK_RULES["rss_bytes" if key == "control_rss_bytes" else key], warmup_s=p["warmup_s"])
     ok = [r for r in records if r.get("ok")]
     ttfts = [r["ttft_s"] for r in ok]
     mismatches = sum(1 for r in ok if r.get("mismatch"))
@@ -152,8 +183,10 @@ def judge(run: Run, p: Mapping[str, Any], prompts: Sequence[list[int]]) -> dict[
     leak_fail = [k for k, v in leaks.items() if v["verdict"] == "FAIL"]
     leak_undecided = [k for k, v in leaks.items() if v["verdict"] not in ("PASS", "FAIL")]
     hourly = all(v.get("mode") == "hourly" for v in leaks.values())
+    rss_name = "RSS above the control's" if info_keys else "RSS"
     leak_check_name = "every sampled series flat after the warm-up " + (
-        "(RSS slope < 16 MiB/h)" if hourly else "(short run: RSS climbs < 32 MiB; hourly rule: full profile)")
+        f"({rss_name}: slope < 16 MiB/h)" if hourly
+        else f"(short run: {rss_name} climbs < 32 MiB; hourly rule: full profile)")
     if leak_fail:
         leak_text = "not flat: " + ", ".join(leak_fail)
     elif leak_undecided:
@@ -178,6 +211,17 @@ def judge(run: Run, p: Mapping[str, Any], prompts: Sequence[list[int]]) -> dict[
                      f"{counters['load_failures{cause=checksum}']:.0f} checksum failures",
          "verdict": "info"},
     ]
+    if run.control_records:
+        c_ok = [r for r in run.control_records if r.get("ok")]
+        c_wrong = sum(1 for r in c_ok if r.get("mismatch"))
+        c_failed = any(f.startswith("control") for f in failures)
+        checks.insert(3, {
+            "check": "control server (vLLM without tieredkv, its prefix cache on) answered the same "
+                     "load throughout (its RSS is the leak rule's baseline)",
+            "measured": f"{len(c_ok)} of the {len(records)} requests tieredkv served, "
+                        f"{len(run.control_records) - len(c_ok)} errors; "
+                        f"{c_wrong} differ from the reference (information: vLLM's own)",
+            "verdict": "FAIL" if c_failed or not c_ok else "PASS"})
     for key in leak_fail:
         failures.append(f"series {key}: {leaks[key]['verdict']}: {leaks[key].get('reason', '')}")
     verdict = "PASS" if all(c["verdict"] in ("PASS", "info") for c in checks) else "FAIL"
@@ -188,5 +232,8 @@ def judge(run: Run, p: Mapping[str, Any], prompts: Sequence[list[int]]) -> dict[
         "faults": len(faults), "load_s": load_s,
         "prompt_tokens_min": min(len(x) for x in prompts), "prompt_tokens_max": max(len(x) for x in prompts),
     }
-    return {"load_s": load_s, "leaks": leaks, "counters": counters, "checks": checks,
-            "verdict": verdict, "summary": summary, "mismatches": mismatches}
+    slopes = {"tieredkv": per_process_slopes(samples, "rss_by_process", p["warmup_s"]),
+              "control": per_process_slopes(samples, "control_rss_by_process", p["warmup_s"])}
+    return {"load_s": load_s, "leaks": leaks, "leaks_info": leaks_info, "counters": counters,
+            "checks": checks, "verdict": verdict, "summary": summary, "mismatches": mismatches,
+            "rss_slopes_by_process": {k: v for k, v in slopes.items() if v}}

@@ -21,27 +21,46 @@ from benchmarks.serve.judging import metric_sum
 from tieredkv.disk.format import journal_path, manifest_path, payload_offset
 
 
-def tree_usage(pid: int) -> dict[str, float]:
-    """RSS, open fds and threads of a process and all its children (psutil)."""
+def process_role(proc: Any, is_root: bool) -> str:
+    """Which of a vLLM server's processes this is: ``api_server`` (the root), else the title
+    vLLM gives its children (``VLLM::EngineCore``, ``VLLM::Worker``...), else the process name."""
+    if is_root:
+        return "api_server"
+    try:
+        argv0 = (proc.cmdline() or [""])[0]
+    except Exception:  # noqa: BLE001 - psutil errors and odd cmdlines alike: fall back to the name
+        argv0 = ""
+    return argv0.split()[0] if argv0.startswith("VLLM::") else proc.name()
+
+
+def tree_usage(pid: int) -> dict[str, Any]:
+    """RSS, open fds and threads of a process and all its children (psutil), and the RSS of
+    each kind of process (summed by :func:`process_role`), so growth can be placed."""
     import psutil
 
     rss = fds = threads = 0
+    by_process: dict[str, int] = {}
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return {"rss_bytes": math.nan, "open_fds": math.nan, "threads": math.nan, "processes": 0}
+        return {"rss_bytes": math.nan, "open_fds": math.nan, "threads": math.nan, "processes": 0,
+                "rss_by_process": {}}
     alive = 0
     for proc in procs:
         try:
             with proc.oneshot():
-                rss += proc.memory_info().rss
+                proc_rss = proc.memory_info().rss
                 fds += proc.num_fds()
                 threads += proc.num_threads()
-            alive += 1
+            role = process_role(proc, proc.pid == pid)
         except psutil.Error:
             continue
-    return {"rss_bytes": rss, "open_fds": fds, "threads": threads, "processes": alive}
+        rss += proc_rss
+        by_process[role] = by_process.get(role, 0) + proc_rss
+        alive += 1
+    return {"rss_bytes": rss, "open_fds": fds, "threads": threads, "processes": alive,
+            "rss_by_process": by_process}
 
 
 def disk_usage(path: Path) -> int:

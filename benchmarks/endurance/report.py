@@ -8,14 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.endurance.workload import CHUNK_TOKENS, DTYPE, NAME, MiB
+from benchmarks.common import kv_bytes_per_token
+from benchmarks.endurance.workload import CHUNK_TOKENS, DTYPE, DTYPE_BYTES, NAME, MiB
 
 SERIES_UNITS = {
-    "rss_bytes": ("RSS (MiB)", MiB), "open_fds": ("open fds", 1), "threads": ("threads", 1),
+    "rss_bytes": ("RSS (MiB)", MiB), "rss_excess_bytes": ("RSS above the control's (MiB)", MiB),
+    "control_rss_bytes": ("control's RSS (MiB)", MiB), "open_fds": ("open fds", 1), "threads": ("threads", 1),
     "host_slots_used": ("host slots used", 1), "pinned_host_slots": ("pinned host slots", 1),
     "disk_slots_used": ("disk slots used", 1), "journal_entries": ("journal entries", 1),
     "disk_usage_bytes": ("disk usage (MiB)", MiB), "journal_bytes": ("journal (KiB)", 1024),
 }
+
+
+def kv_per_token(payload: dict[str, Any]) -> int:
+    """The run's KV bytes per token (a file from before it was recorded: from its model)."""
+    return payload.get("kv_bytes_per_token") or kv_bytes_per_token(payload["model"], DTYPE_BYTES)
 
 
 def results_name(label: str | None, full: bool) -> str:
@@ -24,22 +31,48 @@ def results_name(label: str | None, full: bool) -> str:
     return f"{NAME}-{label}" if label else NAME
 
 
+def leak_row(series: str, res: dict[str, Any], judged: bool = True) -> dict[str, Any]:
+    """One series' leak-rule figures in its display units; ``judged`` False: information only."""
+    label, scale = SERIES_UNITS[series]
+    return {
+        "series": label, "median": res.get("median", math.nan) / scale if "median" in res else math.nan,
+        "slope": res.get("slope_per_h", math.nan) / scale if "slope_per_h" in res else math.nan,
+        "mode": res.get("mode", ""),
+        "climb": res.get("climb", math.nan) / scale if "climb" in res else math.nan,
+        "limit": res.get("limit", math.nan) / scale if "limit" in res else math.nan,
+        "fq": res.get("first_quarter_max", math.nan) / scale if "first_quarter_max" in res else math.nan,
+        "lq": res.get("last_quarter_max", math.nan) / scale if "last_quarter_max" in res else math.nan,
+        "verdict": res["verdict"] if judged else f"info ({res['verdict']} on its own)",
+        "why": res.get("reason", ""),
+    }
+
+
+def control_text(payload: dict[str, Any]) -> str:
+    """How the RSS rule was judged: against the control server, or on the server's RSS alone."""
+    if not payload.get("leaks_info"):
+        return ("No control server ran: the RSS rule judges the tieredkv server's RSS as it is, "
+                "vLLM's own growth included.")
+    slopes = payload.get("rss_slopes_by_process", {})
+    per = "; ".join(f"{side}: " + ", ".join(f"`{role}` {v / MiB:+.1f}" for role, v in sorted(roles.items()))
+                    for side, roles in slopes.items())
+    return (f"**Control.** A second server without tieredkv (the same flags with vLLM's prefix cache "
+            f"on: `{' '.join(payload.get('control_flags') or [])}`) was sent every prompt the "
+            "tieredkv clients sent, as they sent it, by one paired client each (the same requests "
+            f"in the same order: {payload.get('control_requests', 0):,} against tieredkv's "
+            f"{payload['summary'].get('requests', 0):,}), and the sampler read both servers' memory "
+            "in the same tick. Each server's worker had its own cores: "
+            + ", ".join(f"{name} `{' '.join(f'{k}={v}' for k, v in env.items()) or 'vLLM default'}`"
+                        for name, env in payload.get("cpu_envs", {}).items()) + ". The RSS rule judges the tieredkv "
+            "server's RSS minus the control's (`RSS above the control's`): growth both servers "
+            "show under the same load is vLLM's own, not tieredkv's. Each server's own RSS is "
+            "shown as information. RSS slope per process after the warm-up (MiB/h): " + (per or "n/a") + ".")
+
+
 def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAME) -> tuple[Path, Path, Path | None]:
     samples = payload["samples"]
     machine = payload["machine"]["name"]
-    leak_rows = []
-    for series, res in payload["leaks"].items():
-        label, scale = SERIES_UNITS[series]
-        leak_rows.append({
-            "series": label, "median": res.get("median", math.nan) / scale if "median" in res else math.nan,
-            "slope": res.get("slope_per_h", math.nan) / scale if "slope_per_h" in res else math.nan,
-            "mode": res.get("mode", ""),
-            "climb": res.get("climb", math.nan) / scale if "climb" in res else math.nan,
-            "limit": res.get("limit", math.nan) / scale if "limit" in res else math.nan,
-            "fq": res.get("first_quarter_max", math.nan) / scale if "first_quarter_max" in res else math.nan,
-            "lq": res.get("last_quarter_max", math.nan) / scale if "last_quarter_max" in res else math.nan,
-            "verdict": res["verdict"], "why": res.get("reason", ""),
-        })
+    leak_rows = [leak_row(k, v) for k, v in payload["leaks"].items()]
+    leak_rows += [leak_row(k, v, judged=False) for k, v in payload.get("leaks_info", {}).items()]
     counters = payload["tieredkv_counters"]
     summary = payload["summary"]
     checks = payload["checks"]
@@ -52,7 +85,9 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
         f"{payload['params']['pool']} prompts ({summary['prompt_tokens_min']}–{summary['prompt_tokens_max']} "
         f"tokens, {payload['params']['groups']} shared prefixes), zipf s={payload['params']['zipf_s']}; "
         f"working set {payload['working_set_chunks']} chunks of {CHUNK_TOKENS} tokens "
-        f"({payload['chunk_bytes'] // 1024} KiB); host tier {payload['params']['host_chunks']} chunks, disk tier "
+        f"({payload['chunk_bytes'] // 1024} KiB); model: random Llama (hidden {payload['model']['hidden_size']}, "
+        f"{payload['model']['num_layers']} layers, {payload['model']['num_kv_heads']} KV heads), "
+        f"{common.kv_per_token_text(kv_per_token(payload))}; host tier {payload['params']['host_chunks']} chunks, disk tier "
         f"{payload['disk_slots']} slots. {DTYPE}, vLLM prefix caching off, reference = the same "
         "server flags without a connector.",
         "### Checks\n\n" + common.markdown_table(
@@ -63,6 +98,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
             ("errors", "errors"), ("rps", "req/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
             ("ttft_p99_ms", "TTFT p99 (ms)"), ("faults", "slots corrupted"),
         ]),
+        control_text(payload),
         "tieredkv counters at the end: " + ", ".join(f"`{k}` {v:,.0f}" for k, v in counters.items()) + ".",
         f"### Leak rule per series\n\nWarm-up: the first {payload['params']['warmup_s']:.0f} s of load "
         "are dropped. Trend: least-squares line over every later sample. With at least 30 min "
@@ -90,7 +126,10 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
         warm = payload["warmup_end_s"]
         panels = [
             {"title": "server RSS, all processes", "xlabel": "s", "ylabel": "MiB", "xlog": False,
-             "ylog": False, "series": [series("rss_bytes", "RSS (MiB)", MiB)]},
+             "ylog": False, "series": [series("rss_bytes", "tieredkv server RSS (MiB)", MiB)] + (
+                 [series("control_rss_bytes", "control server RSS (MiB)", MiB),
+                  series("rss_excess_bytes", "tieredkv minus control (MiB)", MiB)]
+                 if payload.get("leaks_info") else [])},
             {"title": "open fds and threads", "xlabel": "s", "ylabel": "count", "xlog": False,
              "ylog": False, "series": [series("open_fds", "open fds"), series("threads", "threads")]},
             {"title": "tieredkv occupancy", "xlabel": "s", "ylabel": "slots / entries", "xlog": False,

@@ -1,11 +1,19 @@
-"""The soak's run: both servers started, every prompt's float32 reference taken from the
+"""The soak's run: the servers started, every prompt's float32 reference taken from the
 server without a connector, then the load (clients choosing prompts by Zipf weights, a sampler
 reading the server and its disk tier, an injector corrupting journaled slots) until the
-duration ends or the engine stops answering."""
+duration ends or the engine stops answering.
+
+With a *control* server (vLLM without a connector, its own prefix cache on: how users run it
+without tieredkv) every prompt a tieredkv client sends is sent to the control too, by a paired
+client, as it is sent (the same requests in the same order, never more: the control, whose
+hits stay in device memory, would otherwise serve several times as many), and the sampler
+reads its memory in the same tick: the server's growth that is vLLM's own, under
+the same load on the same machine, is then told apart from tieredkv's."""
 
 from __future__ import annotations
 
 import itertools
+import queue
 import random
 import threading
 import time
@@ -42,6 +50,7 @@ class Run:
 
     samples: list[dict[str, Any]] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
+    control_records: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     load_start: float = 0.0
@@ -52,18 +61,25 @@ class Run:
 
 
 def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p: Mapping[str, Any], *,
-             seed: int, faults_on: bool, disk_path: Path, chunk_bytes: int, progress: Any) -> Run:
-    """Start both servers, take the references, run the load; both servers stopped at the end.
-    Any failure to set up is a failure of the run (``soak aborted: ...``), not an exception."""
+             seed: int, faults_on: bool, disk_path: Path, chunk_bytes: int, progress: Any,
+             control: Server | None = None, cpu_envs: Mapping[str, Mapping[str, str]] | None = None) -> Run:
+    """Start the servers, take the references, run the load; every server stopped at the end.
+    Any failure to set up is a failure of the run (``soak aborted: ...``), not an exception.
+    ``cpu_envs``: extra environment per server name (``reference``, ``tieredkv``, ``control``),
+    to bind each server's worker to its own cores."""
     run = Run()
     samples, records, faults, failures = run.samples, run.records, run.faults, run.failures
+    control_records = run.control_records
     refs: list[list[int]] = []
     stop = threading.Event()
     lock = threading.Lock()
     run.load_start = run.load_end = time.monotonic()
+    pairs: list[queue.Queue[int]] = [queue.Queue() for _ in range(p["clients"])] if control else []
     try:
-        errs = start_servers([reference, server], True, progress)
-        for name, err, srv in (("reference", errs[0], reference), ("tieredkv", errs[1], server)):
+        started = [("reference", reference), ("tieredkv", server)] + ([("control", control)] if control else [])
+        envs = [(cpu_envs or {}).get(name) for name, _ in started]
+        errs = start_servers([srv for _, srv in started], True, progress, envs=envs)
+        for (name, srv), err in zip(started, errs, strict=True):
             if err:
                 raise RuntimeError(f"{name} server did not start: {err}; log {srv.log_path}")
         progress.advance(1, "reference outputs")
@@ -83,6 +99,8 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                 if stop.is_set() or time.monotonic() >= deadline or n > 100_000:
                     return
                 k = choose()
+                if pairs:
+                    pairs[idx].put(k)
                 rec: dict[str, Any] = {"t": time.monotonic() - load_start, "prompt": k, "client": idx}
                 try:
                     ttft, out = stream_completion(server.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
@@ -107,6 +125,29 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                         if sum(r.get("mismatch", False) for r in records) >= 20:
                             stop.set()
 
+        def control_client(idx: int) -> None:
+            """Tieredkv client ``idx``'s prompts, each as it is sent, against the control; its
+            outputs are compared too (information: a difference there is vLLM's, not tieredkv's)."""
+            assert control is not None
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    k = pairs[idx].get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                rec: dict[str, Any] = {"t": time.monotonic() - load_start, "prompt": k, "client": idx}
+                try:
+                    ttft, out = stream_completion(control.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
+                    rec.update(ok=True, ttft_s=ttft, mismatch=first_difference(refs[k], out) is not None)
+                except (OSError, RuntimeError, ValueError, urllib.error.URLError) as exc:
+                    rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+                with lock:
+                    control_records.append(rec)
+                if not rec["ok"]:
+                    with lock:
+                        failures.append(f"control server stopped answering: request for prompt {k} at "
+                                        f"t={rec['t']:.0f}s failed: {rec['error']}")
+                    return
+
         def sampler() -> None:
             bad_health = 0
             while not stop.is_set():
@@ -114,6 +155,10 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                 if now >= deadline:
                     return
                 sample: dict[str, Any] = {"t": now - load_start, **tree_usage(server.proc.pid)}
+                if control is not None and control.proc is not None and control.proc.poll() is None:
+                    ctl = tree_usage(control.proc.pid)
+                    sample.update(control_rss_bytes=ctl["rss_bytes"], control_rss_by_process=ctl["rss_by_process"])
+                    sample["rss_excess_bytes"] = sample["rss_bytes"] - ctl["rss_bytes"]
                 text = scrape(server.url)
                 if text is not None:
                     sample["host_slots_used"] = metric_sum(text, "vllm:tieredkv_used_bytes", {"tier": "host"}) / chunk_bytes
@@ -156,6 +201,8 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                         faults.append({"t": time.monotonic() - load_start, "slot": slot, "bytes": len(offsets)})
 
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(p["clients"])]
+        if control is not None:
+            threads += [threading.Thread(target=control_client, args=(i,), daemon=True) for i in range(p["clients"])]
         threads.append(threading.Thread(target=sampler, daemon=True))
         if faults_on:
             threads.append(threading.Thread(target=injector, daemon=True))
@@ -184,6 +231,8 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
         stop.set()
         reference.stop()
         server.stop()
+        if control is not None:
+            control.stop()
         progress.close()
 
     return run

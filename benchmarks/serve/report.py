@@ -190,8 +190,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"{payload.get('wall_s', math.nan):.0f} s in all. Model: random Llama (hidden "
         f"{model['hidden_size']}, {model['num_layers']} layers, {model['num_kv_heads']} KV heads"
         + (f", head dim {model['head_dim']}" if model.get("head_dim") else "") + "), "
-        + (f"shape `{payload.get('model_shape')}`, **{payload['kv_bytes_per_token']:,} bytes "
-           f"({payload['kv_bytes_per_token'] / 1024:g} KiB) of KV per token**, "
+        + (f"shape `{payload.get('model_shape')}`, {common.kv_per_token_text(payload['kv_bytes_per_token'])}, "
            if "kv_bytes_per_token" in payload else "")
         + f"{DTYPE}, block {BLOCK_SIZE}, tieredkv chunk {CHUNK_TOKENS} tokens. Workload: a system "
         f"prompt of {spec['system_tokens']} tokens, {spec['turns']} turns per user of "

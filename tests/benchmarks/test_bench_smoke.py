@@ -237,7 +237,8 @@ def test_flip_payload_bytes(tmp_path):
 
 
 def test_leak_rules_cover_every_plotted_series():
-    assert set(soak_judging.LEAK_RULES) == set(soak_report.SERIES_UNITS)
+    """Every series in the report has a rule (the control's RSS is judged by the RSS rule)."""
+    assert set(soak_judging.LEAK_RULES) == set(soak_report.SERIES_UNITS) - {"control_rss_bytes"}
 
 
 def test_pool_without_shared_prefixes_and_idle_verdict():
@@ -285,13 +286,16 @@ def test_soak_writes_its_results_under_the_profiles_name(tmp_path, monkeypatch, 
         written.append(out_name)
         return out_dir / f"{out_name}.json", out_dir / f"{out_name}.md", None
 
-    run = SimpleNamespace(failures=[], manifest={}, samples=[], records=[], idle={}, faults=[])
+    run = SimpleNamespace(failures=[], manifest={}, samples=[], records=[], idle={}, faults=[],
+                          control_records=[])
     judged = {"leaks": {"spills_dropped": {"verdict": "PASS"}, "rss": {"verdict": "PASS"}},
+              "leaks_info": {}, "rss_slopes_by_process": {},
               "counters": {}, "checks": [], "verdict": "PASS", "summary": {}, "mismatches": 0}
     monkeypatch.setattr(soak, "apply_server_env", lambda: {})
     monkeypatch.setattr(soak.common, "preload_tcmalloc", lambda: "tcmalloc")
     monkeypatch.setattr(tiny_model, "make_tiny_llama", lambda path, **kw: path)
-    monkeypatch.setattr(soak, "Server", lambda *a, **kw: SimpleNamespace(log_path=tmp_path / "log"))
+    monkeypatch.setattr(soak, "Server", lambda *a, **kw: SimpleNamespace(log_path=tmp_path / "log",
+                                                                           extra_args=kw.get("extra_args")))
     monkeypatch.setattr(soak, "run_soak", lambda *a, **kw: run)
     monkeypatch.setattr(soak, "judge", lambda *a: judged)
     monkeypatch.setattr(soak, "write_outputs", write_outputs)

@@ -274,6 +274,7 @@ def test_report_renders_and_reloads(tmp_path, monkeypatch):
     json_path, md_path, _ = replica_report.write_outputs(payload, tmp_path)
     text = md_path.read_text()
     assert "host tier 342 MiB per replica in both configurations" in text
+    assert "float32, **4,096 bytes (4 KiB) of KV per token**, block 32" in text  # #27: KV size stated
     assert "0 of 12 a multiple of the chunk" in text and "| shared_remote | 2 |" in text
     assert "Targets" not in text  # a file from before the targets: none invented
     assert "0.5" in text  # the p50 ratio

@@ -1,0 +1,171 @@
+"""The soak's RSS baseline (#27): a control server without tieredkv under the same load, the
+RSS rule judged on the tieredkv server's RSS minus the control's, growth placed per process,
+the KV bytes per token stated, and a kept run re-rendered from its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import soak
+from benchmarks.endurance import judging, probes, report
+from benchmarks.endurance.runner import Run
+from benchmarks.endurance.workload import PROFILES, MiB
+
+REPO = Path(__file__).resolve().parents[2]
+P = PROFILES["full"]
+
+
+def _run(server_mib_per_h: float, control_mib_per_h: float | None, *, control_fails: bool = False) -> Run:
+    """An hour and six minutes of samples every 10 s: every series flat except the servers' RSS,
+    which climbs by the given MiB per hour (the growth all in the worker process)."""
+    run = Run(load_start=0.0, load_end=P["duration_s"])
+    for i in range(400):
+        t = i * 10.0
+        worker = 1500 * MiB + server_mib_per_h * MiB * t / 3600
+        sample = {"t": t, "rss_bytes": 500 * MiB + worker, "open_fds": 90, "threads": 60,
+                  "host_slots_used": 20, "pinned_host_slots": 1, "disk_slots_used": 60,
+                  "journal_entries": 60, "disk_usage_bytes": 20 * MiB, "journal_bytes": 40_000,
+                  "rss_by_process": {"api_server": 500 * MiB, "VLLM::Worker": worker}}
+        if control_mib_per_h is not None:
+            c_worker = 1400 * MiB + control_mib_per_h * MiB * t / 3600
+            sample.update(control_rss_bytes=500 * MiB + c_worker,
+                          control_rss_by_process={"api_server": 500 * MiB, "VLLM::Worker": c_worker})
+            sample["rss_excess_bytes"] = sample["rss_bytes"] - sample["control_rss_bytes"]
+        run.samples.append(sample)
+    run.records = [{"t": 1.0, "prompt": 0, "client": 0, "ok": True, "ttft_s": 0.1, "mismatch": False}] * 50
+    if control_mib_per_h is not None:
+        run.control_records = [{"t": 1.0, "prompt": 0, "client": 0, "ok": True, "ttft_s": 0.1,
+                                "mismatch": False}] * 40
+        if control_fails:
+            run.control_records.append({"t": 9.0, "prompt": 0, "client": 0, "ok": False, "error": "timeout"})
+            run.failures.append("control server stopped answering: request for prompt 0 at t=9s failed: timeout")
+    run.idle = {"pinned_host_slots": 0, "jobs_in_flight": 0, "host_slots_in_flight": 0,
+                "requests_waiting_on_load": 0}
+    return run
+
+
+def _prompts() -> list[list[int]]:
+    return [[1] * 600, [2] * 900]
+
+
+def test_growth_the_control_shows_too_is_not_tieredkvs_leak():
+    """The kept hour's shape: both servers' workers grow ~37 MiB/h; the excess is flat: PASS,
+    and the server's own slope is still reported (information, failing on its own)."""
+    run = _run(37, 35)
+    judged = judging.judge(run, P, _prompts())
+    assert "rss_bytes" not in judged["leaks"]
+    excess = judged["leaks"]["rss_excess_bytes"]
+    assert excess["verdict"] == "PASS" and excess["slope_per_h"] == pytest.approx(2 * MiB)
+    assert judged["leaks_info"]["rss_bytes"]["verdict"] == "FAIL"
+    assert judged["leaks_info"]["control_rss_bytes"]["slope_per_h"] == pytest.approx(35 * MiB)
+    assert judged["verdict"] == "PASS", judged["checks"]
+    leak = next(c for c in judged["checks"] if c["check"].startswith("every sampled series"))
+    assert "RSS above the control's: slope < 16 MiB/h" in leak["check"]
+    control = next(c for c in judged["checks"] if c["check"].startswith("control server"))
+    assert control["verdict"] == "PASS" and "40 of the 50 requests tieredkv served, 0 errors" in control["measured"]
+
+
+def test_growth_beyond_the_controls_fails_the_rss_rule():
+    run = _run(40, 5)
+    judged = judging.judge(run, P, _prompts())
+    excess = judged["leaks"]["rss_excess_bytes"]
+    assert excess["verdict"] == "FAIL" and excess["slope_per_h"] == pytest.approx(35 * MiB)
+    assert judged["verdict"] == "FAIL"
+    assert any(f.startswith("series rss_excess_bytes: FAIL: slope") for f in run.failures)
+
+
+def test_without_a_control_the_servers_own_rss_is_judged():
+    run = _run(37, None)
+    judged = judging.judge(run, P, _prompts())
+    assert judged["leaks"]["rss_bytes"]["verdict"] == "FAIL"
+    assert "rss_excess_bytes" not in judged["leaks"] and judged["leaks_info"] == {}
+    assert not any(c["check"].startswith("control server") for c in judged["checks"])
+    assert judged["verdict"] == "FAIL"
+
+
+def test_a_control_that_stops_answering_fails_the_run():
+    run = _run(37, 35, control_fails=True)
+    judged = judging.judge(run, P, _prompts())
+    control = next(c for c in judged["checks"] if c["check"].startswith("control server"))
+    assert control["verdict"] == "FAIL" and "1 errors" in control["measured"]
+    assert judged["verdict"] == "FAIL"
+
+
+def test_per_process_slopes_place_the_growth_in_the_worker():
+    run = _run(37, 35)
+    slopes = judging.judge(run, P, _prompts())["rss_slopes_by_process"]
+    assert slopes["tieredkv"]["VLLM::Worker"] == pytest.approx(37 * MiB)
+    assert slopes["tieredkv"]["api_server"] == pytest.approx(0.0, abs=1.0)
+    assert slopes["control"]["VLLM::Worker"] == pytest.approx(35 * MiB)
+
+
+def test_tree_usage_sums_rss_per_kind_of_process():
+    """A real child process: its RSS is counted under its own name, the root as the API server."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        usage = probes.tree_usage(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    by = usage["rss_by_process"]
+    assert "api_server" in by and len(by) == 2 and usage["processes"] == 2
+    assert sum(by.values()) == usage["rss_bytes"]
+    assert all(v > 0 for v in by.values())
+
+
+def _payload(judged: dict, run: Run, *, with_control: bool) -> dict:
+    return {
+        "benchmark": "soak", "profile": "full", "started": "now", "git": "abc",
+        "machine": {"name": "test box"}, "allocator": "tcmalloc",
+        "params": {**P, "seed": 0, "faults": True}, "model": soak.MODEL, "working_set_chunks": 70,
+        "chunk_bytes": 1 << 20, "disk_slots": 64, "warmup_end_s": 600.0,
+        "control_flags": ["--dtype", "float32", "--enable-prefix-caching"] if with_control else None,
+        "control_requests": len(run.control_records),
+        "summary": judged["summary"], "checks": judged["checks"], "verdict": judged["verdict"],
+        "failures": run.failures, "leaks": judged["leaks"], "leaks_info": judged["leaks_info"],
+        "rss_slopes_by_process": judged["rss_slopes_by_process"],
+        "tieredkv_counters": judged["counters"], "samples": run.samples,
+    }
+
+
+def test_report_states_the_kv_size_and_the_control(tmp_path, monkeypatch):
+    monkeypatch.setattr(report.common, "plot_panels", lambda path, *a, **k: path)
+    run = _run(37, 35)
+    _, md, _ = report.write_outputs(_payload(judging.judge(run, P, _prompts()), run, with_control=True),
+                                    tmp_path, "soak-full")
+    text = md.read_text()
+    assert "**4,096 bytes (4 KiB) of KV per token**" in text
+    assert "**Control.**" in text and "`--dtype float32 --enable-prefix-caching`" in text
+    assert "`VLLM::Worker` +37.0" in text and "`VLLM::Worker` +35.0" in text
+    assert "| RSS above the control's (MiB) |" in text and "info (FAIL on its own)" in text
+    run = _run(37, None)
+    _, md, _ = report.write_outputs(_payload(judging.judge(run, P, _prompts()), run, with_control=False),
+                                    tmp_path, "soak-x")
+    assert "No control server ran" in md.read_text()
+
+
+@pytest.mark.parametrize("name", ["soak.json", "soak-full.json"])
+def test_a_kept_run_is_rendered_again_from_its_json(tmp_path, monkeypatch, name):
+    """``--from-json`` writes the Markdown again under the file's own name, nothing run; a file
+    from before the control existed renders and now states its KV bytes per token."""
+    monkeypatch.setattr(report.common, "plot_panels", lambda path, *a, **k: None)  # no figure here
+    src = tmp_path / "in" / name
+    src.parent.mkdir()
+    shutil.copy(REPO / "benchmarks" / "results" / name, src)
+    out = tmp_path / "out"
+    assert soak.main(["--from-json", str(src), "--out", str(out)]) == 0
+    md = (out / name.replace(".json", ".md")).read_text()
+    assert "**4,096 bytes (4 KiB) of KV per token**" in md
+    kept = json.loads(src.read_text())
+    assert kept["verdict"] in md
+    # The stamp still names the run the figures came from, and says the text is new.
+    stamp_line = next(x for x in md.splitlines() if x.startswith("> Stamped by"))
+    assert f"commit `{kept['stamp']['commit'][:10]}`" in stamp_line
+    assert "Text re-rendered from the run's JSON (`--from-json`) at commit" in stamp_line
