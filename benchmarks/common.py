@@ -168,12 +168,6 @@ def kv_bytes_per_token(model: Mapping[str, int], dtype_bytes: int) -> int:
     return 2 * model["num_layers"] * model["num_kv_heads"] * head_dim * dtype_bytes
 
 
-def kv_per_token_text(nbytes: int) -> str:
-    """The results files' one phrasing of a model's KV size (bold, bytes and KiB), so a reader
-    can tell a tiny test model's figures from an 8B-class model's at a glance."""
-    return f"**{nbytes:,} bytes ({nbytes / 1024:g} KiB) of KV per token**"
-
-
 # ---------------------------------------------------------------------------- statistics
 
 
@@ -262,21 +256,9 @@ def print_written(markdown: str, paths: Mapping[str, str | Path]) -> int:
 
 def rewrite_from_json(path: Path, out_dir: Path | None, load: Callable[[Path], dict[str, Any]],
                       write: Callable[[dict[str, Any], Path | None], tuple[Path, Path, Path | None]]) -> int:
-    """``--from-json``: an earlier run's Markdown and PNG written again from its JSON, nothing run.
-
-    A stamped run keeps its stamp (the commit and time its figures come from), with a note of
-    the commit that wrote the text again, so the page never looks like a new run."""
+    """``--from-json``: an earlier run's Markdown and PNG written again from its JSON, nothing run."""
     payload = load(path)
     _, md_path, png_path = write(payload, out_dir)
-    if payload.get("stamp"):
-        from benchmarks import run_all  # here, not at the top: run_all imports this module
-
-        line = (run_all.describe_stamp(payload["stamp"]) + " Text re-rendered from the run's JSON "
-                f"(`--from-json`) at commit `{git_revision(Path(__file__).resolve().parent)}`; "
-                "the figures are the stamped run's.")
-        run_all.stamp_markdown(md_path, line)
-        if png_path is not None:
-            run_all.stamp_png(png_path, line)
     print(f"wrote {md_path}" + (f", {png_path}" if png_path else ""), file=sys.stderr)
     return 0
 

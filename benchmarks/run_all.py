@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +161,30 @@ def stamp_markdown(path: Path, line: str) -> None:
     at = 1 if lines and lines[0].startswith("# ") else 0
     lines[at:at] = ["", line] if at else [line, ""]
     path.write_text("\n".join(lines) + "\n")
+
+
+def rewrite_from_json(path: Path, out_dir: Path | None, load: Callable[[Path], dict[str, Any]],
+                      write: Callable[[dict[str, Any], Path | None], tuple[Path, Path, Path | None]]) -> int:
+    """``--from-json`` (:func:`common.rewrite_from_json`) for a stamped run: the text written
+    again keeps the run's stamp (the commit and time its figures come from), with a note of the
+    commit that wrote it again, so a re-rendered page never passes for a new run."""
+    written: list[tuple[dict[str, Any], tuple[Path, Path, Path | None]]] = []
+
+    def write_and_keep(payload: dict[str, Any], out: Path | None) -> tuple[Path, Path, Path | None]:
+        paths = write(payload, out)
+        written.append((payload, paths))
+        return paths
+
+    status = common.rewrite_from_json(path, out_dir, load, write_and_keep)
+    for payload, (_, md_path, png_path) in written:
+        if payload.get("stamp"):
+            line = (describe_stamp(payload["stamp"]) + " Text re-rendered from the run's JSON "
+                    f"(`--from-json`) at commit `{common.git_revision(ROOT)}`; the figures are the "
+                    "stamped run's.")
+            stamp_markdown(md_path, line)
+            if png_path is not None:
+                stamp_png(png_path, line)
+    return status
 
 
 def stamp_png(path: Path, line: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
 from benchmarks.endurance.workload import CHUNK_TOKENS, DTYPE, DTYPE_BYTES, NAME, MiB
+from benchmarks.serve.report import kv_per_token_text
 
 SERIES_UNITS = {
     "rss_bytes": ("RSS (MiB)", MiB), "rss_excess_bytes": ("RSS above the control's (MiB)", MiB),
@@ -87,7 +88,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAM
         f"working set {payload['working_set_chunks']} chunks of {CHUNK_TOKENS} tokens "
         f"({payload['chunk_bytes'] // 1024} KiB); model: random Llama (hidden {payload['model']['hidden_size']}, "
         f"{payload['model']['num_layers']} layers, {payload['model']['num_kv_heads']} KV heads), "
-        f"{common.kv_per_token_text(kv_per_token(payload))}; host tier {payload['params']['host_chunks']} chunks, disk tier "
+        f"{kv_per_token_text(kv_per_token(payload))}; host tier {payload['params']['host_chunks']} chunks, disk tier "
         f"{payload['disk_slots']} slots. {DTYPE}, vLLM prefix caching off, reference = the same "
         "server flags without a connector.",
         "### Checks\n\n" + common.markdown_table(

@@ -13,6 +13,7 @@ from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
 from benchmarks.replicas.breakdown import ORDER, derivations
 from benchmarks.replicas.workload import CONFIGS, FIT_USERS, KEY_PREFIX, NAME, REPLICAS
+from benchmarks.serve.report import kv_per_token_text
 from benchmarks.serve.workload import (
     CHUNK_TOKENS,
     DTYPE,
@@ -148,7 +149,7 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"Profile `{payload['profile']}`, git {payload.get('git')}, {payload['started']}, "
         f"{payload['wall_s']:.0f} s in all. Model: random Llama (hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_layers']} layers, {MODEL['num_kv_heads']} KV heads), {DTYPE}, "
-        f"{common.kv_per_token_text(kv_bytes_per_token(MODEL, DTYPE_BYTES))}, block "
+        f"{kv_per_token_text(kv_bytes_per_token(MODEL, DTYPE_BYTES))}, block "
         f"{BLOCK_SIZE}, tieredkv chunk {CHUNK_TOKENS} tokens (auto). Workload (serve_bench's "
         f"chat, seed {spec['seed']}): system prompt {spec['system_tokens']} tokens shared by "
         f"every user, {spec['turns']} turns per user of {payload['user_tokens_min']}–"

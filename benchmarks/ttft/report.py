@@ -146,7 +146,8 @@ def table_markdown(payload: dict[str, Any]) -> str:
         f"{model['hidden_size']}, {model['num_layers']} layers, {model['num_heads']} heads, "
         f"{model['num_kv_heads']} KV heads, head dim "
         f"{model.get('head_dim') or model['hidden_size'] // model['num_heads']}, bf16: "
-        f"{common.kv_per_token_text(p['kv_bytes_per_token'])}; block {BLOCK_SIZE}, "
+        f"**{p['kv_bytes_per_token']:,} bytes ({p['kv_bytes_per_token'] / 1024:g} KiB) of KV per "
+        f"token**; block {BLOCK_SIZE}, "
         f"tieredkv chunk {CHUNK_BLOCKS} blocks ({CHUNK_TOKENS} tokens). Prompts "
         + ", ".join(f"{name} {n:,} tokens (hit {p['expected_hit_tokens'][name]:,})"
                     for name, n in p["prompt_lengths"].items())
