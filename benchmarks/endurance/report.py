@@ -44,8 +44,23 @@ def leak_row(series: str, res: dict[str, Any], judged: bool = True) -> dict[str,
         "fq": res.get("first_quarter_max", math.nan) / scale if "first_quarter_max" in res else math.nan,
         "lq": res.get("last_quarter_max", math.nan) / scale if "last_quarter_max" in res else math.nan,
         "verdict": res["verdict"] if judged else f"info ({res['verdict']} on its own)",
-        "why": res.get("reason", ""),
+        "why": reason_in_units(res, scale),
     }
+
+
+def reason_in_units(res: dict[str, Any], scale: float) -> str:
+    """Why a series failed, in its display units (the rule's own text is in raw bytes)."""
+    if not res.get("reason") or "climb" not in res:
+        return res.get("reason", "")
+    parts = []
+    if res["climb"] > res["limit"]:
+        parts.append(f"slope {res['slope_per_h'] / scale:,.4g}/h > {res['limit'] / scale:,.4g}/h"
+                     if res["mode"] == "hourly" else
+                     f"climbs {res['climb'] / scale:,.4g} over {res['span_s']:.0f} s > {res['limit'] / scale:,.4g}")
+    if res["last_quarter_max"] > res["ceiling"]:
+        parts.append(f"last-quarter max {res['last_quarter_max'] / scale:,.4g} > first-quarter max "
+                     f"{res['first_quarter_max'] / scale:,.4g} + {(res['ceiling'] - res['first_quarter_max']) / scale:,.4g}")
+    return "; ".join(parts)
 
 
 def control_text(payload: dict[str, Any]) -> str:

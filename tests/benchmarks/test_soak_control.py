@@ -145,6 +145,7 @@ def test_report_states_the_kv_size_and_the_control(tmp_path, monkeypatch):
     assert "**Control.**" in text and "`--dtype float32 --enable-prefix-caching`" in text
     assert "`VLLM::Worker` +37.0" in text and "`VLLM::Worker` +35.0" in text
     assert "| RSS above the control's (MiB) |" in text and "info (FAIL on its own)" in text
+    assert "slope 37/h > 16/h" in text  # why, in MiB as the table is, not in raw bytes
     run = _run(37, None)
     _, md, _ = report.write_outputs(_payload(judging.judge(run, P, _prompts()), run, with_control=False),
                                     tmp_path, "soak-x")
