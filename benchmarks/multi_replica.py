@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks import common, run_all
+from benchmarks import common, stamps
 from benchmarks.replicas.breakdown import derivations
 from benchmarks.replicas.judging import (
     checks,
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only rewrite the Markdown and PNG from an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.from_json is not None:
-        return run_all.rewrite_from_json(args.from_json, args.out, load_payload, write_outputs)
+        return stamps.rewrite_from_json(args.from_json, args.out, load_payload, write_outputs)
 
     from tieredkv.testing.redis_procs import RedisServer
 

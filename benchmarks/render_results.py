@@ -261,14 +261,16 @@ def soak_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     rows = [_row(c["check"], c["measured"], "", _verdict(c["verdict"])) for c in d.get("checks", [])]
     info = [(series, res, False) for series, res in d.get("leaks_info", {}).items()]
     for series, res, judged in [(k, v, True) for k, v in d.get("leaks", {}).items()] + info:
-        name = f"leak rule: {series}" if judged else f"{series} (information: judged against the control)"
+        name = f"leak rule: {series}" if judged else f"{series} (information; RSS is judged as rss_excess_bytes)"
         verdict = _verdict(res.get("verdict")) if judged else "info"
         if "slope_per_h" not in res:
             rows.append(_row(name, res.get("reason", ""), "", verdict))
             continue
         unit, scale = ("MiB", 1 << 20) if series.endswith("bytes") else ("", 1)
-        rows.append(_row(f"{name} ({res['mode']})",
-                         f"slope {res['slope_per_h'] / scale:+,.2f} {unit}/h, judged {res['climb'] / scale:+,.2f}",
+        measured = f"slope {res['slope_per_h'] / scale:+,.2f} {unit}/h"
+        if judged:
+            measured += f", judged {res['climb'] / scale:+,.2f}"
+        rows.append(_row(f"{name} ({res['mode']})", measured,
                          f"<= {res['limit'] / scale:,.2f}" if judged else "", verdict))
     s = d.get("summary", {})
     notes = [f"{s.get('requests', 0):,} requests over {s.get('load_s', 0):,.0f} s, {s.get('faults', 0)} disk slots "

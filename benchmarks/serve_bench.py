@@ -97,7 +97,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common, run_all
+from benchmarks import common, stamps
 from benchmarks.serve.configs import CONFIG_BUILDERS, DEFAULT_CONFIGS, make_configs, select_configs
 from benchmarks.serve.report import length_line, load_payload, print_report, write_outputs
 from benchmarks.serve.runner import consistency, sweep
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only rewrite the Markdown and PNG from an earlier run's JSON")
     args = parser.parse_args(argv)
     if args.from_json is not None:
-        return run_all.rewrite_from_json(args.from_json, args.out, load_payload, write_outputs)
+        return stamps.rewrite_from_json(args.from_json, args.out, load_payload, write_outputs)
 
     started_wall = time.monotonic()
     server_env = apply_server_env()

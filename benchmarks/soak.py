@@ -79,7 +79,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks import common, run_all
+from benchmarks import common, stamps
 from benchmarks.common import kv_bytes_per_token
 from benchmarks.endurance.judging import LEAK_RULES, judge
 from benchmarks.endurance.probes import root_cause
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json is not None:
         src = args.from_json
-        return run_all.rewrite_from_json(src, args.out, lambda path: json.loads(Path(path).read_text()),
+        return stamps.rewrite_from_json(src, args.out, lambda path: json.loads(Path(path).read_text()),
                                         lambda payload, out: write_outputs(payload, out, src.stem))
     logging.getLogger("tieredkv").setLevel(logging.ERROR)  # torn journal tails while it is written
 

@@ -51,6 +51,9 @@ class Run:
     samples: list[dict[str, Any]] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     control_records: list[dict[str, Any]] = field(default_factory=list)
+    #: A control server was started (its RSS is the RSS rule's baseline) / it stopped answering.
+    with_control: bool = False
+    control_lost: bool = False
     faults: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     load_start: float = 0.0
@@ -70,11 +73,13 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
     run = Run()
     samples, records, faults, failures = run.samples, run.records, run.faults, run.failures
     control_records = run.control_records
+    run.with_control = control is not None
     refs: list[list[int]] = []
     stop = threading.Event()
     lock = threading.Lock()
     run.load_start = run.load_end = time.monotonic()
-    pairs: list[queue.Queue[int]] = [queue.Queue() for _ in range(p["clients"])] if control else []
+    # (prompt, when the tieredkv client sent it): the control's lag is measured from then.
+    pairs: list[queue.Queue[tuple[int, float]]] = [queue.Queue() for _ in range(p["clients"])] if control else []
     try:
         started = [("reference", reference), ("tieredkv", server)] + ([("control", control)] if control else [])
         envs = [(cpu_envs or {}).get(name) for name, _ in started]
@@ -100,7 +105,7 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                     return
                 k = choose()
                 if pairs:
-                    pairs[idx].put(k)
+                    pairs[idx].put((k, time.monotonic()))
                 rec: dict[str, Any] = {"t": time.monotonic() - load_start, "prompt": k, "client": idx}
                 try:
                     ttft, out = stream_completion(server.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
@@ -131,10 +136,11 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
             assert control is not None
             while not stop.is_set() and time.monotonic() < deadline:
                 try:
-                    k = pairs[idx].get(timeout=0.5)
+                    k, sent = pairs[idx].get(timeout=0.5)
                 except queue.Empty:
                     continue
-                rec: dict[str, Any] = {"t": time.monotonic() - load_start, "prompt": k, "client": idx}
+                now = time.monotonic()
+                rec: dict[str, Any] = {"t": now - load_start, "prompt": k, "client": idx, "lag_s": now - sent}
                 try:
                     ttft, out = stream_completion(control.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
                     rec.update(ok=True, ttft_s=ttft, mismatch=first_difference(refs[k], out) is not None)
@@ -143,10 +149,16 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                 with lock:
                     control_records.append(rec)
                 if not rec["ok"]:
+                    # The RSS baseline is gone: the run ends here rather than judge a control
+                    # that carries less load than the server it is the baseline of.
                     with lock:
+                        run.control_lost = True
                         failures.append(f"control server stopped answering: request for prompt {k} at "
                                         f"t={rec['t']:.0f}s failed: {rec['error']}")
+                    stop.set()
                     return
+
+        control_procs: dict[str, int] = {}
 
         def sampler() -> None:
             bad_health = 0
@@ -157,8 +169,12 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                 sample: dict[str, Any] = {"t": now - load_start, **tree_usage(server.proc.pid)}
                 if control is not None and control.proc is not None and control.proc.poll() is None:
                     ctl = tree_usage(control.proc.pid)
-                    sample.update(control_rss_bytes=ctl["rss_bytes"], control_rss_by_process=ctl["rss_by_process"])
-                    sample["rss_excess_bytes"] = sample["rss_bytes"] - ctl["rss_bytes"]
+                    control_procs.setdefault("n", ctl["processes"])
+                    # A process that vanished mid-read would show as a step in the excess: skip.
+                    if ctl["processes"] == control_procs["n"]:
+                        sample.update(control_rss_bytes=ctl["rss_bytes"],
+                                      control_rss_by_process=ctl["rss_by_process"])
+                        sample["rss_excess_bytes"] = sample["rss_bytes"] - ctl["rss_bytes"]
                 text = scrape(server.url)
                 if text is not None:
                     sample["host_slots_used"] = metric_sum(text, "vllm:tieredkv_used_bytes", {"tier": "host"}) / chunk_bytes

@@ -13,13 +13,13 @@ from benchmarks import common
 from benchmarks.common import kv_bytes_per_token
 from benchmarks.replicas.breakdown import ORDER, derivations
 from benchmarks.replicas.workload import CONFIGS, FIT_USERS, KEY_PREFIX, NAME, REPLICAS
-from benchmarks.serve.report import kv_per_token_text
 from benchmarks.serve.workload import (
     CHUNK_TOKENS,
     DTYPE,
     DTYPE_BYTES,
     MODEL,
 )
+from benchmarks.stamps import kv_per_token_text
 from tieredkv.tools.vllm_server import BLOCK_SIZE
 
 

@@ -33,12 +33,6 @@ LEGACY_LABELS = {  # configurations of runs made before BenchConfig carried its 
 }
 
 
-
-def kv_per_token_text(nbytes: int) -> str:
-    """The results files' one phrasing of a model's KV size (bold, bytes and KiB), so a reader
-    can tell a tiny test model's figures from an 8B-class model's at a glance."""
-    return f"**{nbytes:,} bytes ({nbytes / 1024:g} KiB) of KV per token**"
-
 def _ms(value: float) -> float:
     return value * 1e3 if value == value else math.nan
 
@@ -196,7 +190,8 @@ def write_outputs(payload: dict[str, Any], out_dir: Path | None) -> tuple[Path, 
         f"{payload.get('wall_s', math.nan):.0f} s in all. Model: random Llama (hidden "
         f"{model['hidden_size']}, {model['num_layers']} layers, {model['num_kv_heads']} KV heads"
         + (f", head dim {model['head_dim']}" if model.get("head_dim") else "") + "), "
-        + (f"shape `{payload.get('model_shape')}`, {kv_per_token_text(payload['kv_bytes_per_token'])}, "
+        + (f"shape `{payload.get('model_shape')}`, **{payload['kv_bytes_per_token']:,} bytes "
+           f"({payload['kv_bytes_per_token'] / 1024:g} KiB) of KV per token**, "
            if "kv_bytes_per_token" in payload else "")
         + f"{DTYPE}, block {BLOCK_SIZE}, tieredkv chunk {CHUNK_TOKENS} tokens. Workload: a system "
         f"prompt of {spec['system_tokens']} tokens, {spec['turns']} turns per user of "

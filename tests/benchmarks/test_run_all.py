@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks import render_results, run_all
+from benchmarks import render_results, run_all, stamps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_stamp_files_adds_the_stamp_once_and_reports_stale_or_missing_files(tmp_
     run_all.stamp_files([tmp_path / "x.md"], _stamp(t_start, exit_status=1))
     lines = (tmp_path / "x.md").read_text().splitlines()
     assert lines[0] == "# X"
-    stamped = [x for x in lines if x.startswith(run_all.STAMP_PREFIX)]
+    stamped = [x for x in lines if x.startswith(stamps.STAMP_PREFIX)]
     assert len(stamped) == 1 and "exit status 1" in stamped[0] and "`0123456789`" in stamped[0]
     assert "body" in lines
 
@@ -76,7 +76,7 @@ def test_stamp_files_captions_a_png_figure(tmp_path):
         assert figure.size == (640, 224)  # the caption strip under the figure
         text = figure.text["tieredkv-stamp"]
         dark = sum(figure.crop((0, 200, 640, 224)).convert("L").histogram()[:128])
-    assert text.startswith(run_all.STAMP_PREFIX) and "`0123456789`" in text and "exit status 0" in text
+    assert text.startswith(stamps.STAMP_PREFIX) and "`0123456789`" in text and "exit status 0" in text
     assert dark > 50, "the caption is drawn, not only stored"
 
 

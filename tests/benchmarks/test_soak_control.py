@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import soak
-from benchmarks.endurance import judging, probes, report
+from benchmarks.endurance import judging, probes, report, runner
 from benchmarks.endurance.runner import Run
 from benchmarks.endurance.workload import PROFILES, MiB
 
@@ -22,10 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 P = PROFILES["full"]
 
 
-def _run(server_mib_per_h: float, control_mib_per_h: float | None, *, control_fails: bool = False) -> Run:
+def _run(server_mib_per_h: float, control_mib_per_h: float | None, *, control_fails: bool = False,
+         control_served: int = 50) -> Run:
     """An hour and six minutes of samples every 10 s: every series flat except the servers' RSS,
-    which climbs by the given MiB per hour (the growth all in the worker process)."""
-    run = Run(load_start=0.0, load_end=P["duration_s"])
+    which climbs by the given MiB per hour (the growth all in the worker process); tieredkv
+    served 50 requests, the control ``control_served``."""
+    run = Run(load_start=0.0, load_end=P["duration_s"], with_control=control_mib_per_h is not None)
     for i in range(400):
         t = i * 10.0
         worker = 1500 * MiB + server_mib_per_h * MiB * t / 3600
@@ -42,10 +48,11 @@ def _run(server_mib_per_h: float, control_mib_per_h: float | None, *, control_fa
     run.records = [{"t": 1.0, "prompt": 0, "client": 0, "ok": True, "ttft_s": 0.1, "mismatch": False}] * 50
     if control_mib_per_h is not None:
         run.control_records = [{"t": 1.0, "prompt": 0, "client": 0, "ok": True, "ttft_s": 0.1,
-                                "mismatch": False}] * 40
+                                "mismatch": False, "lag_s": 0.25}] * control_served
         if control_fails:
             run.control_records.append({"t": 9.0, "prompt": 0, "client": 0, "ok": False, "error": "timeout"})
             run.failures.append("control server stopped answering: request for prompt 0 at t=9s failed: timeout")
+            run.control_lost = True
     run.idle = {"pinned_host_slots": 0, "jobs_in_flight": 0, "host_slots_in_flight": 0,
                 "requests_waiting_on_load": 0}
     return run
@@ -56,8 +63,8 @@ def _prompts() -> list[list[int]]:
 
 
 def test_growth_the_control_shows_too_is_not_tieredkvs_leak():
-    """The kept hour's shape: both servers' workers grow ~37 MiB/h; the excess is flat: PASS,
-    and the server's own slope is still reported (information, failing on its own)."""
+    """Both servers' workers grow (37 and 35 MiB/h): the excess is flat, PASS, and the server's
+    own slope is still reported (information, failing on its own)."""
     run = _run(37, 35)
     judged = judging.judge(run, P, _prompts())
     assert "rss_bytes" not in judged["leaks"]
@@ -69,7 +76,8 @@ def test_growth_the_control_shows_too_is_not_tieredkvs_leak():
     leak = next(c for c in judged["checks"] if c["check"].startswith("every sampled series"))
     assert "RSS above the control's: slope < 16 MiB/h" in leak["check"]
     control = next(c for c in judged["checks"] if c["check"].startswith("control server"))
-    assert control["verdict"] == "PASS" and "40 of the 50 requests tieredkv served, 0 errors" in control["measured"]
+    assert control["verdict"] == "PASS"
+    assert "50 of tieredkv's 50 requests, 0 errors; lag behind tieredkv's clients mean 0.25 s" in control["measured"]
 
 
 def test_growth_beyond_the_controls_fails_the_rss_rule():
@@ -94,7 +102,29 @@ def test_a_control_that_stops_answering_fails_the_run():
     run = _run(37, 35, control_fails=True)
     judged = judging.judge(run, P, _prompts())
     control = next(c for c in judged["checks"] if c["check"].startswith("control server"))
-    assert control["verdict"] == "FAIL" and "1 errors" in control["measured"]
+    assert control["verdict"] == "FAIL" and "1 error;" in control["measured"]
+    assert judged["verdict"] == "FAIL"
+
+
+def test_a_control_that_carried_less_of_the_load_fails_its_check():
+    """40 of 50: the baseline saw a fifth less load, so vLLM's growth would be understated."""
+    judged = judging.judge(_run(37, 35, control_served=40), P, _prompts())
+    control = next(c for c in judged["checks"] if c["check"].startswith("control server"))
+    assert control["verdict"] == "FAIL" and "40 of tieredkv's 50 requests" in control["measured"]
+    assert judged["verdict"] == "FAIL"
+    ok = judging.judge(_run(37, 35, control_served=48), P, _prompts())  # 96 %: in flight at the end
+    assert next(c for c in ok["checks"] if c["check"].startswith("control server"))["verdict"] == "PASS"
+
+
+def test_a_control_without_samples_leaves_the_rss_rule_undecided():
+    """A control that was started but never sampled: RSS is not judged without it (n/a, which
+    is no pass), and the report does not say no control ran."""
+    run = _run(37, 35)
+    for sample in run.samples:
+        for key in ("control_rss_bytes", "control_rss_by_process", "rss_excess_bytes"):
+            sample.pop(key)
+    judged = judging.judge(run, P, _prompts())
+    assert judged["leaks"]["rss_excess_bytes"]["verdict"] == "n/a" and "rss_bytes" not in judged["leaks"]
     assert judged["verdict"] == "FAIL"
 
 
@@ -107,17 +137,26 @@ def test_per_process_slopes_place_the_growth_in_the_worker():
 
 
 def test_tree_usage_sums_rss_per_kind_of_process():
-    """A real child process: its RSS is counted under its own name, the root as the API server."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    """A real process tree: the root counted as the API server, a child titled like vLLM's
+    worker under its title, another child under its name."""
+    script = ("import subprocess, time\n"
+              "subprocess.Popen(['bash', '-c', 'exec -a VLLM::Worker sleep 30'])\n"
+              "subprocess.Popen(['sleep', '30'])\n"
+              "time.sleep(30)\n")
+    root = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     try:
-        usage = probes.tree_usage(os.getpid())
+        deadline = time.monotonic() + 10
+        while True:
+            usage = probes.tree_usage(root.pid)
+            if usage["processes"] == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     finally:
-        child.kill()
-        child.wait()
+        os.killpg(root.pid, signal.SIGKILL)
+        root.wait()
     by = usage["rss_by_process"]
-    assert "api_server" in by and len(by) == 2 and usage["processes"] == 2
-    assert sum(by.values()) == usage["rss_bytes"]
-    assert all(v > 0 for v in by.values())
+    assert set(by) == {"api_server", "VLLM::Worker", "sleep"}, by
+    assert sum(by.values()) == usage["rss_bytes"] and all(v > 0 for v in by.values())
 
 
 def _payload(judged: dict, run: Run, *, with_control: bool) -> dict:
@@ -170,3 +209,78 @@ def test_a_kept_run_is_rendered_again_from_its_json(tmp_path, monkeypatch, name)
     stamp_line = next(x for x in md.splitlines() if x.startswith("> Stamped by"))
     assert f"commit `{kept['stamp']['commit'][:10]}`" in stamp_line
     assert "Text re-rendered from the run's JSON (`--from-json`) at commit" in stamp_line
+
+
+class _FakeServer:
+    """Stands for a vLLM server process: a URL, a live pid, a stop()."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.proc = SimpleNamespace(pid=os.getpid(), poll=lambda: None, returncode=None)
+        self.log_path = Path("/dev/null")
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _fake_run(monkeypatch, tmp_path, *, control_fails_after: int | None = None, duration_s: float = 2.0) -> tuple[Run, dict]:
+    """run_soak with every server, request and probe replaced by fakes (the pairing, the
+    sampler's excess and the shutdown are what is under test, not vLLM)."""
+    calls: dict[str, list] = {"tkv": [], "ctl": [], "ref": []}
+    lock = threading.Lock()
+
+    def stream(url, prompt, max_tokens, timeout):
+        with lock:
+            calls[url].append(prompt[0])
+            n_ctl = len(calls["ctl"])
+        if url == "ctl" and control_fails_after is not None and n_ctl > control_fails_after:
+            raise OSError("connection refused")
+        time.sleep(0.005 if url == "ctl" else 0.02)  # the control is faster, as with its prefix cache
+        return 0.001, [prompt[0], prompt[0]]
+
+    def usage(pid):
+        return {"rss_bytes": 2000 * MiB, "open_fds": 10, "threads": 5, "processes": 3,
+                "rss_by_process": {"api_server": 500 * MiB, "VLLM::Worker": 1500 * MiB}}
+
+    monkeypatch.setattr(runner, "start_servers", lambda servers, parallel, progress, envs=None: [None] * len(servers))
+    monkeypatch.setattr(runner, "stream_completion", stream)
+    monkeypatch.setattr(runner, "tree_usage", usage)
+    monkeypatch.setattr(runner, "scrape", lambda url: "")
+    monkeypatch.setattr(runner, "health", lambda url: True)
+    monkeypatch.setattr(runner, "read_manifest", lambda path: {})
+    monkeypatch.setattr(runner, "idle_state", lambda url, chunk, timeout: {"pinned_host_slots": 0})
+    p = {**P, "duration_s": duration_s, "clients": 2, "sample_every_s": 0.1, "fault_every_s": 999.0,
+         "request_timeout_s": 5.0}
+    prompts = [[i] * 8 for i in range(6)]
+    servers = {"ref": _FakeServer("ref"), "tkv": _FakeServer("tkv"), "ctl": _FakeServer("ctl")}
+    progress = SimpleNamespace(advance=lambda *a, **k: None, close=lambda: None)
+    t0 = time.monotonic()
+    run = runner.run_soak(servers["ref"], servers["tkv"], prompts, p, seed=0, faults_on=False,
+                          disk_path=tmp_path, chunk_bytes=1 << 20, progress=progress, control=servers["ctl"])
+    return run, {"wall_s": time.monotonic() - t0, "servers": servers, "calls": calls}
+
+
+def test_the_control_is_sent_each_clients_prompts_in_order_and_everything_stops(monkeypatch, tmp_path):
+    run, seen = _fake_run(monkeypatch, tmp_path)
+    assert seen["wall_s"] < 2.0 + 6.0, "the load did not end near its deadline"
+    assert all(s.stopped for s in seen["servers"].values())
+    assert run.with_control and not run.control_lost and not run.failures
+    assert len(run.records) > 20
+    for client in (0, 1):
+        sent = [r["prompt"] for r in run.records if r["client"] == client]
+        served = [r["prompt"] for r in run.control_records if r["client"] == client]
+        assert served == sent[:len(served)] and len(served) >= len(sent) - 2  # same order, none extra
+    assert all(r["lag_s"] >= 0 for r in run.control_records)
+    assert run.samples and all(s["rss_excess_bytes"] == 0 for s in run.samples)
+    assert all("control_rss_by_process" in s for s in run.samples)
+
+
+def test_a_lost_control_ends_the_run_and_says_so(monkeypatch, tmp_path):
+    run, seen = _fake_run(monkeypatch, tmp_path, control_fails_after=5, duration_s=30.0)
+    assert run.control_lost and seen["wall_s"] < 15.0, "the run went on without its baseline"
+    assert any(f.startswith("control server stopped answering") for f in run.failures)
+    judged = judging.judge(run, {**P, "duration_s": 30.0}, [[i] * 8 for i in range(6)])
+    assert judged["verdict"] == "FAIL"
+    control = next(c for c in judged["checks"] if c["check"].startswith("control server"))
+    assert control["verdict"] == "FAIL"
