@@ -4,7 +4,7 @@ One command regenerates every kept results file under ``benchmarks/results/`` on
 tree, one benchmark at a time (they would disturb each other's timings), then renders
 ``benchmarks/RESULTS.md`` from those files (:mod:`benchmarks.render_results`). Each JSON it
 produced gets a ``stamp``: the commit it ran (refused on a tree with uncommitted changes
-outside ``benchmarks/results/``, unless ``--allow-dirty``, and then the stamp says so), the
+outside ``benchmarks/results/`` and ``RESULTS.md``, unless ``--allow-dirty``, and then the stamp says so), the
 machine (CPU model, usable cores, GPUs), the load average before and after, the date, the
 profile, the command and its exit status. Each Markdown file gets the same stamp as its
 first line. ``results/run_all.json`` lists the run.
@@ -111,11 +111,13 @@ BENCH_NAMES = tuple(b.name for b in BENCHES)
 
 
 def tree_changes(root: Path = ROOT) -> list[str]:
-    """Files changed or added (not git-ignored) outside ``benchmarks/results/``: what a stamp
-    could not name. An untracked module would run too, so it counts."""
+    """Files changed or added (not git-ignored) outside ``benchmarks/results/`` and the page
+    rendered from them (``benchmarks/RESULTS.md``, which a run rewrites itself, so a second
+    ``run_all`` after a first would otherwise refuse): what a stamp could not name. An
+    untracked module would run too, so it counts."""
     out = subprocess.run(
         ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all", "--", ".",
-         ":(exclude)benchmarks/results"],
+         ":(exclude)benchmarks/results", ":(exclude)benchmarks/RESULTS.md"],
         capture_output=True, text=True, check=True,
     ).stdout
     return [line[3:] for line in out.splitlines() if line.strip()]
@@ -229,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     dirty = tree_changes()
     if dirty and not args.allow_dirty:
-        print("run_all: uncommitted changes outside benchmarks/results/ (commit them, or --allow-dirty):\n  "
+        print("run_all: uncommitted changes outside benchmarks/results/ and RESULTS.md (commit them, or --allow-dirty):\n  "
               + "\n  ".join(dirty), file=sys.stderr)
         return 2
     problem = c_copier_problem()
