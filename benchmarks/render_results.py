@@ -259,8 +259,9 @@ def multi_replica_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
 
 def soak_rows(d: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     rows = [_row(c["check"], c["measured"], "", _verdict(c["verdict"])) for c in d.get("checks", [])]
-    info = [(series, res, False) for series, res in d.get("leaks_info", {}).items()]
-    for series, res, judged in [(k, v, True) for k, v in d.get("leaks", {}).items()] + info:
+    series_rows = ([(k, v, True) for k, v in d.get("leaks", {}).items()]
+                   + [(k, v, False) for k, v in d.get("leaks_info", {}).items()])
+    for series, res, judged in series_rows:
         name = f"leak rule: {series}" if judged else f"{series} (information; RSS is judged as rss_excess_bytes)"
         verdict = _verdict(res.get("verdict")) if judged else "info"
         if "slope_per_h" not in res:
