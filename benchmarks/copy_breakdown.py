@@ -61,7 +61,7 @@ def shape_methods(setup: Setup, batch: int, rng: random.Random) -> dict[str, Cal
     slots = rng.sample(range(host.num_slots), batch)
     pairs = [(s, 0, tuple(ids[i * C : (i + 1) * C])) for i, s in enumerate(slots)]
     torch_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload), mapped=True)
-    dma_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload))
+    dma_backend = TorchCopyBackend(staging_bytes=max(64 * MiB, batch * payload), mapped=False)
     reg = torch_backend.registered(kv, host)
     L, w = kv.num_layers, reg.width
     staging = torch.empty(batch * payload, dtype=torch.uint8, device=device)

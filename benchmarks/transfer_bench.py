@@ -5,7 +5,8 @@ round (medians reported):
 
 - ``contig``: one contiguous copy of the batch's bytes, uint8 to uint8 (GPU: one pinned
   ``copy_`` with ``non_blocking=True``, the cudaMemcpyAsync ceiling; CPU: one plain ``copy_``);
-- each available tieredkv backend (``torch``, ``cupy`` on CUDA), scattered random block ids
+- each available tieredkv backend (``torch``; on CUDA also ``torch-dma``, its one-DMA-per-slot
+  path, and ``cupy``), scattered random block ids
   of an LBHNC cache (one backing buffer, as vLLM 0.32 registers it) into host slots;
 - ``vllm``: the way vLLM's platform copy op works, per layer ``dst[ids] = src[ids].cpu()``
   (h2d: ``dst[ids] = src[ids].to(device)``) on the layer tensors.
@@ -277,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             backends["native"] = NativeCopyBackend()
         else:
             print(f"native backend not measured: {why}")
-    if device.type == "cuda" and CupyCopyBackend.available(device)[0]:
-        backends["cupy"] = CupyCopyBackend(device)
+    if device.type == "cuda":
+        backends["torch-dma"] = TorchCopyBackend(mapped=False)  # one DMA per slot: unmapped pools
+        if CupyCopyBackend.available(device)[0]:
+            backends["cupy"] = CupyCopyBackend(device)
     default = select_backend("auto", device=device).name
     name = device_name(device)
     threads = "1 thread (as the copy lanes run)" if device.type == "cpu" and not args.torch_threads else ""

@@ -47,6 +47,7 @@ def _copy_backends(device: torch.device) -> tuple[dict[str, CopyBackend], list[s
     found: dict[str, CopyBackend] = {"torch": TorchCopyBackend()}
     notes = []
     if device.type == "cuda":
+        found["torch-dma"] = TorchCopyBackend(mapped=False)  # torch's path for unmapped pools
         ok, why = CupyCopyBackend.available(device)
         if ok:
             found["cupy"] = CupyCopyBackend(device)

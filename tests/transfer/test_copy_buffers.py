@@ -240,16 +240,17 @@ def _cuda_views(kind: str) -> KVViews:
     )
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "dma"])
 @pytest.mark.parametrize("kind", ["LBHNC", "per-layer"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staged_copies_are_bounded_and_pin_nothing_per_batch(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, mapped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kv = _cuda_views(kind)
     host = HostPool(8, kv.slot_payload_bytes(C), pin=True)
     assert host.buffer.is_pinned()
-    backend = TorchCopyBackend(staging_bytes=2 * host.payload_bytes)
+    backend = TorchCopyBackend(staging_bytes=2 * host.payload_bytes, mapped=mapped)
     pairs = _pairs(random.Random(5), host, kv.num_blocks, 7, False)
     backend.d2h(kv, host, pairs)  # first batch: allocates the index buffers
     torch.cuda.synchronize()

@@ -56,8 +56,8 @@ class _TorchCopyBlocksOp:
 def _backend(name: str):
     if name == "torch":
         return TorchCopyBackend()
-    if name == "torch-mapped":
-        return TorchCopyBackend(mapped=True)
+    if name == "torch-dma":
+        return TorchCopyBackend(mapped=False)
     if name == "vllm":
         return VllmCopyBackend(_TorchCopyBlocksOp())
     ok, why = CupyCopyBackend.available(torch.device("cuda"))
@@ -79,17 +79,17 @@ def test_host_pool_is_pinned_and_mapped() -> None:
 
 
 def test_torch_moves_slots_through_the_pools_device_mapping() -> None:
-    # Opt-in: one index kernel per piece through the mapped pool, not one DMA call per slot.
-    # A pool the device cannot address falls back to DMA; the default stays DMA.
+    # The default: one index kernel per piece through the mapped pool, not one DMA call per
+    # slot. A pool the device cannot address falls back to DMA, and mapped=False forces it.
     kv = _cuda_views("LBHNC")
     pinned, plain = HostPool(4, kv.slot_payload_bytes(C)), HostPool(4, kv.slot_payload_bytes(C), pin=False)
-    backend = TorchCopyBackend(mapped=True)
+    backend = TorchCopyBackend()
     assert backend.registered(kv, pinned).mapped is not None
     assert backend.registered(kv, plain).mapped is None
-    assert TorchCopyBackend().registered(kv, pinned).mapped is None
+    assert TorchCopyBackend(mapped=False).registered(kv, pinned).mapped is None
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "torch-mapped", "cupy", "vllm"])
+@pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy", "vllm"])
 @pytest.mark.parametrize("kind", ["LBHNC", "BLHNC", "per-layer"])
 def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> None:
     rng = random.Random(11)
@@ -140,7 +140,7 @@ def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> No
         assert torch.equal(kv.rows[layer][others], device_before[layer][others])
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cupy"])
+@pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy"])
 def test_store_is_ordered_after_the_compute_stream(backend_name: str, cuda_warm: float) -> None:
     kv = _cuda_views("LBHNC", num_blocks=16)
     host = HostPool(4, kv.slot_payload_bytes(C))
@@ -176,7 +176,7 @@ def test_store_is_ordered_after_the_compute_stream(backend_name: str, cuda_warm:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cupy"])
+@pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy"])
 def test_engine_store_then_load_on_cuda(backend_name: str) -> None:
     kv = _cuda_views("LBHNC")
     host = HostPool(8, kv.slot_payload_bytes(C))
@@ -193,14 +193,14 @@ def test_engine_store_then_load_on_cuda(backend_name: str) -> None:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "torch-mapped", "cupy"])
+@pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy"])
 def test_a_busy_d2h_lane_does_not_hold_back_h2d(cuda_warm: float, backend_name: str) -> None:
     # Order, not speed: the d2h lane's stream is held by a kernel that spins for seconds, and an
     # h2d copy on its own lane must finish while that work is still queued (one shared stream
     # or a device-wide sync would make it wait). How far the two directions overlap on the GPU
     # timeline is test_gpu_integration's check; their bandwidth is the transfer benchmark's.
-    # torch-mapped failed this on the H100 (2026-11-26); it is why that path is opt-in, and
-    # why cupy, whose kernel also reads the mapped pool, is not the default either.
+    # The mapped path (torch's default) failed this once on an H100 (2026-11-26, at 953e5bf);
+    # benchmarks/mapped_probe.py repeats it with fresh streams on each GPU a session gets.
     kv = _cuda_views("LBHNC", num_blocks=64)
     host = HostPool(4, kv.slot_payload_bytes(C))
     backend = _backend(backend_name)

@@ -329,10 +329,9 @@ def select_backend(
         return CupyCopyBackend(device)
     # BackendName.AUTO
     if device.type == "cuda":
-        # torch's batched copies on the lane's stream: verified on an H100. CuPy passed there
-        # too and was faster on small chunks, but its kernel reads the pool through the device
-        # mapping that made a torch load wait for a busy store lane; it stays opt-in
-        # (copy_backend: cupy) until that test has run against it.
+        # torch's batched copies on the lane's stream, through the pool's device mapping:
+        # verified on an H100 and an H200. CuPy passed the same checks and is about as fast
+        # (benchmarks/results/gpu/), but needs cupy installed; it stays opt-in (copy_backend: cupy).
         return TorchCopyBackend()
     ok, why = NativeCopyBackend.available(device)
     if ok:

@@ -1,15 +1,17 @@
 """Torch copies: batched index ops that work wherever torch does (the CUDA default).
 
 CPU: numpy/torch gathers and scatters per chunk. CUDA: a gather kernel into a bounded device
-staging buffer laid out like the slots, then one async DMA per slot to or from pinned memory,
-piece by piece when the batch is larger than the buffer.
+staging buffer laid out like the slots, then whole slots move by one index kernel through the
+pinned pool's device mapping (``mapped``, the default), piece by piece when the batch is larger
+than the buffer. Partial chunks, and pools the device cannot address, go by one async DMA per
+slot instead (``mapped=False`` forces that path everywhere).
 
-``mapped=True`` (opt-in, not yet the default) moves whole slots by one index kernel through the
-pool's device mapping instead. On an H100 a DMA call per slot cost ~8 us of host time (64 KiB
-x 512 chunks at 0.12 of a contiguous copy, ``benchmarks/results/gpu/``); the mapped kernel
-alone moved them at 0.89 and the whole mapped call reached 0.42. It is not
-the default because on that H100 a load through it waited for a busy store lane's queued work
-(``test_a_busy_d2h_lane_does_not_hold_back_h2d`` failed), which the DMA path never does.
+Why mapped: a DMA call per slot costs host time per slot. In ``benchmarks/mapped_probe.py``'s
+kept runs (``benchmarks/results/gpu/``, worse direction) 64 KiB x 512 chunks moved at 0.32 of
+a contiguous copy mapped against 0.07 by DMA on an H100, and 0.41 against 0.12 on an H200; at
+4 MiB chunks the two paths are within 0.02 of each other. A load through the mapped path never
+waited for a busy store lane there (16 of 16 on the H100, 8 of 8 on the H200); the one time it
+did (H100, 2026-11-26, at 953e5bf) was not reproduced.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class _RegisteredViews:
     involved: the same bytes as fewer, larger elements (8x fewer on int64 than on uint8).
     """
 
-    def __init__(self, dev: KVViews, host: HostPool, mapped: bool = True) -> None:
+    def __init__(self, dev: KVViews, host: HostPool, mapped: bool) -> None:
         self.chunk_blocks = C = dev.chunk_blocks_for(host.payload_bytes)
         self.offsets = dev.layer_offsets(C)
         base_ptr = host.buffer.data_ptr() if host.buffer.numel() else 0
@@ -139,15 +141,16 @@ class TorchCopyBackend(CopyBackend):
     CPU: one gather (``index_select`` into the slot) or scatter per chunk, over all layers
     at once when they share one storage; runs of consecutive block ids become slice copies.
     CUDA: gather the blocks of as many slots as fit ``staging_bytes`` into a device staging
-    buffer laid out like the slots (one index kernel), then one async DMA per slot into pinned
-    memory; h2d reverses it. Larger batches go through the same buffer piece by piece, in the
+    buffer laid out like the slots (one index kernel), then one index kernel writes the whole
+    slots through the pool's device mapping (``mapped=False``, a partial chunk or an unmapped
+    pool: one async DMA per slot); h2d reverses it. Larger batches go through the same buffer piece by piece, in the
     order of the lane's stream, so a piece never overwrites staging a copy still reads.
     """
 
     name = BackendName.TORCH
 
-    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, *, mapped: bool = False) -> None:
-        # mapped=True: whole slots through the pool's device mapping (see the module docstring)
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES, *, mapped: bool = True) -> None:
+        # mapped=False: one DMA per slot even where the pool is mapped (see the module docstring)
         self._registered: RegistrationCache[_RegisteredViews] = RegistrationCache(
             lambda dev, host: _RegisteredViews(dev, host, mapped))
         # One staging buffer and index uploader per direction: d2h and h2d lanes run at once.
