@@ -144,18 +144,19 @@ def test_tree_usage_sums_rss_per_kind_of_process():
               "subprocess.Popen(['sleep', '30'])\n"
               "time.sleep(30)\n")
     root = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    expected = {"api_server", "VLLM::Worker", "sleep"}
     try:
         deadline = time.monotonic() + 10
-        while True:
+        while True:  # until bash has exec'd under its new title (a loaded box can be slow)
             usage = probes.tree_usage(root.pid)
-            if usage["processes"] == 3 or time.monotonic() > deadline:
+            if set(usage["rss_by_process"]) == expected or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
     finally:
         os.killpg(root.pid, signal.SIGKILL)
         root.wait()
     by = usage["rss_by_process"]
-    assert set(by) == {"api_server", "VLLM::Worker", "sleep"}, by
+    assert set(by) == expected and usage["processes"] == 3, usage
     assert sum(by.values()) == usage["rss_bytes"] and all(v > 0 for v in by.values())
 
 
