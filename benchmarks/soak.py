@@ -17,8 +17,10 @@ What it does, in order:
 3. Computes the greedy reference output of every pool prompt once on the reference server,
    then stops it.
 4. Runs ``clients`` closed-loop clients for ``--duration`` seconds against the tieredkv server
-   and, at the same time, as many clients with the same prompt sequence against the control.
-   Every tieredkv response must equal its reference token for token.
+   and, at the same time, one paired client each against the control, sent each prompt as the
+   tieredkv client sends it (one slot per pair: a tieredkv client waits before its next request
+   while its pair still holds the last, so neither server runs ahead). Every tieredkv response
+   must equal its reference token for token.
 5. Meanwhile, every ``fault_every_s`` seconds, flips random bytes in the payloads of random
    journaled disk slots *while the server runs* (slot ``s`` of ``rank0.slab`` starts at
    ``s * slot_stride``, from ``manifest.json``; the first 4096 bytes are the header; journaled
@@ -38,8 +40,9 @@ Verdict (exit status 1 on FAIL, with the reasons printed):
   -> FAIL;
 - a sampled series is not flat -> FAIL, decided per series by this rule (:func:`leak_check`;
   with a control, RSS is judged as the tieredkv server's RSS minus the control's, so vLLM's
-  own growth under the same load is not counted as tieredkv's; both servers' own RSS and each
-  process's slope are reported beside it):
+  own growth under the same load is not counted as tieredkv's, and the server's own RSS under
+  a looser cap, ``OWN_RSS_CAP``: 64 MiB/h, or a 128 MiB climb on a short run; the control's
+  RSS and each process's slope are reported beside them):
   drop the profile's stated warm-up (``warmup_s``: 60 s quick, 600 s full) and fit a
   least-squares line to every later sample. With at least 30 minutes of samples after the
   warm-up (the full profile) the slope must stay under an absolute limit per hour: **RSS 16
@@ -54,7 +57,8 @@ Verdict (exit status 1 on FAIL, with the reasons printed):
   requests waiting on a load (read from /metrics after one tiny request makes the engine
   step, so the gauges are fresh) -> FAIL.
 
-- the control stops answering -> FAIL (the RSS baseline is gone).
+- the control stops answering, or serves fewer than 95 % of tieredkv's requests
+  (``CONTROL_MIN_SHARE``) -> FAIL (the RSS baseline is gone or carried less of the load).
 
 The quick profile (default) fits in 10 minutes (servers start in parallel; 5 minutes of load);
 ``--duration 14400`` runs four hours. Results: ``benchmarks/results/soak.{json,md,png}``.

@@ -35,14 +35,14 @@ def results_name(label: str | None, full: bool) -> str:
 def leak_row(series: str, res: dict[str, Any], judged: bool = True) -> dict[str, Any]:
     """One series' leak-rule figures in its display units; ``judged`` False: information only."""
     label, scale = SERIES_UNITS[series]
+
+    def scaled(key: str) -> float:
+        return res[key] / scale if key in res else math.nan
+
     return {
-        "series": label, "median": res.get("median", math.nan) / scale if "median" in res else math.nan,
-        "slope": res.get("slope_per_h", math.nan) / scale if "slope_per_h" in res else math.nan,
-        "mode": res.get("mode", ""),
-        "climb": res.get("climb", math.nan) / scale if "climb" in res else math.nan,
-        "limit": res.get("limit", math.nan) / scale if "limit" in res else math.nan,
-        "fq": res.get("first_quarter_max", math.nan) / scale if "first_quarter_max" in res else math.nan,
-        "lq": res.get("last_quarter_max", math.nan) / scale if "last_quarter_max" in res else math.nan,
+        "series": label, "median": scaled("median"), "slope": scaled("slope_per_h"),
+        "mode": res.get("mode", ""), "climb": scaled("climb"), "limit": scaled("limit"),
+        "fq": scaled("first_quarter_max"), "lq": scaled("last_quarter_max"),
         "verdict": res["verdict"] if judged else f"info ({res['verdict']} on its own)",
         "why": reason_in_units(res, scale),
     }
@@ -74,17 +74,20 @@ def control_text(payload: dict[str, Any]) -> str:
     return (f"**Control.** A second server without tieredkv (the same flags with vLLM's prefix cache "
             f"on: `{' '.join(payload.get('control_flags') or [])}`) was sent every prompt the "
             "tieredkv clients sent, as they sent it, by one paired client each (the same requests "
-            f"in the same order: {payload.get('control_requests', 0):,} against tieredkv's "
+            "in the same order, each tieredkv client waiting before its next request while its "
+            f"pair still held the last: {payload.get('control_requests', 0):,} against tieredkv's "
             f"{payload['summary'].get('requests', 0):,}), and the sampler read both servers' memory "
             "in the same tick. Each server's worker had its own cores: "
             + ", ".join(f"{name} `{' '.join(f'{k}={v}' for k, v in env.items()) or 'vLLM default'}`"
                         for name, env in payload.get("cpu_envs", {}).items()) + ". The RSS rule judges the tieredkv "
             "server's RSS minus the control's (`RSS above the control's`): growth both servers "
-            "show under the same load is vLLM's own, not tieredkv's. The limit of the method: the "
+            "show under the same load is vLLM's own, not tieredkv's. The tieredkv server's own RSS "
+            "is judged too, under a looser cap (4x the excess rule), so growth both servers share "
+            "cannot pass unbounded. The limit of the method: the "
             "control's hits come from its device cache and tieredkv's from host and disk tiers, so "
             "their prefill shapes are alike but not the same, and growth only the control showed "
-            "would offset as much of tieredkv's; hence each server's own RSS is shown beside it "
-            "(information). With one core each, the tieredkv server's request rate and TTFT are "
+            "would offset as much of tieredkv's; hence each server's own RSS is shown beside it. "
+            "With one core each, the tieredkv server's request rate and TTFT are "
             "not comparable with runs without a control. RSS slope per process after the warm-up "
             "(MiB/h): " + (per or "n/a") + ".")
 

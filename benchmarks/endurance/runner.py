@@ -78,8 +78,11 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
     stop = threading.Event()
     lock = threading.Lock()
     run.load_start = run.load_end = time.monotonic()
-    # (prompt, when the tieredkv client sent it): the control's lag is measured from then.
-    pairs: list[queue.Queue[tuple[int, float]]] = [queue.Queue() for _ in range(p["clients"])] if control else []
+    # (prompt, when the tieredkv client sent it): the control's lag is measured from then. One
+    # slot per client: a tieredkv client waits before its next request until the control has
+    # taken the last one, so neither server runs ahead of the other by more than a request.
+    pairs: list[queue.Queue[tuple[int, float]]] = (
+        [queue.Queue(maxsize=1) for _ in range(p["clients"])] if control else [])
     try:
         started = [("reference", reference), ("tieredkv", server)] + ([("control", control)] if control else [])
         envs = [(cpu_envs or {}).get(name) for name, _ in started]
@@ -98,14 +101,25 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
         load_start = run.load_start = time.monotonic()
         deadline = load_start + p["duration_s"]
 
+        def hand_over(slot: queue.Queue[tuple[int, float]], k: int) -> bool:
+            """Put prompt ``k`` in a control client's one slot, waiting while the control still
+            has the last one; False once the run is stopping."""
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    slot.put((k, time.monotonic()), timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def client(idx: int) -> None:
             choose = ZipfChooser(len(prompts), p["zipf_s"], f"{seed}:client{idx}")
             for n in itertools.count():
                 if stop.is_set() or time.monotonic() >= deadline or n > 100_000:
                     return
                 k = choose()
-                if pairs:
-                    pairs[idx].put((k, time.monotonic()))
+                if pairs and not hand_over(pairs[idx], k):
+                    return
                 rec: dict[str, Any] = {"t": time.monotonic() - load_start, "prompt": k, "client": idx}
                 try:
                     ttft, out = stream_completion(server.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
