@@ -5,9 +5,10 @@ few (chunk, batch) shapes of the same LBHNC cache ``transfer_bench`` uses, it ti
 stream with CUDA events, interleaved round by round (medians):
 
 - ``contig``: one contiguous pinned copy of the batch's bytes (the ceiling);
-- ``torch``: the torch backend's whole call with ``mapped=True`` (slots through the pool's
-  device mapping), and its ``issue``: the host time until the call returns (Python and launch
-  overhead, before the GPU is waited for); ``torch/dma``: the default, one DMA call per slot;
+- ``torch``: the torch backend's whole call with ``mapped=True`` (the default: slots through the
+  pool's device mapping), and its ``issue``: the host time until the call returns (Python and
+  launch overhead, before the GPU is waited for); ``torch/dma``: ``mapped=False``, one DMA call
+  per slot;
 - ``gather``: the torch backend's device-side gather into a slot-shaped staging buffer alone;
 - ``dma/slot``: one async copy per slot, staging to pinned slots, alone;
 - ``uva put``: staging to the slots by one index kernel writing the pinned pool through its

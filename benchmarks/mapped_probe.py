@@ -1,8 +1,10 @@
-"""Can the torch copier's mapped path become the CUDA default? One GPU run answers three things.
+"""Should the torch copier's mapped path stay the CUDA default? One GPU run answers three things.
 
-``TorchCopyBackend(mapped=True)`` moves whole slots with one index kernel through the pinned
-pool's device mapping instead of one DMA call per slot. It is opt-in because on an H100
-(2026-11-26) a load through it once waited for a busy store lane. This probe, on a GPU:
+``TorchCopyBackend()`` (``mapped=True``, the default since 1665926) moves whole slots with one
+index kernel through the pinned pool's device mapping; ``mapped=False`` makes one DMA call per
+slot. On an H100 (2026-11-26) a load through the mapped path once waited for a busy store
+lane, which is why it was opt-in until this probe found no such wait on an H100 and an H200
+(``benchmarks/results/gpu/``). This probe, on a GPU:
 
 1. ordering: the busy-lane scenario of ``tests/transfer/test_cuda.py``, repeated with fresh
    lanes (new streams each time), for the DMA path and the mapped path: how long the load
@@ -10,7 +12,7 @@ pool's device mapping instead of one DMA call per slot. It is opt-in because on 
 2. hidden syncs: both directions of the mapped path under ``torch.cuda.set_sync_debug_mode``
    ("error"), which raises on any operation that synchronises with the device;
 3. speed and host time: the transfer benchmark's quick shapes (``benchmarks.transfer_bench``'s
-   own setup and timing) with ``torch`` (DMA), ``torch-mapped`` and ``cupy`` side by side, and
+   own setup and timing) with ``torch`` (mapped), ``torch-dma`` and ``cupy`` side by side, and
    the host time each call takes to return (its launch cost), judged against the benchmark's
    targets.
 
@@ -144,7 +146,7 @@ def host_time(setup: Setup, backend, batch: int, rng: random.Random, rounds: int
 
 def speed(device: torch.device, rounds: int) -> list[dict]:
     backends: dict[str, object] = {"torch": TorchCopyBackend(),
-                                   "torch-mapped": TorchCopyBackend(mapped=True)}
+                                   "torch-dma": TorchCopyBackend(mapped=False)}
     if CupyCopyBackend.available(device)[0]:
         backends["cupy"] = CupyCopyBackend(device)
     rng = random.Random(0)
@@ -219,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         a = torch.tanh(a @ a)
         torch.cuda.synchronize(device)
     result: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
-    result["ordering"] = {"torch (DMA per slot)": ordering(device, False, args.reps),
-                          "torch-mapped": ordering(device, True, args.reps)}
+    result["ordering"] = {"torch-dma": ordering(device, False, args.reps),
+                          "torch (mapped)": ordering(device, True, args.reps)}
     result["syncs"] = hidden_syncs(device)
     result["speed"] = speed(device, args.rounds)
     text = report(result)

@@ -19,8 +19,9 @@ What it does, in order:
 4. Runs ``clients`` closed-loop clients for ``--duration`` seconds against the tieredkv server
    and, at the same time, one paired client each against the control, sent each prompt as the
    tieredkv client sends it (one slot per pair: a tieredkv client waits before its next request
-   while its pair still holds the last, so neither server runs ahead). Every tieredkv response
-   must equal its reference token for token.
+   while its pair still holds the last, so it is never more than two requests ahead, one in
+   the slot and one being served). Every tieredkv response must equal its reference token for
+   token.
 5. Meanwhile, every ``fault_every_s`` seconds, flips random bytes in the payloads of random
    journaled disk slots *while the server runs* (slot ``s`` of ``rank0.slab`` starts at
    ``s * slot_stride``, from ``manifest.json``; the first 4096 bytes are the header; journaled
@@ -85,7 +86,7 @@ from pathlib import Path
 
 from benchmarks import common, stamps
 from benchmarks.common import kv_bytes_per_token
-from benchmarks.endurance.judging import LEAK_RULES, judge
+from benchmarks.endurance.judging import LEAK_RULES, OWN_RSS_CAP, judge
 from benchmarks.endurance.probes import root_cause
 from benchmarks.endurance.report import results_name, write_outputs
 from benchmarks.endurance.runner import run_soak
@@ -218,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rss_slopes_by_process": judged["rss_slopes_by_process"],
         "leak_rules": {k: asdict(v) for k, v in LEAK_RULES.items()},
         "control_requests": len(run.control_records),
+        # how the control was kept in step and judged (runs before f4a59b9 lack these keys)
+        "control_pacing": "one slot per client" if control is not None else None,
+        "own_rss_cap": asdict(OWN_RSS_CAP) if control is not None else None,
         "tieredkv_counters": counters, "idle": run.idle, "samples": run.samples, "faults": run.faults,
         "requests": [{k: v for k, v in r.items() if k not in ("want", "got")} for r in run.records],
         "mismatched": [r for r in run.records if r.get("mismatch")][:20],

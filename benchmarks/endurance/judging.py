@@ -222,8 +222,9 @@ def judge(run: Run, p: Mapping[str, Any], prompts: Sequence[list[int]]) -> dict[
     hourly = all(v.get("mode") == "hourly" for v in leaks.values())
     cap = OWN_RSS_CAP
     if run.with_control:
-        rss_rule = (f"RSS above the control's: slope < 16 MiB/h, own RSS < {cap.per_hour / MiB:g} MiB/h" if hourly
-                    else f"RSS above the control's climbs < 32 MiB, own RSS < {cap.rise / MiB:g} MiB")
+        rss_rule = (f"RSS above the control's: slope < 16 MiB/h, own RSS slope < {cap.per_hour / MiB:g} MiB/h"
+                    if hourly else
+                    f"RSS above the control's climbs < 32 MiB, own RSS climbs < {cap.rise / MiB:g} MiB")
     else:
         rss_rule = "RSS: slope < 16 MiB/h" if hourly else "RSS climbs < 32 MiB"
     leak_check_name = "every sampled series flat after the warm-up " + (

@@ -64,32 +64,39 @@ def reason_in_units(res: dict[str, Any], scale: float) -> str:
 
 
 def control_text(payload: dict[str, Any]) -> str:
-    """How the RSS rule was judged: against the control server, or on the server's RSS alone."""
+    """How the RSS rule was judged: against the control server, or on the server's RSS alone.
+    Worded from the run's own keys: a run kept before the one-slot pacing and the own-RSS cap
+    is described as it ran."""
     if not payload.get("leaks_info"):
         return ("No control server ran: the RSS rule judges the tieredkv server's RSS as it is, "
                 "vLLM's own growth included.")
     slopes = payload.get("rss_slopes_by_process", {})
     per = "; ".join(f"{side}: " + ", ".join(f"`{role}` {v / MiB:+.1f}" for role, v in sorted(roles.items()))
                     for side, roles in slopes.items())
+    paced = payload.get("control_pacing") is not None
+    pacing = ("each tieredkv client waiting before its next request while its pair still held the "
+              "last" if paced else "through an unbounded queue per client, so the control could fall behind")
+    cap = payload.get("own_rss_cap")
+    own = (f"The tieredkv server's own RSS is judged too, under a looser cap ({cap['per_hour'] / MiB:g} "
+           f"MiB/h; a {cap['rise'] / MiB:g} MiB climb on a short run), so growth both servers share "
+           "cannot pass unbounded; the control's own RSS is shown beside it. " if cap else
+           "Each server's own RSS is shown beside it (information; this run predates the own-RSS "
+           "cap). ")
     return (f"**Control.** A second server without tieredkv (the same flags with vLLM's prefix cache "
             f"on: `{' '.join(payload.get('control_flags') or [])}`) was sent every prompt the "
             "tieredkv clients sent, as they sent it, by one paired client each (the same requests "
-            "in the same order, each tieredkv client waiting before its next request while its "
-            f"pair still held the last: {payload.get('control_requests', 0):,} against tieredkv's "
+            f"in the same order, {pacing}: {payload.get('control_requests', 0):,} against tieredkv's "
             f"{payload['summary'].get('requests', 0):,}), and the sampler read both servers' memory "
             "in the same tick. Each server's worker had its own cores: "
             + ", ".join(f"{name} `{' '.join(f'{k}={v}' for k, v in env.items()) or 'vLLM default'}`"
                         for name, env in payload.get("cpu_envs", {}).items()) + ". The RSS rule judges the tieredkv "
             "server's RSS minus the control's (`RSS above the control's`): growth both servers "
-            "show under the same load is vLLM's own, not tieredkv's. The tieredkv server's own RSS "
-            "is judged too, under a looser cap (4x the excess rule), so growth both servers share "
-            "cannot pass unbounded. The limit of the method: the "
-            "control's hits come from its device cache and tieredkv's from host and disk tiers, so "
-            "their prefill shapes are alike but not the same, and growth only the control showed "
-            "would offset as much of tieredkv's; hence each server's own RSS is shown beside it. "
-            "With one core each, the tieredkv server's request rate and TTFT are "
-            "not comparable with runs without a control. RSS slope per process after the warm-up "
-            "(MiB/h): " + (per or "n/a") + ".")
+            "show under the same load is vLLM's own, not tieredkv's. " + own + "The limit of the "
+            "method: the control's hits come from its device cache and tieredkv's from host and "
+            "disk tiers, so their prefill shapes are alike but not the same, and growth only the "
+            "control showed would offset as much of tieredkv's. With one core each, the tieredkv "
+            "server's request rate and TTFT are not comparable with runs without a control. RSS "
+            "slope per process after the warm-up (MiB/h): " + (per or "n/a") + ".")
 
 
 def write_outputs(payload: dict[str, Any], out_dir: Path | None, name: str = NAME) -> tuple[Path, Path, Path | None]:

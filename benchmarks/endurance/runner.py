@@ -103,13 +103,14 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
 
         def hand_over(slot: queue.Queue[tuple[int, float]], k: int) -> bool:
             """Put prompt ``k`` in a control client's one slot, waiting while the control still
-            has the last one; False once the run is stopping."""
+            has the last one; False once the run is stopping. The time stamped is when the slot
+            took it (to within the 5 ms poll), so the control's lag excludes this wait."""
             while not stop.is_set() and time.monotonic() < deadline:
                 try:
-                    slot.put((k, time.monotonic()), timeout=0.5)
+                    slot.put_nowait((k, time.monotonic()))
                     return True
                 except queue.Full:
-                    continue
+                    time.sleep(0.005)
             return False
 
         def client(idx: int) -> None:
@@ -158,7 +159,9 @@ def run_soak(reference: Server, server: Server, prompts: Sequence[list[int]], p:
                 try:
                     ttft, out = stream_completion(control.url, prompts[k], p["max_tokens"], p["request_timeout_s"])
                     rec.update(ok=True, ttft_s=ttft, mismatch=first_difference(refs[k], out) is not None)
-                except (OSError, RuntimeError, ValueError, urllib.error.URLError) as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure ends the run, never a silent thread death
+                    # (a dead pair would leave its tieredkv client waiting, and the share check
+                    # would then compare two idle servers)
                     rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
                 with lock:
                     control_records.append(rec)

@@ -74,7 +74,7 @@ def test_growth_the_control_shows_too_is_not_tieredkvs_leak():
     assert judged["leaks_info"]["control_rss_bytes"]["slope_per_h"] == pytest.approx(35 * MiB)
     assert judged["verdict"] == "PASS", judged["checks"]
     leak = next(c for c in judged["checks"] if c["check"].startswith("every sampled series"))
-    assert "RSS above the control's: slope < 16 MiB/h, own RSS < 64 MiB/h" in leak["check"]
+    assert "RSS above the control's: slope < 16 MiB/h, own RSS slope < 64 MiB/h" in leak["check"]
 
 
 def test_growth_past_the_cap_fails_even_when_the_control_grows_as_fast():
@@ -179,6 +179,8 @@ def _payload(judged: dict, run: Run, *, with_control: bool) -> dict:
         "chunk_bytes": 1 << 20, "disk_slots": 64, "warmup_end_s": 600.0,
         "control_flags": ["--dtype", "float32", "--enable-prefix-caching"] if with_control else None,
         "control_requests": len(run.control_records),
+        "control_pacing": "one slot per client" if with_control else None,
+        "own_rss_cap": {"per_hour": 64 * MiB, "rise": 128 * MiB} if with_control else None,
         "summary": judged["summary"], "checks": judged["checks"], "verdict": judged["verdict"],
         "failures": run.failures, "leaks": judged["leaks"], "leaks_info": judged["leaks_info"],
         "rss_slopes_by_process": judged["rss_slopes_by_process"],
@@ -197,6 +199,8 @@ def test_report_states_the_kv_size_and_the_control(tmp_path, monkeypatch):
     assert "`VLLM::Worker` +37.0" in text and "`VLLM::Worker` +35.0" in text
     assert "| RSS above the control's (MiB) |" in text and "info (FAIL on its own)" in text
     assert "slope 35/h > 16/h" in text  # the control's, in MiB as the table is, not raw bytes
+    assert "waiting before its next request while its pair still held the last" in text
+    assert "under a looser cap (64 MiB/h; a 128 MiB climb on a short run)" in text
     run = _run(37, None)
     _, md, _ = report.write_outputs(_payload(judging.judge(run, P, _prompts()), run, with_control=False),
                                     tmp_path, "soak-x")
@@ -217,6 +221,8 @@ def test_a_kept_run_is_rendered_again_from_its_json(tmp_path, monkeypatch, name)
     assert "**4,096 bytes (4 KiB) of KV per token**" in md
     kept = json.loads(src.read_text())
     assert kept["verdict"] in md
+    if "control_pacing" not in kept and kept.get("leaks_info"):  # kept before f4a59b9: as it ran
+        assert "through an unbounded queue per client" in md and "predates the own-RSS cap" in md
     # The stamp still names the run the figures came from, and says the text is new.
     stamp_line = next(x for x in md.splitlines() if x.startswith("> Stamped by"))
     assert f"commit `{kept['stamp']['commit'][:10]}`" in stamp_line
@@ -237,7 +243,8 @@ class _FakeServer:
 
 
 def _fake_run(monkeypatch, tmp_path, *, control_fails_after: int | None = None, duration_s: float = 2.0,
-              request_s: tuple[float, float] = (0.02, 0.005)) -> tuple[Run, dict]:
+              request_s: tuple[float, float] = (0.02, 0.005),
+              control_error: Exception | None = None) -> tuple[Run, dict]:
     """run_soak with every server, request and probe replaced by fakes (the pairing, the
     sampler's excess and the shutdown are what is under test, not vLLM)."""
     calls: dict[str, list] = {"tkv": [], "ctl": [], "ref": []}
@@ -248,7 +255,7 @@ def _fake_run(monkeypatch, tmp_path, *, control_fails_after: int | None = None, 
             calls[url].append(prompt[0])
             n_ctl = len(calls["ctl"])
         if url == "ctl" and control_fails_after is not None and n_ctl > control_fails_after:
-            raise OSError("connection refused")
+            raise control_error or OSError("connection refused")
         time.sleep(request_s[1] if url == "ctl" else request_s[0])  # (tieredkv, control) seconds
         return 0.001, [prompt[0], prompt[0]]
 
@@ -300,8 +307,12 @@ def test_a_slower_control_holds_tieredkvs_clients_back(monkeypatch, tmp_path):
     assert not run.failures
 
 
-def test_a_lost_control_ends_the_run_and_says_so(monkeypatch, tmp_path):
-    run, seen = _fake_run(monkeypatch, tmp_path, control_fails_after=5, duration_s=30.0)
+@pytest.mark.parametrize("error", [OSError("connection refused"), KeyError("choices")],
+                         ids=["refused", "malformed-answer"])
+def test_a_lost_control_ends_the_run_and_says_so(monkeypatch, tmp_path, error):
+    """Any failure of the control's request, not only a network error, ends the run: a pair
+    thread that died silently would hold its tieredkv client back until the deadline."""
+    run, seen = _fake_run(monkeypatch, tmp_path, control_fails_after=5, duration_s=30.0, control_error=error)
     assert run.control_lost and seen["wall_s"] < 15.0, "the run went on without its baseline"
     assert any(f.startswith("control server stopped answering") for f in run.failures)
     judged = judging.judge(run, {**P, "duration_s": 30.0}, [[i] * 8 for i in range(6)])

@@ -240,18 +240,21 @@ def _cuda_views(kind: str) -> KVViews:
     )
 
 
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "dma"])
 @pytest.mark.parametrize("kind", ["LBHNC", "per-layer"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staged_copies_are_bounded_and_pin_nothing_per_batch(
-    kind: str, mapped: bool, monkeypatch: pytest.MonkeyPatch
+    kind: str, mapped: bool, partial: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Seven slots through a two-slot buffer: four pieces; with partial chunks, the mapped path
+    # reorders whole chunks first and moves the partial ones by DMA.
     kv = _cuda_views(kind)
     host = HostPool(8, kv.slot_payload_bytes(C), pin=True)
     assert host.buffer.is_pinned()
     backend = TorchCopyBackend(staging_bytes=2 * host.payload_bytes, mapped=mapped)
-    pairs = _pairs(random.Random(5), host, kv.num_blocks, 7, False)
+    pairs = _pairs(random.Random(5), host, kv.num_blocks, 7, partial)
     backend.d2h(kv, host, pairs)  # first batch: allocates the index buffers
     torch.cuda.synchronize()
 

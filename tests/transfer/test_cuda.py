@@ -140,6 +140,22 @@ def test_every_backend_moves_the_right_bytes(backend_name: str, kind: str) -> No
         assert torch.equal(kv.rows[layer][others], device_before[layer][others])
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "torch-dma"])
+def test_a_slot_named_twice_in_one_store_holds_the_last_chunk(backend_name: str) -> None:
+    # The backend API allows it (the engine's slot guard does not produce it): a slot written
+    # twice in one batch ends as the later pair wrote it, never a mix. The mapped path sends
+    # such a batch by DMA, in order.
+    kv = _cuda_views("LBHNC")
+    host = HostPool(4, kv.slot_payload_bytes(C))
+    backend = _backend(backend_name)
+    backend.d2h(kv, host, [(1, 0, (1, 2, 3, 4)), (2, 0, (9, 10, 11, 12)), (1, 0, (5, 6, 7, 8))])
+    torch.cuda.synchronize()
+    for layer, rows in enumerate(kv.rows):
+        for slot, blocks in ((1, (5, 6, 7, 8)), (2, (9, 10, 11, 12))):
+            for j, block in enumerate(blocks):
+                assert torch.equal(slot_block(kv, host, slot, layer, j), rows[block].cpu())
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "torch-dma", "cupy"])
 def test_store_is_ordered_after_the_compute_stream(backend_name: str, cuda_warm: float) -> None:
     kv = _cuda_views("LBHNC", num_blocks=16)

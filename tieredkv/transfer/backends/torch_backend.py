@@ -11,7 +11,7 @@ kept runs (``benchmarks/results/gpu/``, worse direction) 64 KiB x 512 chunks mov
 a contiguous copy mapped against 0.07 by DMA on an H100, and 0.41 against 0.12 on an H200; at
 4 MiB chunks the two paths are within 0.02 of each other. A load through the mapped path never
 waited for a busy store lane there (16 of 16 on the H100, 8 of 8 on the H200); the one time it
-did (H100, 2026-11-26, at 953e5bf) was not reproduced.
+did (H100, 2026-11-26, at 953e5bf) was not reproduced and is not explained.
 """
 
 from __future__ import annotations
@@ -287,11 +287,14 @@ class TorchCopyBackend(CopyBackend):
         device = dev.device
         w = reg.width
         C = reg.chunk_blocks
-        if reg.mapped is not None:
+        # A slot named twice in one batch goes by DMA, in order (the last write wins); one index
+        # kernel writing a row twice would leave either, or a mix of both.
+        mapped = reg.mapped if len({p[0] for p in pairs}) == len(pairs) else None
+        if mapped is not None:
             # Whole chunks first, so that in every piece they are a prefix one index kernel
             # writes; a partial chunk keeps the rest of its slot, so it goes by its ranges.
             whole = [p for p in pairs if p[1] == 0 and len(p[2]) == C]
-            if len(whole) != len(pairs) and len({p[0] for p in pairs}) == len(pairs):
+            if len(whole) != len(pairs):
                 pairs = [*whole, *(p for p in pairs if not (p[1] == 0 and len(p[2]) == C))]
         for piece, staging, (kk, pos, blocks), slots in self._pieces("d2h", reg, pairs, device):
             count = len(piece)
@@ -305,13 +308,13 @@ class TorchCopyBackend(CopyBackend):
                 for rows, st in zip(reg.rows, self._layer_views(reg, dev, staging), strict=True):
                     st.index_put_((kk, pos), rows.index_select(0, blocks))
             done = 0
-            if reg.mapped is not None:
+            if mapped is not None:
                 while done < count and piece[done][1] == 0 and len(piece[done][2]) == C:
                     done += 1
                 if done:
                     # index_put_, not index_copy_: on the H100 index_copy_ held the GIL until
                     # the lane's queued work ran (a busy d2h lane then stalled the h2d lane).
-                    reg.mapped.index_put_((slots[:done],), staging[:done])
+                    mapped.index_put_((slots[:done],), staging[:done])
             for k in range(done, count):
                 slot, first, ids = piece[k]
                 n = len(ids)
