@@ -65,3 +65,25 @@ def full_attention_spec(block_size: int, num_kv_heads: int, head_size: int, page
                         page_size_bytes=page_size_bytes)
     return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
                              dtype=torch.int8, page_size_padded=page_size_bytes)
+
+
+def vma(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding ``addr``: its fields, and VmFlags."""
+    entry: dict[str, str] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                entry = {} if lo <= addr < hi else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+                if key == "VmFlags":
+                    return entry
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def aligned_inside(ptr: int) -> int:
+    """The first 2 MiB boundary at or after ``ptr`` (where huge-page advice starts)."""
+    return -(-ptr // (2 * 1024 * 1024)) * (2 * 1024 * 1024)

@@ -264,6 +264,8 @@ _STANDALONE_KEYS: dict[str, Callable[[str, Any], Any]] = {
     "spill_queue_depth": partial(_parse_int, minimum=1, maximum=SPILL_QUEUE_DEPTH_MAX),
     "cost_model": _parse_bool,
     "cost_model_margin": _parse_margin,
+    "sync_loads": _parse_bool,
+    "huge_pages": _parse_bool,
 }
 
 
@@ -314,6 +316,13 @@ class TieredKVConfig:
     cost_model: bool = True
     # [0, 10]: a read must be predicted this much faster than recomputing (0.2: 20 %).
     cost_model_margin: float = 0.2
+    # vLLM's CPU build: a host-tier hit of at most INLINE_LOAD_MAX_BYTES (tieredkv/vllm/
+    # metadata.py) per rank and step is copied right before the forward that uses it, in the
+    # same step; false, or a GPU: every load runs between steps (a step of its own).
+    sync_loads: bool = True
+    # vLLM's CPU build: transparent huge pages for the host tier and vLLM's KV cache
+    # (tieredkv/transfer/huge_pages.py); false: memory stays as allocated.
+    huge_pages: bool = True
     # None (off) or [0, 65535]; 0 picks a free port.
     metrics_port: int | None = None
     # The shared tier (Redis/Valkey, one node or a Cluster); None: no remote tier. The

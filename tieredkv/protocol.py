@@ -179,10 +179,13 @@ class HostChunks:
 
     ``unserved``: the planner found device blocks in the load's range that no stored row
     fills (a hybrid window it did not store): the worker copies nothing and reports every
-    block failed, so vLLM recomputes them rather than attend to whatever those blocks held."""
+    block failed, so vLLM recomputes them rather than attend to whatever those blocks held.
+    ``sync``: copied inline before the forward of the step that schedules the request (CPU),
+    never reported received; a failure is reported as invalid blocks only."""
 
     chunks: tuple[LoadChunk, ...]
     unserved: bool = False
+    sync: bool = False
     medium: ClassVar[Medium] = Medium.HOST
 
 
@@ -281,11 +284,11 @@ class Job:
 
     @classmethod
     def load(cls, job_id: int, req_id: str, chunks: tuple[LoadChunk, ...],
-             unserved: bool = False) -> Job:
+             unserved: bool = False, sync: bool = False) -> Job:
         """A request's chunks, in prefix order, each copied host -> device."""
         chunks = tuple(chunks)
         blocks = tuple(b for c in chunks for b in c.block_ids)
-        return cls._made(Move.LOAD, job_id, HostChunks(chunks, unserved), DeviceBlocks(blocks), b"", req_id)
+        return cls._made(Move.LOAD, job_id, HostChunks(chunks, unserved, sync), DeviceBlocks(blocks), b"", req_id)
 
     @classmethod
     def remote_read(cls, job_id: int, key: bytes, host_slot: int,
@@ -335,13 +338,10 @@ class JobResult:
         """The one merge: ranks add up, the first cause wins, failed blocks unite."""
         assert other.job_id == self.job_id, (self.job_id, other.job_id)
         return JobResult(
-            self.job_id,
-            ok=self.ok + other.ok,
-            failed=self.failed + other.failed,
+            self.job_id, ok=self.ok + other.ok, failed=self.failed + other.failed,
             failure=self.failure or other.failure,
             failed_block_ids=tuple(sorted(set(self.failed_block_ids) | set(other.failed_block_ids))),
-            seconds=max(self.seconds, other.seconds),
-        )
+            seconds=max(self.seconds, other.seconds))
 
 
 def merge_results(into: dict[int, JobResult], results: Iterable[JobResult]) -> dict[int, JobResult]:

@@ -109,7 +109,10 @@ def _check_hit(name: str, state: str, n: int, tokens: int | None, is_async: bool
     if state == "miss":
         assert tokens == 0 and not is_async, f"{name}: miss row returned {tokens}"
         return
-    assert tokens is not None and is_async, f"{name}: hit row returned {tokens}"
+    # tieredkv on vLLM's CPU build answers a host hit of at most 32 MiB per step synchronous
+    # (``sync_loads``); vLLM's OffloadingConnector loads asynchronously.
+    assert tokens is not None and (is_async or name.startswith("tieredkv")), (
+        f"{name}: hit row returned {tokens}")
     if name.startswith("tieredkv"):
         # Everything but the block holding the last prompt token (vLLM recomputes it).
         expected = (n - 1) // BLOCK_SIZE * BLOCK_SIZE

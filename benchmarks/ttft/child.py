@@ -251,7 +251,9 @@ class _StepClock:
     Wraps the in-process executor's ``execute_model``/``sample_tokens`` and, for a connector
     that loads synchronously inside the forward (ExampleConnector; LMCacheMPConnector, whose
     engine-driven transfer on CPU fetches from the server and scatters into the paged KV
-    inside ``start_load_kv``), its ``start_load_kv``, so that load is not counted as compute.
+    inside ``start_load_kv``; tieredkv's synchronous loads on CPU, ``sync_loads``), its
+    ``start_load_kv``, so that load is not counted as compute. Only a ``start_load_kv`` inside
+    a step with tokens is taken out of compute (one in an empty step never counted there).
     """
 
     def __init__(self, llm, connector: str | None) -> None:
@@ -283,6 +285,8 @@ class _StepClock:
             from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
                 ExampleConnector as cls,
             )
+        elif connector == "TieredKVConnector":
+            from tieredkv.connector import TieredKVConnector as cls
         elif connector == "LMCacheMPConnector":  # only in the peer venv's child
             from lmcache.integration.vllm.lmcache_mp_connector import (  # type: ignore[import-not-found]
                 LMCacheMPConnector as cls,
@@ -304,7 +308,8 @@ class _StepClock:
         self.sync_loads.clear()
 
     def breakdown(self, t0: float) -> dict[str, float | None]:
-        sync = sum(end - start for start, end in self.sync_loads)
+        sync = sum(end - start for start, end in self.sync_loads
+                   if any(f0 <= start and end <= f1 for f0, f1 in self.forwards))
         forward = sum(end - start for start, end in self.forwards) - sync
         first = min((start for start, _ in self.forwards), default=None)
         return {

@@ -9,7 +9,8 @@ too), ``drain`` (wait until tieredkv has no job in flight), ``wait_for_file`` (c
 
 Each output carries ``num_cached_tokens`` (vLLM's count: its own prefix cache and the
 connector's tokens together) and ``tieredkv``: the tokens vLLM took from tieredkv for that
-request (``num_external_tokens`` of every allocation: ``allocs``, and their sum), tieredkv's own
+request (``num_external_tokens`` of every allocation: ``allocs``, and their sum; ``sync``: for
+each allocation, whether its load job was synchronous, copied before that step's forward), tieredkv's own
 account of them by tier (``planner.hit_tokens``), and every store of the request's chunks as it
 completed (``stores``: ``[job id, chunk key, failure cause or None]``), so a test can tell
 tieredkv's hit from vLLM's and attribute each counter, and each lost store, to a request.
@@ -89,6 +90,9 @@ def record_external_hits(llm) -> dict[str, dict]:
             entry = seen.setdefault(request.request_id, new_entry())
             entry["tokens"] += num_external_tokens
             entry["allocs"].append(num_external_tokens)
+            loads = [job for job in half.planner._ledger.plan.jobs
+                     if job.move is Move.LOAD and job.req_id == request.request_id]
+            entry["sync"].append(bool(loads) and loads[-1].src.sync)
             for tier, count in half.planner.hit_tokens(request.request_id).items():
                 entry["by_tier"][tier] = entry["by_tier"].get(tier, 0) + count
 
@@ -98,7 +102,7 @@ def record_external_hits(llm) -> dict[str, dict]:
 
 
 def new_entry() -> dict:
-    return {"tokens": 0, "allocs": [], "by_tier": {}, "stores": []}
+    return {"tokens": 0, "allocs": [], "sync": [], "by_tier": {}, "stores": []}
 
 
 def record_stores(planner, seen: dict[str, dict]) -> None:

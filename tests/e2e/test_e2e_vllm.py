@@ -52,9 +52,19 @@ def spec(model: str, phases: list[dict], **kv) -> dict:
     }
 
 
-def test_host_tier_hit_is_identical_and_skips_recompute(tiny_model, reference):
+def load_modes(phase: dict) -> dict[str, list[bool]]:
+    """Per prompt, whether each of its loads was synchronous (copied before the forward of
+    the step that scheduled it) or not."""
+    return {name: out["tieredkv"]["sync"] for name, out in outputs_by_name(phase).items()}
+
+
+@pytest.mark.parametrize("sync_loads", [True, False])
+def test_host_tier_hit_is_identical_and_skips_recompute(tiny_model, reference, sync_loads):
+    """The five prompts arrive together: with synchronous loads (the CPU default) their
+    loads share steps with each other's forwards; without, each waits a step for its load."""
     names = ["p1", "p2", "on_boundary", "boundary_minus_1", "boundary_plus_1"]
-    result = run_engine(spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="256MiB"))
+    result = run_engine(spec(tiny_model, [generate(*names), RESET, generate(*names)],
+                             host_bytes="256MiB", sync_loads=sync_loads))
     cold, _, warm = result["phases"]
     assert_same_as_reference(cold, names, reference)
     assert_same_as_reference(warm, names, reference)
@@ -63,6 +73,7 @@ def test_host_tier_hit_is_identical_and_skips_recompute(tiny_model, reference):
     # counters account for exactly those tokens.
     expected = {name: expected_hit_tokens(len(PROMPTS[name])) for name in names}
     assert_hits(result["phases"], 2, expected, tiers={"host": sum(expected.values())})
+    assert load_modes(warm) == {name: [sync_loads] for name in names}
 
 
 def test_cache_salt_never_hits_another_tenants_prefix(tiny_model, reference):
@@ -193,15 +204,18 @@ def test_corruption_between_runs_is_a_miss_never_wrong(tiny_model, reference, wr
         assert_hits(result["phases"], 0, dict.fromkeys(names, 0))
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_load_failing_after_its_promise_is_reported(tiny_model, reference, policy):
+@pytest.mark.parametrize("policy, sync_loads", [("recompute", True), ("fail", True), ("recompute", False)])
+def test_load_failing_after_its_promise_is_reported(tiny_model, reference, policy, sync_loads):
+    """A synchronous load's failure reaches vLLM after the forward that used the blocks: vLLM
+    drops that step's output for the request and recomputes (or fails it, with "fail")."""
     result = run_engine(
         spec(tiny_model, [generate("p1"), RESET, generate("p1"), generate("p2")],
-             host_bytes="256MiB", policy=policy),
+             host_bytes="256MiB", policy=policy, sync_loads=sync_loads),
         env={"TIEREDKV_FAULTS": json.dumps({"fail_loads": 1})},
     )
     phases = result["phases"]
     _, _, failed, other = phases
+    assert load_modes(failed)["p1"][0] is sync_loads
     assert_same_as_reference(other, ["p2"], reference)
     assert_hits(phases, 3, {"p2": 0})
     assert failed["counters"].get("load_failed_copy_error", 0) == 1, failed["counters"]
@@ -254,10 +268,12 @@ def test_preemption_with_slow_stores_keeps_outputs_identical(tiny_model):
           f"from tieredkv {served}")
 
 
-def test_sixteen_concurrent_shared_prefixes_with_chunked_prefill(tiny_model, reference):
+@pytest.mark.parametrize("sync_loads", [True, False])
+def test_sixteen_concurrent_shared_prefixes_with_chunked_prefill(tiny_model, reference, sync_loads):
     names = [f"shared{i}" for i in range(16)]
     result = run_engine({
-        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="8MiB"),
+        **spec(tiny_model, [generate(*names), RESET, generate(*names)], host_bytes="8MiB",
+               sync_loads=sync_loads),
         "enable_chunked_prefill": True, "max_num_batched_tokens": 512,
     })
     phases = result["phases"]
@@ -266,12 +282,24 @@ def test_sixteen_concurrent_shared_prefixes_with_chunked_prefill(tiny_model, ref
     assert_same_as_reference(warm, names, reference)
     # The 16-slot host tier holds the shared prefix (8 chunks, kept hot by every prompt
     # storing it again), not every prompt's own chunks: each prompt hits at least the shared
-    # prefix and at most its own whole prefix. The warm pass looks every prompt up before any
-    # load lands, so all of each hit is tieredkv's; its counters account for exactly those.
+    # prefix and at most its own whole prefix; tieredkv's counters account for exactly what
+    # the requests took from it.
     cached, taken = cached_tokens(warm), tieredkv_tokens(warm)
-    assert taken == cached, (taken, cached)
     for name in names:
         assert len(SHARED) <= cached[name] <= expected_hit_tokens(len(PROMPTS[name])), (name, cached)
+    if sync_loads:
+        # The first request's load is synchronous: vLLM caches its blocks as it schedules it,
+        # so the others, looked up after it in the same step, share those device blocks for
+        # the shared prefix (vLLM's own hit) and take from tieredkv only what lies past it.
+        first = names[0]
+        assert taken[first] == cached[first], (taken, cached)
+        for name in names[1:]:
+            assert taken[name] <= cached[name] - len(SHARED), (name, taken, cached)
+        assert all(mode == [True] for mode in load_modes(warm).values() if mode), load_modes(warm)
+    else:
+        # Loads are asynchronous: vLLM caches a request's blocks only once its load landed,
+        # and the warm pass looks every prompt up before any lands: all of each hit is tieredkv's.
+        assert taken == cached, (taken, cached)
     assert_counters_match_requests(phases, 2)
     assert warm["counters"].get("hit_tokens_disk", 0) == 0
 

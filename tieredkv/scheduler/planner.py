@@ -200,12 +200,14 @@ class Planner:
                 and not self._ledger.bringing_up()):
             self.remote.probe.wait(timeout_s)
 
-    def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int) -> None:
+    def on_alloc(self, req_id: str, block_ids: Sequence[Any], num_external_tokens: int,
+                 sync: bool = False) -> None:
         """vLLM allocated device blocks (a list; hybrid models: one per group): turn the
-        pending hit into a load job."""
+        pending hit into a load job (``sync``: vLLM was told the load is synchronous, so it
+        runs before this step's forward; see :class:`~tieredkv.protocol.HostChunks`)."""
         if self.slot_rows is not None:
             self._fence_reused(block_ids)
-        self._lookup.on_alloc(req_id, block_ids, num_external_tokens)
+        self._lookup.on_alloc(req_id, block_ids, num_external_tokens, sync)
 
     def hit_tokens(self, req_id: str) -> dict[str, int]:
         """The request's loaded tokens by the tier they came from."""

@@ -14,9 +14,10 @@ promises it once that read is verified, so every chunk of a load is in a host sl
 submitted. A load never crosses the event loop: while vLLM waits for a load its engine thread
 spins on empty steps holding the GIL, and every thread a job crosses waits up to a switch
 interval (5 ms) for it. It runs start to end on the h2d lane thread (on its stream, after the
-compute mark) or, on CPU and within the caller's byte budget, in the caller's own thread
-(vLLM calls ``start_load_kv`` after the forward there, so an inline memcpy delays no compute
-and is reported a whole step earlier).
+compute mark) or, on CPU, in the caller's own thread: a synchronous load (vLLM calls
+``start_load_kv`` before the forward that uses it), or one within the caller's byte budget
+(``start_load_kv`` runs after the forward then, so an inline memcpy delays no compute and is
+reported a whole step earlier).
 """
 
 from __future__ import annotations
@@ -246,10 +247,12 @@ class DeviceJobs:
         return len(job.block_ids) * self.kv.total_block_bytes
 
     def submit_loads(self, entries: list[Entry]) -> None:
-        """Each load inline (a CPU device, within the entry's byte budget) or on the h2d lane."""
+        """Each load inline (a CPU device: a synchronous load, or one within the entry's byte
+        budget) or on the h2d lane."""
         cpu = self.kv.device.type == "cpu"
         for entry in entries:
-            if cpu and 0 < self.load_bytes(entry.job) <= entry.inline_bytes:
+            job = entry.job
+            if cpu and (job.src.sync or 0 < self.load_bytes(job) <= entry.inline_bytes):  # type: ignore[union-attr]
                 self._run_load(entry, on_lane=False)
                 continue
             lane = self.h2d

@@ -26,6 +26,7 @@ import torch
 
 from tieredkv.config import ConfigError, format_size
 from tieredkv.disk.format import PAGE_BYTES, align_up  # disk pads slots alike (O_DIRECT)
+from tieredkv.transfer.huge_pages import Advice, advise
 
 logger = logging.getLogger(__name__)
 
@@ -233,8 +234,10 @@ class HostPool:
 
     def __init__(
         self, num_slots: int, slot_bytes: int, pin: bool | None = None,
-        registrar: Registrar | None = None,
+        registrar: Registrar | None = None, huge_pages: bool = False,
     ) -> None:
+        """``huge_pages``: a pageable pool asks for transparent huge pages before its first
+        byte is written (:mod:`~tieredkv.transfer.huge_pages`); a pinned one is unaffected."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         if slot_bytes <= 0:
@@ -247,6 +250,7 @@ class HostPool:
         self._mmap: mmap.mmap | None = None
         self._pinned: PinnedMapping | None = None
         self.pinned = False
+        self.huge_pages: Advice | None = None  # what huge_pages=True got (pageable pools)
         size = max(self.total_bytes, PAGE_BYTES)
         self.requested_bytes = size
         try:
@@ -259,6 +263,8 @@ class HostPool:
                 # An anonymous mapping is page-aligned (O_DIRECT-safe) and lazily committed.
                 self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+                if huge_pages:
+                    self.huge_pages = advise(self.buffer.data_ptr(), size, collapse=False)
         except Exception as exc:
             if self._mmap is not None:
                 with contextlib.suppress(BufferError):
@@ -288,10 +294,14 @@ class HostPool:
             f"cudaHostRegister ({self._pinned.registrar_name})" if self._pinned else "mmap (pageable)"
         )
         self.pinned_bytes = self._pinned.pinned_bytes if self._pinned else 0
+        huge = self.huge_pages
         logger.info(
-            "tieredkv host tier: %d slots x %d bytes, %s %s (%s)",
+            "tieredkv host tier: %d slots x %d bytes, %s %s (%s)%s",
             num_slots, self.slot_bytes, format_size(size),
             "pinned" if self.pinned else "pageable", self.allocation_path,
+            "" if huge is None else
+            f", huge pages asked for {format_size(huge.advised_bytes)}" if huge.ok else
+            f", huge pages not available ({huge.hugepage_error or 'pool under 2 MiB'})",
         )
 
     def _check(self, slot: int) -> None:

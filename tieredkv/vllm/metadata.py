@@ -18,6 +18,13 @@ from tieredkv.protocol import JobResult, StepPlan, merge_results
 # long to be scheduled; the sleep ends with the first answer.
 IDLE_WAIT_S = 0.005
 
+# On CPU, host-tier loads up to this many bytes per rank and step are copied inline (~3-5 ms
+# at memory speed): synchronous loads (``sync_loads``, planned by the scheduler half) before
+# the forward, other loads of a step that computes something after it. A bigger load goes to
+# the h2d lane, so a long context's load does not stall every other request's step. In a step
+# that computes nothing, any load is copied inline: nobody else is waiting.
+INLINE_LOAD_MAX_BYTES = 32 * 1024 * 1024
+
 
 @dataclass
 class TieredKVMetadata(KVConnectorMetadata):

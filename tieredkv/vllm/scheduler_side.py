@@ -17,7 +17,12 @@ from tieredkv.metrics.specs import Count
 from tieredkv.protocol import Move, StepPlan
 from tieredkv.scheduler.planner import Planner
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
-from tieredkv.vllm.metadata import IDLE_WAIT_S, TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.vllm.metadata import (
+    IDLE_WAIT_S,
+    INLINE_LOAD_MAX_BYTES,
+    TieredKVMetadata,
+    TieredKVWorkerMetadata,
+)
 
 logger = logging.getLogger("tieredkv")
 
@@ -111,6 +116,16 @@ class SchedulerHalf:
             )
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, LazyChunkKeys] = {}
+        # Synchronous loads (``sync_loads``): on vLLM's CPU build a hit is a memcpy from host
+        # slots, cheaper than the engine step an asynchronous load waits for, so vLLM is told
+        # the load is synchronous and schedules the request at once. Not for hybrid models:
+        # vLLM takes no per-request failure for a synchronous load, and block-level failures
+        # only from one KV-cache group. 0: off.
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+        self._sync_block_bytes = (geometry.chunk_payload_bytes // config.chunk_blocks
+                                  if config.sync_loads and device == "cpu" and not self._hybrid
+                                  else 0)
+        self._sync_bytes: dict[str, int] = {}  # this step's synchronous loads, by request
         self.events = self._open_events(vllm_config, kv_cache_config, hash_block)
         self._adapters = AdapterDigests()
         self._exporter = None
@@ -119,9 +134,11 @@ class SchedulerHalf:
             self._start_exporter(config.metrics_port, str(vllm_config.model_config.model))
         logger.info(
             "tieredkv: scheduler ready: %d host slots, %d disk slots per rank, chunk %d tokens "
-            "(%d bytes per rank), world size %d",
+            "(%d bytes per rank), world size %d, loads %s",
             host_slots, disk_slots, geometry.block_size * config.chunk_blocks,
             geometry.chunk_payload_bytes, geometry.world_size,
+            f"synchronous up to {INLINE_LOAD_MAX_BYTES >> 20} MiB per step"
+            if self._sync_block_bytes else "asynchronous",
         )
 
     def _open_remote(self, config: TieredKVConfig, host_slots: int, disk_slots: int):
@@ -275,14 +292,28 @@ class SchedulerHalf:
         )
         if hit is None:
             return None, False
+        if hit > 0 and self._sync_block_bytes and self._sync_fits(request.request_id, hit):
+            return hit, False
         return hit, hit > 0
 
+    def _sync_fits(self, req_id: str, hit: int) -> bool:
+        """Whether a hit of ``hit`` tokens is loaded synchronously: this step's synchronous
+        loads, with it, copy at most INLINE_LOAD_MAX_BYTES per rank before the forward."""
+        need = -(-hit // self.geometry.block_size) * self._sync_block_bytes
+        others = sum(b for r, b in self._sync_bytes.items() if r != req_id)
+        if others + need > INLINE_LOAD_MAX_BYTES:
+            self._sync_bytes.pop(req_id, None)
+            return False
+        self._sync_bytes[req_id] = need
+        return True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
         if self._hybrid:
-            self.planner.on_alloc(request.request_id, blocks.get_block_ids(), num_external_tokens)
+            self.planner.on_alloc(req_id, blocks.get_block_ids(), num_external_tokens)
             return
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-        self.planner.on_alloc(request.request_id, block_ids, num_external_tokens)
+        self.planner.on_alloc(req_id, block_ids, num_external_tokens, sync=req_id in self._sync_bytes)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         tokens = self.planner.hit_tokens(request.request_id)
@@ -319,6 +350,7 @@ class SchedulerHalf:
             planner.plan_stores(req_id, self.keys_for(request), storable, tail=tail,
                                 computed_tokens=request.num_computed_tokens)
         plan = planner.take_plan()
+        self._sync_bytes.clear()
         if self.events is not None:
             self._record_events(plan)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)

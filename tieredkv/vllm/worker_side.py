@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import sys
+import time
 import weakref
 from typing import Any, Protocol
 
@@ -30,15 +31,31 @@ from tieredkv.disk.format import slot_counts
 from tieredkv.protocol import JobResult, Move, merge_results
 from tieredkv.transfer.host_pool import HostPool
 from tieredkv.vllm.geometry import engine_geometry
-from tieredkv.vllm.metadata import IDLE_WAIT_S, TieredKVMetadata, TieredKVWorkerMetadata
+from tieredkv.vllm.metadata import (
+    IDLE_WAIT_S,
+    INLINE_LOAD_MAX_BYTES,
+    TieredKVMetadata,
+    TieredKVWorkerMetadata,
+)
 
 logger = logging.getLogger("tieredkv")
 
-# On CPU, a host-tier load up to this size is copied inline even in a step that computed
-# something (~3 ms at memory speed): it is reported a whole step earlier. A bigger one goes to
-# the h2d lane, so a long context's load does not stall every other request's next step. In
-# a step that computes nothing, any size is copied inline: nobody else is waiting.
-BUSY_INLINE_MAX_BYTES = 32 * 1024 * 1024
+
+def _huge_kv_cache(kv_caches: dict[str, torch.Tensor]) -> None:
+    """vLLM's CPU KV cache in transparent huge pages (see :mod:`tieredkv.transfer.huge_pages`):
+    it is already zeroed, so its pages are rebuilt now (``MADV_COLLAPSE``, once, at start-up)."""
+    from tieredkv.transfer.huge_pages import advise
+
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kv_caches.values()}
+    started = time.monotonic()
+    results = [advise(ptr, n, collapse=True) for ptr, n in storages.items()]
+    advised = sum(r.advised_bytes for r in results)
+    errors = sorted({e for r in results for e in (r.hugepage_error, r.collapse_error) if e})
+    logger.info(
+        "tieredkv: vLLM's KV cache (%d MiB): huge pages %s in %.0f ms%s", sum(storages.values()) >> 20,
+        f"asked for {advised >> 20} MiB" if advised else "not asked for (under 2 MiB)",
+        (time.monotonic() - started) * 1e3, f"; not all granted: {', '.join(errors)}" if errors else "",
+    )
 
 
 def _worker_rank() -> int:
@@ -62,6 +79,7 @@ class WorkerHalf:
         self._slab_lock = None
         self._vllm_copy_op = None
         self._load_reqs: dict[int, str] = {}  # load job -> request
+        self._sync_loads: set[int] = set()  # of those, copied before the forward (HostChunks)
         self._store_reqs: dict[int, str] = {}  # store job -> request
         self._pending_stores: dict[str, set[int]] = {}
         self._delayed: set[str] = set()
@@ -101,7 +119,11 @@ class WorkerHalf:
                 "tieredkv does not understand"
             )
         host_slots, disk_slots = slot_counts(self.config, payload, self.geometry.world_size)
-        self.host = HostPool(host_slots, payload)
+        cpu = views.device.type == "cpu"
+        huge = cpu and self.config.huge_pages
+        if huge:
+            _huge_kv_cache(kv_caches)
+        self.host = HostPool(host_slots, payload, huge_pages=huge)
         if disk_slots:
             from tieredkv.disk.format import rank_lock_name, slab_path
             from tieredkv.disk.private_files import DiskLock
@@ -139,7 +161,7 @@ class WorkerHalf:
             load_timeout_s=self.config.load_timeout_s,
             remote=self._remote_jobs() if self.config.has_remote else None,
         )
-        self.inline_host_loads = views.device.type == "cpu"
+        self.inline_host_loads = cpu
         logger.info(
             "tieredkv: worker rank %d ready: %d host slots (%s), %d disk slots, copy backend %s",
             self.rank, host_slots, "pinned" if self.host.pinned else "pageable", disk_slots,
@@ -177,6 +199,8 @@ class WorkerHalf:
         for job in jobs:
             if job.move is Move.LOAD:
                 self._load_reqs[job.job_id] = job.req_id
+                if job.src.sync:  # type: ignore[union-attr] - a load's source is HostChunks
+                    self._sync_loads.add(job.job_id)
             if job.move.brings_up:
                 self._awaited.add(job.job_id)  # a request waits for these bytes
         if jobs:
@@ -185,7 +209,7 @@ class WorkerHalf:
             elif plan.compute_idle:
                 inline_max = sys.maxsize
             else:
-                inline_max = BUSY_INLINE_MAX_BYTES
+                inline_max = INLINE_LOAD_MAX_BYTES
             self.engine.submit(jobs, inline_max_bytes=inline_max)
         # This step's stores count as pending now, before the delayed requests are looked
         # at: a request that finished with a last store (its tail) in this same metadata must
@@ -235,7 +259,12 @@ class WorkerHalf:
         merge_results(self._results, [result])
         load_req = self._load_reqs.pop(job_id, None)
         if load_req is not None:
-            if not result.ok and self._errors_by_request:
+            # A synchronous load's request is running, not waiting: vLLM takes no completion
+            # for it, and a failure only as invalid blocks (it then drops the step's output
+            # for that request and recomputes from the first failed block).
+            sync = job_id in self._sync_loads
+            self._sync_loads.discard(job_id)
+            if not result.ok and self._errors_by_request and not sync:
                 self._failed_recving.add(load_req)
             elif not result.ok:
                 self._load_errors.update(result.failed_block_ids)
@@ -243,7 +272,8 @@ class WorkerHalf:
                     "tieredkv: load for %s failed (%s): %d blocks will be recomputed",
                     load_req, result.failure, len(result.failed_block_ids),
                 )
-            self._finished_recving.add(load_req)
+            if not sync:
+                self._finished_recving.add(load_req)
         store_req = self._store_reqs.pop(job_id, None)
         if store_req is not None:
             pending = self._pending_stores.get(store_req)
