@@ -156,6 +156,7 @@ from benchmarks.ttft.workload import (
     SLOW_DISK_LEARNING_HITS,
     SLOW_REMOTE_CONFIG,
     SLOW_REMOTE_TIMEOUT_S,
+    TOUCH_TOKENS,
     hybrid_hit,
     hybrid_host_slots,
     hybrid_kv_bytes,
@@ -318,6 +319,12 @@ def parent_main(args) -> int:
                              "remote_timeout_s": SLOW_REMOTE_TIMEOUT_S,
                              "learning_hits": SLOW_DISK_LEARNING_HITS}),
             "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
+            # Each round began with the touch prompt (specs.round_phases); None: a kept run
+            # from before it.
+            "touch_tokens": TOUCH_TOKENS if any(
+                str(r.get("label", "")).startswith("touch")
+                for res in results.values() if isinstance(res, dict)
+                for r in res.get("records") or ()) else None,
             "disk_limit_s": DISK_TARGET * (floor + kv_bytes / (disk["gb_per_s"] * 1e9)),
             "wall_s": wall_s if args.rerender else time.monotonic() - t_start,
         },

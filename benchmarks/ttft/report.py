@@ -155,7 +155,11 @@ def table_markdown(payload: dict[str, Any]) -> str:
         "those taking as many tieredkv slots as A, and no multiple of the block); no length "
         "is a multiple of the chunk, so every hit ends inside a chunk. "
         f"KV of a hit = {p['kv_bytes'] / MiB:.1f} MiB (mean of the two). TTFT = wall time of "
-        "`generate(max_tokens=1)`; profile "
+        "`generate(max_tokens=1)`"
+        + (f"; every measured round starts with an unmeasured {p['touch_tokens']}-token prompt "
+           "(under a block: nothing cached, stored or hit), so a round's first hit runs in a "
+           "warm engine like the same-engine floor after it" if p.get("touch_tokens") else "")
+        + "; profile "
         f"`{p['profile']}`, git {payload.get('git') or 'n/a'}, Python switch interval "
         f"{p['switch_interval_s'] * 1000:g} ms, load average at the end "
         f"{', '.join(f'{x:.1f}' for x in payload['load_average_end'])}.",

@@ -26,6 +26,7 @@ from benchmarks.ttft.workload import (
     SLOW_DISK_READ_DELAY_S,
     SLOW_REMOTE_CONFIG,
     SLOW_REMOTE_TIMEOUT_S,
+    TOUCH_TOKENS,
     WARMUP_TOKENS,
     MiB,
     host_entries,
@@ -72,6 +73,7 @@ def build_specs(args, model_dir: Path, work: Path, lengths: dict[str, int],
         "kv_cache_memory_bytes": max(256 * MiB, 4 * prompt_kv),
         "prompts": {
             "warmup": make_prompt(7, WARMUP_TOKENS),
+            "touch": make_prompt(8, TOUCH_TOKENS),
             "A": make_prompt(1, lengths["A"]),
             "B": make_prompt(2, lengths["B"]),
         },
@@ -300,8 +302,10 @@ OWN_ROUND_NUMBERS = ("tieredkv_disk", "tieredkv_disk_restart", "tieredkv_remote"
 
 
 def round_phases(spec: dict[str, Any], i: int) -> list[dict[str, Any]]:
-    """One measured round of a configuration, labels numbered ``i``; A/B alternate by ``i``."""
-    out = []
+    """One measured round of a configuration, labels numbered ``i``; A/B alternate by ``i``.
+    A round starts with the touch prompt (``TOUCH_TOKENS``: the engine warm again, nothing
+    stored or hit), unmeasured."""
+    out = [{"kind": "generate", "prompt": "touch", "label": f"touch{i}"}] if spec["round"] else []
     for phase in spec["round"]:
         phase = dict(phase)
         if "label" in phase:

@@ -105,9 +105,9 @@ def test_spec_uses_the_peer_python_and_row_4s_budget(peer, tmp_path):
     for key in ("prompts", "model", "max_model_len", "kv_cache_memory_bytes", "setup", "round",
                 "prefix_caching"):
         assert spec[key] == host[key], key
-    assert [p["kind"] for p in ttft_specs.round_phases(spec, 1)] == ["reset_prefix", "generate", "drain",
-                                                             "generate"]
-    assert [p["label"] for p in ttft_specs.round_phases(spec, 1) if "label" in p] == ["hit1", "pfloor1"]
+    assert [p["kind"] for p in ttft_specs.round_phases(spec, 1)] == ["generate", "reset_prefix", "generate",
+                                                             "drain", "generate"]
+    assert [p["label"] for p in ttft_specs.round_phases(spec, 1) if "label" in p] == ["touch1", "hit1", "pfloor1"]
     assert workload.LMCACHE_CONFIG not in ttft_specs.OWN_ROUND_NUMBERS  # numbered on, as row 4
     # Building twice in one work dir (the link exists) is fine.
     ttft_specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS, lmcache=info)

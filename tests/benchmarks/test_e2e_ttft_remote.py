@@ -52,8 +52,8 @@ def test_specs_two_replicas_on_one_redis(tmp_path):
     assert [p["prompt"] for p in reader["setup"] if p["kind"] == "generate"] == ["warmup"]
     assert reader["round"] == specs["tieredkv_disk"]["round"]
     labels = [p["label"] for p in ttft_specs.round_phases(reader, 3) if "label" in p]
-    assert labels == ["hit3", "pfloor3", "hosthit3"]
-    assert {p["prompt"] for p in ttft_specs.round_phases(reader, 3) if "prompt" in p} == {"B"}
+    assert labels == ["touch3", "hit3", "pfloor3", "hosthit3"]
+    assert {p["prompt"] for p in ttft_specs.round_phases(reader, 3) if "prompt" in p} == {"touch", "B"}
     assert "tieredkv_remote" in ttft_specs.OWN_ROUND_NUMBERS
 
 
@@ -220,7 +220,7 @@ def test_row_6c_reads_replica_as_redis_through_a_throttling_proxy(tmp_path):
     assert workload.SLOW_REMOTE_CONFIG in ttft_specs.OWN_ROUND_NUMBERS
     # A fresh filler before each measured hit takes every host slot: the hit is in Redis only.
     rounds = [[(p["prompt"], p["label"]) for p in ttft_specs.round_phases(spec, i)
-               if p["kind"] == "generate"] for i in range(10)]
+               if p["kind"] == "generate" and p["prompt"] != "touch"] for i in range(10)]
     assert rounds[0] == [("F0", "fill0"), ("A", "hit0")] and rounds[1] == [("F1", "fill1"), ("B", "hit1")]
     fillers = {r[0][0] for r in rounds}
     assert len(fillers) == 10

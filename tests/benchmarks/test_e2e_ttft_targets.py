@@ -216,8 +216,8 @@ def test_slow_disk_spec_throttles_reads_and_reads_round_0_from_disk(tmp_path):
     # disk only (a declined prompt is computed, not stored again). It is as long as the prompt
     # its round measures (its recompute in the same engine is the hit's same-engine reference),
     # and B takes as many host slots as A, so either length fills the host tier.
-    rounds = [[(p["prompt"], p["label"]) for p in specs.round_phases(spec, i) if p["kind"] == "generate"]
-              for i in range(10)]
+    rounds = [[(p["prompt"], p["label"]) for p in specs.round_phases(spec, i)
+               if p["kind"] == "generate" and p["prompt"] != "touch"] for i in range(10)]
     assert rounds[0] == [("F0", "fill0"), ("A", "hit0")] and rounds[1] == [("F1", "fill1"), ("B", "hit1")]
     assert len({r[0][0] for r in rounds}) == 10 and all(r[0][0] in spec["prompts"] for r in rounds)
     assert all(len(spec["prompts"][f]) == LENGTHS[p] for (f, _), (p, _) in rounds)
@@ -318,3 +318,19 @@ def test_the_childs_counters_are_flat_per_run_names():
     flat = flat_counts(counts.snapshot())
     assert flat["hit_tokens_disk"] == 3968 and flat[judging.DECLINED_DISK] == 1
     assert all(isinstance(v, int) for v in flat.values())
+
+
+def test_every_measured_round_starts_warm_with_a_prompt_that_stores_and_hits_nothing(tmp_path):
+    """Engines take turns round by round: each round's first generate is the touch prompt,
+    shorter than one block (no block to cache, store or look up in any tier or peer), so a
+    hit and the same-engine floor after it both run in a warm engine."""
+    built = specs.build_specs(args(), tmp_path / "model", tmp_path, LENGTHS)
+    for config, spec in built.items():
+        assert spec["prompts"]["touch"] == built["tieredkv_host"]["prompts"]["touch"]
+        assert len(spec["prompts"]["touch"]) < workload.BLOCK_SIZE
+        phases = specs.round_phases(spec, 4)
+        if spec["round"]:
+            assert phases[0] == {"kind": "generate", "prompt": "touch", "label": "touch4"}, config
+            assert [p for p in phases[1:] if p.get("prompt") == "touch"] == []
+        else:
+            assert phases == [], config
