@@ -25,7 +25,7 @@ def on(device: str | None, **extra) -> SchedulerHalf:
     vllm_config.kv_events_config = None
     if device is not None:
         vllm_config.device_config = SimpleNamespace(device_type=device)
-    raw = {"host_bytes": 16 * 128 * 1024, "chunk_blocks": CHUNK_BLOCKS, **extra}
+    raw = {"host_bytes": 16 * 128 * 1024, "chunk_blocks": CHUNK_BLOCKS} | extra
     return SchedulerHalf(vllm_config, kv_cache_config, TieredKVConfig.from_dict(raw))
 
 
@@ -99,3 +99,16 @@ def test_a_synchronous_answer_without_an_allocation_leaves_no_synchronous_load_b
     assert loads(h) == []  # not allocated: no load, and the step's bound is given back
     assert h._sync_bytes == {}
     assert h.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, False)
+
+
+def test_a_hit_whose_prompt_needs_the_slots_it_reads_is_loaded_asynchronously():
+    """The step that loads a synchronous hit also stores the prompt's chunks past it, while
+    the load still pins the chunks it reads: with no other slot to take, those stores would be
+    skipped. An asynchronous load has unpinned them by then, so it is used instead."""
+    h = on("cpu", host_bytes=2 * 128 * 1024)  # two slots: exactly the hit
+    stored_prompt(h)
+    longer = request("b", list(range(4 * CHUNK + 1)))  # two chunks past the hit to store
+    assert h.get_num_new_matched_tokens(longer, 0) == (2 * CHUNK, True)
+    h2 = on("cpu", host_bytes=5 * 128 * 1024)  # room for them (and a tail) beside the hit
+    stored_prompt(h2)
+    assert h2.get_num_new_matched_tokens(request("c", list(range(4 * CHUNK + 1))), 0) == (2 * CHUNK, False)

@@ -126,6 +126,7 @@ class SchedulerHalf:
                                   if config.sync_loads and device == "cpu" and not self._hybrid
                                   else 0)
         self._sync_bytes: dict[str, int] = {}  # this step's synchronous loads, by request
+        self._chunk_tokens = geometry.block_size * config.chunk_blocks
         self.events = self._open_events(vllm_config, kv_cache_config, hash_block)
         self._adapters = AdapterDigests()
         self._exporter = None
@@ -292,13 +293,22 @@ class SchedulerHalf:
         )
         if hit is None:
             return None, False
-        if hit > 0 and self._sync_block_bytes and self._sync_fits(request.request_id, hit):
+        if hit > 0 and self._sync_block_bytes and self._sync_fits(request, num_computed_tokens, hit):
             return hit, False
         return hit, hit > 0
 
-    def _sync_fits(self, req_id: str, hit: int) -> bool:
+    def _sync_fits(self, request: Any, num_computed_tokens: int, hit: int) -> bool:
         """Whether a hit of ``hit`` tokens is loaded synchronously: this step's synchronous
-        loads, with it, copy at most INLINE_LOAD_MAX_BYTES per rank before the forward."""
+        loads, with it, copy at most INLINE_LOAD_MAX_BYTES per rank before the forward, and
+        the host tier can take the prompt's chunks past the hit without evicting what the
+        hit reads (the same step stores them, while the load still pins its chunks; an
+        asynchronous load has unpinned them by then, so it is used instead)."""
+        req_id = request.request_id
+        host = self.planner.host
+        new_chunks = -(-(request.num_prompt_tokens - num_computed_tokens - hit) // self._chunk_tokens)
+        if host.num_slots - host.pinned_count < new_chunks:
+            self._sync_bytes.pop(req_id, None)
+            return False
         need = -(-hit // self.geometry.block_size) * self._sync_block_bytes
         others = sum(b for r, b in self._sync_bytes.items() if r != req_id)
         if others + need > INLINE_LOAD_MAX_BYTES:
