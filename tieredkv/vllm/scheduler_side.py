@@ -126,7 +126,6 @@ class SchedulerHalf:
                                   if config.sync_loads and device == "cpu" and not self._hybrid
                                   else 0)
         self._sync_bytes: dict[str, int] = {}  # this step's synchronous loads, by request
-        self._chunk_tokens = geometry.block_size * config.chunk_blocks
         self.events = self._open_events(vllm_config, kv_cache_config, hash_block)
         self._adapters = AdapterDigests()
         self._exporter = None
@@ -305,13 +304,10 @@ class SchedulerHalf:
         asynchronous load has unpinned them by then, so it is used instead)."""
         req_id = request.request_id
         host = self.planner.host
-        new_chunks = -(-(request.num_prompt_tokens - num_computed_tokens - hit) // self._chunk_tokens)
-        if host.num_slots - host.pinned_count < new_chunks:
-            self._sync_bytes.pop(req_id, None)
-            return False
+        new_chunks = -(-(request.num_prompt_tokens - num_computed_tokens - hit) // self.planner.chunk_tokens)
         need = -(-hit // self.geometry.block_size) * self._sync_block_bytes
         others = sum(b for r, b in self._sync_bytes.items() if r != req_id)
-        if others + need > INLINE_LOAD_MAX_BYTES:
+        if host.num_slots - host.pinned_count < new_chunks or others + need > INLINE_LOAD_MAX_BYTES:
             self._sync_bytes.pop(req_id, None)
             return False
         self._sync_bytes[req_id] = need

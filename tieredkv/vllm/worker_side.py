@@ -20,7 +20,6 @@ import functools
 import logging
 import os
 import sys
-import time
 import weakref
 from typing import Any, Protocol
 
@@ -39,23 +38,6 @@ from tieredkv.vllm.metadata import (
 )
 
 logger = logging.getLogger("tieredkv")
-
-
-def _huge_kv_cache(kv_caches: dict[str, torch.Tensor]) -> None:
-    """vLLM's CPU KV cache in transparent huge pages (see :mod:`tieredkv.transfer.huge_pages`):
-    it is already zeroed, so its pages are rebuilt now (``MADV_COLLAPSE``, once, at start-up)."""
-    from tieredkv.transfer.huge_pages import advise
-
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kv_caches.values()}
-    started = time.monotonic()
-    results = [advise(ptr, n, collapse=True) for ptr, n in storages.items()]
-    advised = sum(r.advised_bytes for r in results)
-    errors = sorted({e for r in results for e in (r.hugepage_error, r.collapse_error) if e})
-    logger.info(
-        "tieredkv: vLLM's KV cache (%d MiB): huge pages %s in %.0f ms%s", sum(storages.values()) >> 20,
-        f"asked for {advised >> 20} MiB" if advised else "not asked for (under 2 MiB)",
-        (time.monotonic() - started) * 1e3, f"; not all granted: {', '.join(errors)}" if errors else "",
-    )
 
 
 def _worker_rank() -> int:
@@ -78,8 +60,7 @@ class WorkerHalf:
         self.slab = None
         self._slab_lock = None
         self._vllm_copy_op = None
-        self._load_reqs: dict[int, str] = {}  # load job -> request
-        self._sync_loads: set[int] = set()  # of those, copied before the forward (HostChunks)
+        self._load_reqs: dict[int, tuple[str, bool]] = {}  # load job -> request, synchronous?
         self._store_reqs: dict[int, str] = {}  # store job -> request
         self._pending_stores: dict[str, set[int]] = {}
         self._delayed: set[str] = set()
@@ -122,7 +103,9 @@ class WorkerHalf:
         cpu = views.device.type == "cpu"
         huge = cpu and self.config.huge_pages
         if huge:
-            _huge_kv_cache(kv_caches)
+            from tieredkv.transfer.huge_pages import advise_kv_caches
+
+            advise_kv_caches(kv_caches.values())
         self.host = HostPool(host_slots, payload, huge_pages=huge)
         if disk_slots:
             from tieredkv.disk.format import rank_lock_name, slab_path
@@ -198,9 +181,7 @@ class WorkerHalf:
         jobs = [job for job in plan.jobs if job.move is not Move.STORE]  # stores: after the forward
         for job in jobs:
             if job.move is Move.LOAD:
-                self._load_reqs[job.job_id] = job.req_id
-                if job.src.sync:  # type: ignore[union-attr] - a load's source is HostChunks
-                    self._sync_loads.add(job.job_id)
+                self._load_reqs[job.job_id] = (job.req_id, job.src.sync)  # type: ignore[union-attr]
             if job.move.brings_up:
                 self._awaited.add(job.job_id)  # a request waits for these bytes
         if jobs:
@@ -257,13 +238,12 @@ class WorkerHalf:
         job_id = result.job_id
         self._awaited.discard(job_id)
         merge_results(self._results, [result])
-        load_req = self._load_reqs.pop(job_id, None)
-        if load_req is not None:
+        load = self._load_reqs.pop(job_id, None)
+        if load is not None:
             # A synchronous load's request is running, not waiting: vLLM takes no completion
             # for it, and a failure only as invalid blocks (it then drops the step's output
             # for that request and recomputes from the first failed block).
-            sync = job_id in self._sync_loads
-            self._sync_loads.discard(job_id)
+            load_req, sync = load
             if not result.ok and self._errors_by_request and not sync:
                 self._failed_recving.add(load_req)
             elif not result.ok:
