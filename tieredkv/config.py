@@ -317,8 +317,9 @@ class TieredKVConfig:
     # [0, 10]: a read must be predicted this much faster than recomputing (0.2: 20 %).
     cost_model_margin: float = 0.2
     # vLLM's CPU build: a host-tier hit of at most INLINE_LOAD_MAX_BYTES (tieredkv/vllm/
-    # metadata.py) per rank and step is copied right before the forward that uses it, in the
-    # same step; false, or a GPU: every load runs between steps (a step of its own).
+    # metadata.py) per rank and step (IDLE_SYNC_LOAD_MAX_BYTES when no other request runs)
+    # is copied right before the forward that uses it, in the same step; false, or a GPU:
+    # every load runs between steps (a step of its own).
     sync_loads: bool = True
     # vLLM's CPU build: transparent huge pages for the host tier and vLLM's KV cache
     # (tieredkv/transfer/huge_pages.py); false: memory stays as allocated.

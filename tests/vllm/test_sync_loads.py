@@ -89,6 +89,34 @@ def test_a_steps_synchronous_loads_stay_within_the_byte_bound(monkeypatch):
     assert h.get_num_new_matched_tokens(d, 0) == (2 * CHUNK, False)  # a new step, a new bound
 
 
+def test_with_no_other_request_running_a_bigger_hit_is_still_synchronous(monkeypatch):
+    """When the last step scheduled no other request (or those it did have finished), the
+    copy delays no one's forward, so the larger IDLE_SYNC_LOAD_MAX_BYTES bound applies; while
+    another request runs, the per-step bound does."""
+    h = on("cpu")
+    a = stored_prompt(h)  # "a" was scheduled in that step and has not finished: it runs
+    block_bytes = h._sync_block_bytes
+    monkeypatch.setattr("tieredkv.vllm.scheduler_side.INLINE_LOAD_MAX_BYTES", 3 * block_bytes)
+    monkeypatch.setattr("tieredkv.vllm.scheduler_side.IDLE_SYNC_LOAD_MAX_BYTES", 6 * block_bytes)
+    b = request("b", list(range(2 * CHUNK + 1)))  # 4 blocks: over 3, under 6
+    assert h.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, True)  # "a" runs: async
+    h.request_finished(a)
+    assert h.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, False)  # nobody else: sync
+    c = request("c", list(range(2 * CHUNK + 2)))  # 4 more: 8 > 6 in the same step
+    assert h.get_num_new_matched_tokens(c, 0) == (2 * CHUNK, True)
+    alloc(h, b, 2 * CHUNK)
+    alloc(h, c, 2 * CHUNK)
+    plan = step(h, [])
+    assert {job.req_id: job.src.sync for job in plan.of(Move.LOAD)} == {"b": True, "c": False}
+    ok_all(h, plan, Move.LOAD)
+    d = request("d", list(range(2 * CHUNK + 3)))
+    step(h, [d])  # "d" is scheduled and keeps running
+    e = request("e", list(range(2 * CHUNK + 4)))
+    assert h.get_num_new_matched_tokens(e, 0) == (2 * CHUNK, True)
+    step(h, [])  # a step that schedules no one: nothing runs any more
+    assert h.get_num_new_matched_tokens(e, 0) == (2 * CHUNK, False)
+
+
 def test_a_synchronous_answer_without_an_allocation_leaves_no_synchronous_load_behind():
     """vLLM may answer a lookup and then not schedule the request (no blocks, no budget):
     the next step asks again and decides again; nothing of the first answer is kept."""

@@ -25,6 +25,12 @@ IDLE_WAIT_S = 0.005
 # that computes nothing, any load is copied inline: nobody else is waiting.
 INLINE_LOAD_MAX_BYTES = 32 * 1024 * 1024
 
+# A synchronous load when no other request is running (the last step scheduled none but it):
+# nobody's forward waits on the copy, and an asynchronous load would cost the same copy plus
+# an engine step, so the bound is larger; it still keeps one step's copy to ~25-50 ms at host
+# memory speed, so a request arriving meanwhile is not held up for long.
+IDLE_SYNC_LOAD_MAX_BYTES = 256 * 1024 * 1024
+
 
 @dataclass
 class TieredKVMetadata(KVConnectorMetadata):

@@ -18,6 +18,7 @@ from tieredkv.protocol import Move, StepPlan
 from tieredkv.scheduler.planner import Planner
 from tieredkv.vllm.geometry import AdapterDigests, engine_geometry
 from tieredkv.vllm.metadata import (
+    IDLE_SYNC_LOAD_MAX_BYTES,
     IDLE_WAIT_S,
     INLINE_LOAD_MAX_BYTES,
     TieredKVMetadata,
@@ -126,6 +127,9 @@ class SchedulerHalf:
                                   if config.sync_loads and device == "cpu" and not self._hybrid
                                   else 0)
         self._sync_bytes: dict[str, int] = {}  # this step's synchronous loads, by request
+        # Requests the last step scheduled and that have not finished since: none, and a
+        # synchronous load delays nobody's forward (IDLE_SYNC_LOAD_MAX_BYTES applies).
+        self._running: set[str] = set()
         self.events = self._open_events(vllm_config, kv_cache_config, hash_block)
         self._adapters = AdapterDigests()
         self._exporter = None
@@ -137,7 +141,8 @@ class SchedulerHalf:
             "(%d bytes per rank), world size %d, loads %s",
             host_slots, disk_slots, geometry.block_size * config.chunk_blocks,
             geometry.chunk_payload_bytes, geometry.world_size,
-            f"synchronous up to {INLINE_LOAD_MAX_BYTES >> 20} MiB per step"
+            f"synchronous up to {INLINE_LOAD_MAX_BYTES >> 20} MiB per step "
+            f"({IDLE_SYNC_LOAD_MAX_BYTES >> 20} MiB when no other request runs)"
             if self._sync_block_bytes else "asynchronous",
         )
 
@@ -298,16 +303,18 @@ class SchedulerHalf:
 
     def _sync_fits(self, request: Any, num_computed_tokens: int, hit: int) -> bool:
         """Whether a hit of ``hit`` tokens is loaded synchronously: this step's synchronous
-        loads, with it, copy at most INLINE_LOAD_MAX_BYTES per rank before the forward, and
-        the host tier can take the prompt's chunks past the hit without evicting what the
-        hit reads (the same step stores them, while the load still pins its chunks; an
-        asynchronous load has unpinned them by then, so it is used instead)."""
+        loads, with it, copy at most INLINE_LOAD_MAX_BYTES per rank before the forward
+        (IDLE_SYNC_LOAD_MAX_BYTES when no other request is running: no one's forward waits
+        on the copy), and the host tier can take the prompt's chunks past the hit without
+        evicting what the hit reads (the same step stores them, while the load still pins
+        its chunks; an asynchronous load has unpinned them by then, so it is used instead)."""
         req_id = request.request_id
         host = self.planner.host
         new_chunks = -(-(request.num_prompt_tokens - num_computed_tokens - hit) // self.planner.chunk_tokens)
         need = -(-hit // self.geometry.block_size) * self._sync_block_bytes
         others = sum(b for r, b in self._sync_bytes.items() if r != req_id)
-        if host.num_slots - host.pinned_count < new_chunks or others + need > INLINE_LOAD_MAX_BYTES:
+        bound = INLINE_LOAD_MAX_BYTES if self._running - {req_id} else IDLE_SYNC_LOAD_MAX_BYTES
+        if host.num_slots - host.pinned_count < new_chunks or others + need > bound:
             self._sync_bytes.pop(req_id, None)
             return False
         self._sync_bytes[req_id] = need
@@ -357,6 +364,7 @@ class SchedulerHalf:
                                 computed_tokens=request.num_computed_tokens)
         plan = planner.take_plan()
         self._sync_bytes.clear()
+        self._running = set(scheduler_output.num_scheduled_tokens)
         if self.events is not None:
             self._record_events(plan)
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
@@ -387,6 +395,7 @@ class SchedulerHalf:
             self._finished_requests[req_id] = request  # its last stores are planned next step
         self._requests.pop(req_id, None)
         self._keys.pop(req_id, None)
+        self._running.discard(req_id)
         return self.planner.finished(req_id)
 
     def reset_cache(self) -> bool:
