@@ -249,7 +249,10 @@ def parent_main(args) -> int:
     reps = args.repeats or prof["hit_repeats"]
     common.preload_tcmalloc()  # as vLLM's CPU docs ask; every row alike
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "0"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Each engine's KV cache is its spec's kv_cache_memory_bytes (4 prompts' KV, at least
+    # 256 MiB); vLLM's CPU build lets this legacy variable override it (1 GiB per engine at
+    # least), which with a dozen engines alive took nearly all of a 23 GiB machine's RAM.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     late = [c for c in ("tieredkv_disk_restart", "tieredkv_remote", SLOW_REMOTE_CONFIG) if c in specs]
     progress = common.Progress(runner.progress_steps(specs, reps, late), "raw disk read bandwidth")
     t_start = time.monotonic()
