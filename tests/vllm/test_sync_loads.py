@@ -45,6 +45,16 @@ def loads(h) -> list:
     return step(h, []).of(Move.LOAD)
 
 
+def load_modes(h, *reqs) -> dict[str, bool]:
+    """Allocate each request its two-chunk hit, plan the step and finish its loads: whether
+    each request's load was planned synchronous."""
+    for req in reqs:
+        alloc(h, req, 2 * CHUNK)
+    plan = step(h, [])
+    ok_all(h, plan, Move.LOAD)
+    return {job.req_id: job.src.sync for job in plan.of(Move.LOAD)}
+
+
 def test_on_cpu_a_host_hit_is_answered_synchronous_and_its_load_is_marked_so():
     h = on("cpu")
     stored_prompt(h)
@@ -80,11 +90,7 @@ def test_a_steps_synchronous_loads_stay_within_the_byte_bound(monkeypatch):
     assert h.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, False)
     assert h.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, False)  # asked again: 4, not 8
     assert h.get_num_new_matched_tokens(c, 0) == (2 * CHUNK, True)
-    alloc(h, b, 2 * CHUNK)
-    alloc(h, c, 2 * CHUNK)
-    plan = step(h, [])
-    assert {job.req_id: job.src.sync for job in plan.of(Move.LOAD)} == {"b": True, "c": False}
-    ok_all(h, plan, Move.LOAD)
+    assert load_modes(h, b, c) == {"b": True, "c": False}
     d = request("d", list(range(2 * CHUNK + 3)))
     assert h.get_num_new_matched_tokens(d, 0) == (2 * CHUNK, False)  # a new step, a new bound
 
@@ -104,11 +110,7 @@ def test_with_no_other_request_running_a_bigger_hit_is_still_synchronous(monkeyp
     assert h.get_num_new_matched_tokens(b, 0) == (2 * CHUNK, False)  # nobody else: sync
     c = request("c", list(range(2 * CHUNK + 2)))  # 4 more: 8 > 6 in the same step
     assert h.get_num_new_matched_tokens(c, 0) == (2 * CHUNK, True)
-    alloc(h, b, 2 * CHUNK)
-    alloc(h, c, 2 * CHUNK)
-    plan = step(h, [])
-    assert {job.req_id: job.src.sync for job in plan.of(Move.LOAD)} == {"b": True, "c": False}
-    ok_all(h, plan, Move.LOAD)
+    assert load_modes(h, b, c) == {"b": True, "c": False}
     d = request("d", list(range(2 * CHUNK + 3)))
     step(h, [d])  # "d" is scheduled and keeps running
     e = request("e", list(range(2 * CHUNK + 4)))
