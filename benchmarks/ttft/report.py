@@ -25,6 +25,7 @@ from benchmarks.ttft.targets import (
     SUB_ROWS,
     lmcache_floor_text,
     print_lines,
+    raw_disk_line,
     raw_get_markdown,
     slow_row_hit,
     slow_rows_text,
@@ -166,10 +167,7 @@ def table_markdown(payload: dict[str, Any]) -> str:
         "",
         "\n".join(lines),
         "",
-        f"Raw disk read bandwidth ({disk['mode']}, sequential, {disk['io_bytes'] // MiB} MiB I/Os, "
-        f"{disk['bytes'] / MiB:.0f} MiB file on the disk tier's filesystem): "
-        f"**{disk['gb_per_s']:.2f} GB/s** (median of {len(disk['seconds'])}); "
-        f"KV / bandwidth = {fmt_ms(p['kv_bytes'] / disk['gb_per_s'] / 1e9)} ms.",
+        raw_disk_line(disk, p["kv_bytes"]),
         f"Recompute for scale: {fmt_ms(rows['recompute']['median_s'])} ms. "
         + (f"First request after the restart: {fmt_ms(restart)} ms. " if restart else "")
         + f"Cold (storing) runs: {cold_text}.",

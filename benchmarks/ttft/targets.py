@@ -355,3 +355,22 @@ def raw_get_markdown(raw: dict[str, Any] | None, kv_bytes: int, floor_s: float) 
         f"{read_s * 1e3:.1f} ms at that rate: a hit that did nothing but read it so would be "
         f"{ratio:.2f} x the floor ({fmt_ms(floor_s)} ms), against the {REMOTE_TARGET:g} x target."
     )
+
+
+def raw_disk_line(disk: dict[str, Any], kv_bytes: int) -> str:
+    """The raw disk read the disk targets are built on, and how it was read."""
+    how = (f"{disk['io_bytes'] // MiB} MiB I/Os, {disk['depth']} in flight (the disk tier's I/O "
+           f"threads), each into its own part of a {disk['bytes'] / MiB:.0f} MiB destination in "
+           "huge pages, as a hit reads into host slots" if "depth" in disk else
+           f"sequential, {disk['io_bytes'] // MiB} MiB I/Os into one reused buffer")
+    line = (f"Raw disk read bandwidth ({disk['mode']}, {how}; {disk['bytes'] / MiB:.0f} MiB file "
+            f"on the disk tier's filesystem): **{disk['gb_per_s']:.2f} GB/s** (median of "
+            f"{len(disk['seconds'])}); KV / bandwidth = {fmt_ms(kv_bytes / disk['gb_per_s'] / 1e9)} ms.")
+    one = disk.get("one_buffer")
+    if one:
+        line += (f" The same file read into one reused {disk['io_bytes'] // MiB} MiB buffer, one "
+                 f"I/O at a time (this baseline before 2026-11-28), alternating with it: "
+                 f"{one['gb_per_s']:.2f} GB/s (median); no hit reads that way (its KV lands in "
+                 "as many distinct bytes, which the CPU's cache does not absorb), so it is "
+                 "information only.")
+    return line

@@ -334,3 +334,41 @@ def test_every_measured_round_starts_warm_with_a_prompt_that_stores_and_hits_not
             assert [p for p in phases[1:] if p.get("prompt") == "touch"] == []
         else:
             assert phases == [], config
+
+
+def test_the_raw_disk_read_lands_in_distinct_memory_at_the_disk_tiers_depth(tmp_path, monkeypatch):
+    """The disk targets' raw bandwidth reads the file as a hit does: each chunk-sized I/O into
+    its own part of a destination as big as the file, the disk tier's I/O threads in flight;
+    the old way (one reused buffer, one I/O at a time) is kept beside it as information."""
+    import ctypes
+    import threading
+
+    from benchmarks.ttft import runner
+    from tieredkv.config import TieredKVConfig
+
+    seen: list[tuple[str, int, int]] = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        view = memoryview(buffers[0])
+        seen.append((threading.current_thread().name, ctypes.addressof(ctypes.c_char.from_buffer(view)), offset))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(runner.os, "preadv", preadv)
+    io = 64 << 10
+    raw = runner.raw_read_bandwidth(tmp_path, 5 * io - 100, io, repeats=3)
+    assert raw["bytes"] == 5 * io and raw["io_bytes"] == io  # whole I/Os
+    assert raw["depth"] == TieredKVConfig.io_threads
+    assert len(raw["seconds"]) == 3 and raw["gb_per_s"] == pytest.approx(raw["bytes"] / raw["median_s"] / 1e9)
+    assert raw["one_buffer"]["gb_per_s"] > 0 and len(raw["one_buffer"]["seconds"]) == 3
+    as_a_hit = [(addr, off) for name, addr, off in seen if name.startswith("raw-read")]
+    one_buffer = [(addr, off) for name, addr, off in seen if not name.startswith("raw-read")]
+    # Every pass over the file as a hit: one I/O per offset, each to its own address.
+    assert len({addr for addr, _ in as_a_hit}) == 5
+    assert sorted({off for _, off in as_a_hit}) == [i * io for i in range(5)]
+    assert len({addr - off for addr, off in as_a_hit}) == 1  # offset k lands k bytes in
+    # The information-only way: the whole file through one buffer (and the O_DIRECT probe).
+    assert len({addr for addr, _ in one_buffer}) == 1 and 3 * 5 <= len(one_buffer) <= 3 * 5 + 1
+    assert not list(tmp_path.iterdir())  # the probe file is gone
+    line = targets.raw_disk_line(raw, 4 * io)
+    assert f"{raw['depth']} in flight" in line and f"{raw['one_buffer']['gb_per_s']:.2f} GB/s" in line
