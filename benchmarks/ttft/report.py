@@ -25,6 +25,7 @@ from benchmarks.ttft.targets import (
     SUB_ROWS,
     lmcache_floor_text,
     print_lines,
+    raw_copy_line,
     raw_disk_line,
     raw_get_markdown,
     slow_row_hit,
@@ -167,7 +168,7 @@ def table_markdown(payload: dict[str, Any]) -> str:
         "",
         "\n".join(lines),
         "",
-        raw_disk_line(disk, p["kv_bytes"]),
+        raw_disk_line(disk, p["kv_bytes"]) + raw_copy_line(disk.get("copy"), p["kv_bytes"], floor),
         f"Recompute for scale: {fmt_ms(rows['recompute']['median_s'])} ms. "
         + (f"First request after the restart: {fmt_ms(restart)} ms. " if restart else "")
         + f"Cold (storing) runs: {cold_text}.",

@@ -122,6 +122,31 @@ def raw_read_bandwidth(directory: Path, nbytes: int, io_bytes: int, depth: int |
     }
 
 
+def raw_copy_bandwidth(nbytes: int, repeats: int = 5, scrub_bytes: int = 256 << 20) -> dict[str, Any]:
+    """A plain contiguous ``copy_`` of ``nbytes`` between two torch tensors in huge pages
+    (torch's own threads, as many as vLLM's forward uses), each time after ``scrub_bytes`` of
+    other memory were written, since a hit's host slots were written long before it and are
+    cold in the CPU's cache: what a host hit's copy of its KV could take on this machine, a
+    reference for the host target as plain redis-py is for the remote one."""
+    import torch
+
+    from tieredkv.transfer.huge_pages import advise  # imported here: see raw_read_bandwidth
+
+    src, dst, scrub = (torch.empty(n, dtype=torch.uint8) for n in (nbytes, nbytes, scrub_bytes))
+    for tensor in (src, dst, scrub):
+        advise(tensor.data_ptr(), tensor.numel(), collapse=False)
+        tensor.fill_(1)  # faulted in before anything is timed
+    samples = []
+    for _ in range(repeats):
+        scrub.fill_(2)
+        start = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - start)
+    median = statistics.median(samples)
+    return {"bytes": nbytes, "threads": torch.get_num_threads(), "scrub_bytes": scrub_bytes,
+            "seconds": samples, "median_s": median, "gb_per_s": nbytes / median / 1e9}
+
+
 class Engine:
     """A child process running one configuration's engine, driven phase list by phase list."""
 
@@ -361,6 +386,7 @@ def measure(specs: dict[str, dict[str, Any]], env: dict[str, str], progress, *, 
     results: dict[str, Any] = {}
     try:
         disk = raw_read_bandwidth(work / "tieredkv_disk", kv_bytes, CHUNK_TOKENS * kv_per_token)
+        disk["copy"] = raw_copy_bandwidth(kv_bytes)  # the host target's reference, kept with it
         progress.advance(1, f"raw disk {disk['gb_per_s']:.2f} GB/s")
         # All engines but the restarted one and remote replica B start together and stay
         # up, so the measured hits of every configuration can be interleaved in time: on a

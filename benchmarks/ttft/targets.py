@@ -374,3 +374,18 @@ def raw_disk_line(disk: dict[str, Any], kv_bytes: int) -> str:
                  "as many distinct bytes, which the CPU's cache does not absorb), so it is "
                  "information only.")
     return line
+
+
+def raw_copy_line(copy: dict[str, Any] | None, kv_bytes: int, floor_s: float) -> str:
+    """What a plain copy of a hit's KV takes on this machine: a reference for the host target."""
+    if not copy or not copy.get("gb_per_s") or not kv_bytes or not floor_s:
+        return ""
+    copy_s = kv_bytes / (copy["gb_per_s"] * 1e9)
+    return (
+        f"\n\n**Plain copy for reference.** One contiguous torch `copy_` of a hit's KV "
+        f"({kv_bytes / MiB:.1f} MiB) between two tensors in huge pages, {copy['threads']} "
+        f"thread(s) (torch's, as vLLM's forward uses), caches scrubbed by writing "
+        f"{copy['scrub_bytes'] // MiB} MiB first (a hit's host slots are cold), median of "
+        f"{len(copy['seconds'])}: **{copy['gb_per_s']:.2f} GB/s**, {copy_s * 1e3:.1f} ms: a host "
+        f"hit that did nothing but copy its KV so would be {(floor_s + copy_s) / floor_s:.2f} x "
+        f"the floor ({fmt_ms(floor_s)} ms), against the {HOST_TARGET:g} x target.\n")

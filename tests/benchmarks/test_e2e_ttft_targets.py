@@ -372,3 +372,21 @@ def test_the_raw_disk_read_lands_in_distinct_memory_at_the_disk_tiers_depth(tmp_
     assert not list(tmp_path.iterdir())  # the probe file is gone
     line = targets.raw_disk_line(raw, 4 * io)
     assert f"{raw['depth']} in flight" in line and f"{raw['one_buffer']['gb_per_s']:.2f} GB/s" in line
+
+
+def test_the_plain_copy_reference_times_a_cold_contiguous_copy_and_states_its_floor_ratio():
+    """The host target's reference: a contiguous copy of the hit's bytes at torch's threads,
+    caches scrubbed first; the line turns it into 'a hit that only copied' over the floor,
+    and says nothing for a kept run from before it (no figure)."""
+    import torch
+
+    from benchmarks.ttft import runner
+
+    raw = runner.raw_copy_bandwidth(8 << 20, repeats=3, scrub_bytes=16 << 20)
+    assert raw["bytes"] == 8 << 20 and raw["threads"] == torch.get_num_threads()
+    assert len(raw["seconds"]) == 3 and raw["gb_per_s"] == pytest.approx(raw["bytes"] / raw["median_s"] / 1e9)
+    copy = {**raw, "gb_per_s": 2.0}  # 2 GB/s: 1e9 bytes take 0.5 s
+    line = targets.raw_copy_line(copy, 10**9, 0.25)
+    assert "**2.00 GB/s**" in line and "500.0 ms" in line and "3.00 x the floor (250.0 ms)" in line
+    assert f"against the {workload.HOST_TARGET:g} x target" in line
+    assert targets.raw_copy_line(None, 10**9, 0.25) == ""
